@@ -1,0 +1,62 @@
+// Model and sparse-attention configuration with MiniMax-M3 defaults (spec.md section 1).
+// Every number is a validated field; nothing downstream hard-codes an M3 constant.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace m3msa {
+
+// What one sparse layer's kernels need, with head counts *local to one rank*.
+struct SparseConfig {
+  int q_heads = 64;       // query heads on this rank
+  int kv_heads = 4;       // KV heads on this rank (== index heads that select for them)
+  int head_dim = 128;
+  int index_heads = 4;    // index heads scored on this rank
+  int index_dim = 128;
+  int block_size = 128;   // tokens per sparse block == tokens per cache page
+  int topk = 16;          // blocks selected per (row, kv head)
+  int init_blocks = 0;    // forced leading blocks
+  int local_blocks = 1;   // forced trailing blocks (the own block for 1)
+  int rope_dim = 64;      // NeoX RoPE on dims [0, rope_dim) of every head
+  double rope_theta = 5e6;
+  float rms_eps = 1e-6f;
+
+  int group_size() const { return q_heads / kv_heads; }  // query heads per KV head
+  float softmax_scale() const;                           // 1 / sqrt(head_dim)
+  // Width of one token's fused projection output [q | k | v | index_q | index_k].
+  int64_t qkv_width() const;
+
+  // Throws Error(kInvalidArgument) naming the field and value, or kUnsupported for valid but
+  // unimplemented values.
+  void validate() const;
+  std::string to_string() const;
+};
+
+// The whole model (the runtime and the demo use it; kernels take SparseConfig).
+struct ModelConfig {
+  int hidden = 6144;
+  int num_layers = 60;
+  int first_sparse_layer = 3;  // layers [0, first_sparse_layer) are dense
+  int q_heads = 64;            // global counts
+  int kv_heads = 4;
+  int head_dim = 128;
+  int index_heads = 4;
+  int index_dim = 128;
+  int block_size = 128;
+  int topk = 16;
+  int init_blocks = 0;
+  int local_blocks = 1;
+  int rope_dim = 64;
+  double rope_theta = 5e6;
+  float rms_eps = 1e-6f;
+  int intermediate = 0;  // dense MLP width for the demo's FFN stand-in (0: none)
+
+  int num_sparse_layers() const { return num_layers - first_sparse_layer; }
+  void validate() const;
+  // Per-rank sparse configuration under tensor parallelism of `tp_size` ranks: q heads split,
+  // KV and index heads split (replicated when tp_size > kv_heads).
+  SparseConfig sparse(int tp_size = 1) const;
+};
+
+}  // namespace m3msa

@@ -1,0 +1,50 @@
+// The argument structs of the public operations, shared by every backend. Shapes use the
+// per-rank SparseConfig: H = index_heads = kv_heads, D = index_dim, QH = q_heads, HD = head_dim,
+// k = topk, rows = batch.num_rows().
+#pragma once
+
+#include "m3msa/batch.h"
+#include "m3msa/cache.h"
+#include "m3msa/config.h"
+#include "m3msa/tensor.h"
+
+namespace m3msa {
+
+// Per-token preprocessing: head norms, partial NeoX RoPE, cache insert (spec.md section 2).
+struct PreprocessArgs {
+  TensorView qkv;           // [rows, qkv_width] bf16: [q | k | v | index_q | index_k]
+  TensorView q_norm;        // [HD] bf16 Gemma RMSNorm weights (y = x * rms * (1 + w))
+  TensorView k_norm;        // [HD] bf16
+  TensorView index_q_norm;  // [D] bf16
+  TensorView index_k_norm;  // [D] bf16
+  TensorView positions;     // [rows] i64, position of each token (<0: padding, nothing written)
+  BatchMeta batch;          // slot_mapping and index_slot_mapping are used
+  KVCache kv_cache;         // written: k and v at slot_mapping
+  IndexCache index_cache;   // written: index_k at index_slot_mapping
+  TensorView q_out;         // [rows, QH, HD] bf16, normed + roped q
+  TensorView index_q_out;   // [rows, H, D] bf16, normed + roped index_q
+};
+
+// Index scoring + exact top-k block selection (spec.md section 4).
+struct IndexerArgs {
+  TensorView index_q;      // [rows, H, D] bf16
+  IndexCache index_cache;  // read through batch.index_block_table
+  BatchMeta batch;
+  TensorView topk_idx;     // [rows, H, k] i32 out: logical block ids, descending key, -1 padded
+};
+
+// Block-sparse GQA attention over the selected blocks (spec.md section 5).
+struct AttentionArgs {
+  TensorView q;         // [rows, QH, HD] bf16
+  KVCache kv_cache;     // read through batch.kv_block_table
+  BatchMeta batch;
+  TensorView topk_idx;  // [rows, kv_heads, k] i32; not given (ndim 0) = dense causal attention
+  TensorView out;       // [rows, QH, HD] bf16 out
+};
+
+// Host-side shape / dtype / device validation shared by all backends; throws naming the argument.
+void validate(const SparseConfig& config, const PreprocessArgs& args, Device device);
+void validate(const SparseConfig& config, const IndexerArgs& args, Device device);
+void validate(const SparseConfig& config, const AttentionArgs& args, Device device);
+
+}  // namespace m3msa

@@ -1,0 +1,86 @@
+#include "m3msa/config.h"
+
+#include <cmath>
+#include <sstream>
+
+#include "m3msa/error.h"
+#include "m3msa/sort_key.h"
+
+namespace m3msa {
+
+float SparseConfig::softmax_scale() const {
+  return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+}
+
+int64_t SparseConfig::qkv_width() const {
+  return int64_t{q_heads} * head_dim + 2 * int64_t{kv_heads} * head_dim +
+         int64_t{index_heads} * index_dim + index_dim;
+}
+
+void SparseConfig::validate() const {
+  M3MSA_CHECK_ARG(q_heads > 0, "config.q_heads must be > 0, got ", q_heads);
+  M3MSA_CHECK_ARG(kv_heads > 0, "config.kv_heads must be > 0, got ", kv_heads);
+  M3MSA_CHECK_ARG(q_heads % kv_heads == 0, "config.q_heads (", q_heads,
+                  ") must be a multiple of config.kv_heads (", kv_heads, ")");
+  M3MSA_CHECK_ARG(index_heads == kv_heads, "config.index_heads (", index_heads,
+                  ") must equal config.kv_heads (", kv_heads,
+                  "): index head h selects for KV head h");
+  M3MSA_CHECK_ARG(head_dim > 0 && head_dim % 8 == 0,
+                  "config.head_dim must be a positive multiple of 8, got ", head_dim);
+  M3MSA_CHECK_ARG(index_dim > 0 && index_dim % 8 == 0,
+                  "config.index_dim must be a positive multiple of 8, got ", index_dim);
+  M3MSA_CHECK_ARG(block_size > 0, "config.block_size must be > 0, got ", block_size);
+  M3MSA_CHECK_ARG(topk > 0 && topk <= 1024, "config.topk must be in [1, 1024], got ", topk);
+  M3MSA_CHECK_ARG(init_blocks >= 0, "config.init_blocks must be >= 0, got ", init_blocks);
+  M3MSA_CHECK_ARG(local_blocks >= 0, "config.local_blocks must be >= 0, got ", local_blocks);
+  M3MSA_CHECK_ARG(init_blocks + local_blocks <= topk, "config.init_blocks + config.local_blocks (",
+                  init_blocks + local_blocks, ") must be <= config.topk (", topk, ")");
+  M3MSA_CHECK_ARG(rope_dim >= 0 && rope_dim % 2 == 0 && rope_dim <= head_dim &&
+                      rope_dim <= index_dim,
+                  "config.rope_dim must be even and <= head_dim and index_dim, got ", rope_dim);
+  M3MSA_CHECK_ARG(rope_theta > 0, "config.rope_theta must be > 0, got ", rope_theta);
+  M3MSA_CHECK_ARG(rms_eps > 0, "config.rms_eps must be > 0, got ", rms_eps);
+}
+
+std::string SparseConfig::to_string() const {
+  std::ostringstream out;
+  out << "q_heads=" << q_heads << " kv_heads=" << kv_heads << " head_dim=" << head_dim
+      << " index_heads=" << index_heads << " index_dim=" << index_dim
+      << " block_size=" << block_size << " topk=" << topk << " init_blocks=" << init_blocks
+      << " local_blocks=" << local_blocks << " rope_dim=" << rope_dim
+      << " rope_theta=" << rope_theta;
+  return out.str();
+}
+
+void ModelConfig::validate() const {
+  M3MSA_CHECK_ARG(hidden > 0, "model.hidden must be > 0, got ", hidden);
+  M3MSA_CHECK_ARG(num_layers > 0, "model.num_layers must be > 0, got ", num_layers);
+  M3MSA_CHECK_ARG(first_sparse_layer >= 0 && first_sparse_layer < num_layers,
+                  "model.first_sparse_layer must be in [0, num_layers), got ", first_sparse_layer);
+  M3MSA_CHECK_ARG(intermediate >= 0, "model.intermediate must be >= 0, got ", intermediate);
+  sparse(1).validate();
+}
+
+SparseConfig ModelConfig::sparse(int tp_size) const {
+  M3MSA_CHECK_ARG(tp_size > 0, "tp_size must be > 0, got ", tp_size);
+  M3MSA_CHECK_ARG(q_heads % tp_size == 0, "tp_size (", tp_size, ") must divide q_heads (",
+                  q_heads, ")");
+  M3MSA_CHECK_ARG(kv_heads % tp_size == 0 || tp_size % kv_heads == 0, "tp_size (", tp_size,
+                  ") must divide kv_heads (", kv_heads, ") or be a multiple of it");
+  SparseConfig s;
+  s.q_heads = q_heads / tp_size;
+  s.kv_heads = tp_size <= kv_heads ? kv_heads / tp_size : 1;
+  s.head_dim = head_dim;
+  s.index_heads = tp_size <= index_heads ? index_heads / tp_size : 1;
+  s.index_dim = index_dim;
+  s.block_size = block_size;
+  s.topk = topk;
+  s.init_blocks = init_blocks;
+  s.local_blocks = local_blocks;
+  s.rope_dim = rope_dim;
+  s.rope_theta = rope_theta;
+  s.rms_eps = rms_eps;
+  return s;
+}
+
+}  // namespace m3msa

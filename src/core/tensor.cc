@@ -1,0 +1,194 @@
+#include "m3msa/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "m3msa/error.h"
+
+namespace m3msa {
+
+std::size_t dtype_size(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return 4;
+    case DType::kBF16: return 2;
+    case DType::kFP8E4M3: return 1;
+    case DType::kI32: return 4;
+    case DType::kI64: return 8;
+    case DType::kU64: return 8;
+    case DType::kU8: return 1;
+  }
+  M3MSA_THROW(ErrorCode::kInvalidArgument, "dtype: unknown value ", static_cast<int>(dtype));
+}
+
+const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "f32";
+    case DType::kBF16: return "bf16";
+    case DType::kFP8E4M3: return "fp8_e4m3";
+    case DType::kI32: return "i32";
+    case DType::kI64: return "i64";
+    case DType::kU64: return "u64";
+    case DType::kU8: return "u8";
+  }
+  return "unknown";
+}
+
+DType parse_dtype(const std::string& text, const char* what) {
+  if (text == "f32" || text == "float32") return DType::kF32;
+  if (text == "bf16" || text == "bfloat16") return DType::kBF16;
+  if (text == "fp8" || text == "fp8_e4m3" || text == "float8_e4m3fn") return DType::kFP8E4M3;
+  if (text == "i32" || text == "int32") return DType::kI32;
+  if (text == "i64" || text == "int64") return DType::kI64;
+  if (text == "u64" || text == "uint64") return DType::kU64;
+  if (text == "u8" || text == "uint8") return DType::kU8;
+  M3MSA_THROW(ErrorCode::kInvalidArgument, what, ": unknown dtype '", text,
+              "' (expected f32, bf16, fp8, i32, i64, u64 or u8)");
+}
+
+std::string device_name(Device device) {
+  return device.type == DeviceType::kCPU ? std::string("cpu")
+                                         : "cuda:" + std::to_string(device.index);
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape,
+                                  Device device) {
+  return contiguous(data, dtype, std::vector<int64_t>(shape), device);
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int64_t>& shape,
+                                  Device device) {
+  M3MSA_CHECK_ARG(shape.size() <= static_cast<std::size_t>(kMaxDims), "tensor: ", shape.size(),
+                  " dimensions, at most ", kMaxDims, " supported");
+  TensorView view;
+  view.data = data;
+  view.dtype = dtype;
+  view.ndim = static_cast<int>(shape.size());
+  view.device = device;
+  int64_t stride = 1;
+  for (int d = view.ndim - 1; d >= 0; --d) {
+    M3MSA_CHECK_ARG(shape[d] >= 0, "tensor: negative extent ", shape[d], " in dimension ", d);
+    view.shape[d] = shape[d];
+    view.strides[d] = stride;
+    stride *= shape[d];
+  }
+  return view;
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int d = 0; d < ndim; ++d) n *= shape[d];
+  return ndim == 0 ? 0 : n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t stride = 1;
+  for (int d = ndim - 1; d >= 0; --d) {
+    if (shape[d] != 1 && strides[d] != stride) return false;
+    stride *= shape[d];
+  }
+  return true;
+}
+
+std::string shape_string(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << '[';
+  for (std::size_t i = 0; i < shape.size(); ++i) out << (i ? ", " : "") << shape[i];
+  out << ']';
+  return out.str();
+}
+
+std::string describe(const TensorView& view) {
+  return std::string(dtype_name(view.dtype)) + shape_string(view.sizes()) + " " +
+         device_name(view.device);
+}
+
+namespace {
+std::string expected_shape_string(std::initializer_list<int64_t> shape) {
+  std::ostringstream out;
+  out << '[';
+  int i = 0;
+  for (int64_t extent : shape) {
+    out << (i++ ? ", " : "");
+    if (extent < 0) {
+      out << '*';
+    } else {
+      out << extent;
+    }
+  }
+  out << ']';
+  return out.str();
+}
+
+void check_shape_and_layout(const TensorView& view, const char* name,
+                            std::initializer_list<int64_t> expected_shape) {
+  M3MSA_CHECK_ARG(view.data != nullptr || view.numel() == 0, name, ": null data pointer for ",
+                  describe(view));
+  bool shape_ok = view.ndim == static_cast<int>(expected_shape.size());
+  if (shape_ok) {
+    int d = 0;
+    for (int64_t extent : expected_shape) {
+      if (extent >= 0 && view.shape[d] != extent) shape_ok = false;
+      ++d;
+    }
+  }
+  M3MSA_CHECK_ARG(shape_ok, name, ": expected shape ", expected_shape_string(expected_shape),
+                  ", got ", shape_string(view.sizes()));
+  M3MSA_CHECK_ARG(view.is_contiguous(), name,
+                  ": expected a contiguous row-major tensor, got strides ",
+                  shape_string({view.strides.begin(), view.strides.begin() + view.ndim}),
+                  " for shape ", shape_string(view.sizes()));
+}
+}  // namespace
+
+void check_tensor(const TensorView& view, const char* name, DType dtype,
+                  std::initializer_list<int64_t> expected_shape) {
+  M3MSA_CHECK_ARG(view.dtype == dtype, name, ": expected dtype ", dtype_name(dtype), ", got ",
+                  dtype_name(view.dtype));
+  check_shape_and_layout(view, name, expected_shape);
+}
+
+void check_tensor(const TensorView& view, const char* name, std::initializer_list<DType> dtypes,
+                  std::initializer_list<int64_t> expected_shape) {
+  bool ok = false;
+  std::string allowed;
+  for (DType dtype : dtypes) {
+    ok = ok || view.dtype == dtype;
+    allowed += (allowed.empty() ? "" : " or ") + std::string(dtype_name(dtype));
+  }
+  M3MSA_CHECK_ARG(ok, name, ": expected dtype ", allowed, ", got ", dtype_name(view.dtype));
+  check_shape_and_layout(view, name, expected_shape);
+}
+
+void check_device(const TensorView& view, const char* name, Device device) {
+  M3MSA_CHECK_ARG(view.device == device, name, ": expected a tensor on ", device_name(device),
+                  ", got one on ", device_name(view.device));
+}
+
+HostTensor::HostTensor(DType dtype, std::vector<int64_t> shape)
+    : dtype_(dtype), shape_(std::move(shape)) {
+  for (int64_t extent : shape_) {
+    M3MSA_CHECK_ARG(extent >= 0, "HostTensor: negative extent in shape ", shape_string(shape_));
+  }
+  const std::size_t bytes = (nbytes() + 63) / 64 * 64;
+  void* raw = bytes ? std::aligned_alloc(64, bytes) : nullptr;
+  M3MSA_CHECK(bytes == 0 || raw != nullptr, ErrorCode::kInternal, "HostTensor: out of memory for ",
+              bytes, " bytes");
+  storage_ = std::shared_ptr<uint8_t>(static_cast<uint8_t*>(raw), [](uint8_t* p) { std::free(p); });
+}
+
+int64_t HostTensor::numel() const {
+  int64_t n = 1;
+  for (int64_t extent : shape_) n *= extent;
+  return n;
+}
+
+TensorView HostTensor::view() const {
+  return TensorView::contiguous(const_cast<void*>(data()), dtype_, shape_, Device::cpu());
+}
+
+void HostTensor::fill_bytes(uint8_t byte) {
+  if (nbytes()) std::memset(data(), byte, nbytes());
+}
+
+}  // namespace m3msa

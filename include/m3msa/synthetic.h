@@ -31,6 +31,8 @@ struct SyntheticSpec {
   float v_scale = 1.0f;
   int extra_pages = 3;               // unused pages in each cache (tables must not touch them)
   float query_scale = 1.0f;          // std-dev of the random queries
+  bool make_index_cache = true;      // skip a cache a test does not need (long contexts are big)
+  bool make_kv_cache = true;
   uint64_t seed = 1;
 };
 

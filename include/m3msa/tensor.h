@@ -88,7 +88,7 @@ class HostTensor {
     return static_cast<const T*>(data());
   }
   TensorView view() const;
-  bool empty() const { return storage_ == nullptr; }
+  bool empty() const { return shape_.empty(); }  // default-constructed (a [0] tensor is not empty)
   // Fill every byte with `byte` (poisoning outputs in tests).
   void fill_bytes(uint8_t byte);
 

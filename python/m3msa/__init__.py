@@ -1,0 +1,35 @@
+"""m3msa: MiniMax-M3 sparse attention (MSA) decode from Python.
+
+    import m3msa
+    cfg = m3msa.SparseConfig()                       # MiniMax-M3 defaults
+    idx = m3msa.select_topk(cfg, index_q, index_cache, batch)
+    out = m3msa.sparse_attention(cfg, q, kv_cache, batch, idx)
+
+Tensors are taken zero-copy through DLPack (torch tensors, NumPy arrays, ...) or the buffer
+protocol. NumPy has no bfloat16 / float8: pass their bits as uint16 / uint8 arrays tagged with
+m3msa.view(array, 'bf16' | 'fp8') (as_bf16() / as_fp8() convert floats, to_float32() decodes).
+Every failure raises m3msa.Error with .code 'invalid_argument', 'unsupported', 'timeout' or
+'internal' and a message naming the argument.
+"""
+
+__version__ = "0.1.0"
+
+from . import _m3msa
+from ._errors import Error
+
+_m3msa._set_error_type(Error)
+
+from ._api import (ModelConfig, SparseConfig, SyntheticCase, dense_attention, info, nominate,
+                   preprocess, score_blocks, select_topk, sparse_attention, synthetic_case)
+from ._batch import Batch
+from ._cp import CpSelector, cp_consumers, cp_merged_heads
+from ._dtypes import (TypedView, as_bf16, as_fp8, bf16_bits_to_float32, float32_to_bf16_bits,
+                      float32_to_fp8_bits, fp8_bits_to_float32, to_float32, view)
+
+__all__ = [
+    "Batch", "CpSelector", "Error", "ModelConfig", "SparseConfig", "SyntheticCase", "TypedView",
+    "as_bf16", "as_fp8", "bf16_bits_to_float32", "cp_consumers", "cp_merged_heads",
+    "dense_attention", "float32_to_bf16_bits", "float32_to_fp8_bits", "fp8_bits_to_float32",
+    "info", "nominate", "preprocess", "score_blocks", "select_topk", "sparse_attention",
+    "synthetic_case", "to_float32", "view",
+]

@@ -1,0 +1,249 @@
+"""The operations. Every tensor is taken zero-copy (DLPack or the buffer protocol) and must be
+contiguous; outputs are written in place when given (out=...) and allocated like the inputs
+otherwise (NumPy on the CPU, torch on the GPU). Every argument is validated before any work, and a
+bad one raises m3msa.Error naming it.
+
+Shapes use the per-rank SparseConfig: H = index_heads = kv_heads, D = index_dim, QH = q_heads,
+HD = head_dim, k = topk, rows = batch.num_rows.
+
+On CUDA tensors the work is ordered on the caller's stream: stream=None takes
+torch.cuda.current_stream() of the tensors' device (when torch is imported), or pass stream= as a
+torch.cuda.Stream or an integer cudaStream_t handle. No call synchronizes the device.
+"""
+
+import sys
+
+import numpy as np
+
+from . import _m3msa
+from ._batch import Batch
+from ._dtypes import TypedView, view
+from ._errors import invalid
+
+SparseConfig = _m3msa.SparseConfig
+ModelConfig = _m3msa.ModelConfig
+
+_DL_CPU, _DL_CUDA, _DL_CUDA_HOST, _DL_CUDA_MANAGED = 1, 2, 3, 13
+
+
+def _unwrap(tensor):
+    return tensor.array if isinstance(tensor, TypedView) else tensor
+
+
+def _dlpack_device(tensor):
+    """(DLPack device type, index) of a tensor; CPU for anything without __dlpack_device__."""
+    tensor = _unwrap(tensor)
+    probe = getattr(tensor, "__dlpack_device__", None)
+    if probe is None:
+        return _DL_CPU, 0
+    device_type, index = probe()
+    return int(device_type), int(index)
+
+
+def _resolve_stream(tensor, stream):
+    """The CUDA stream handle a call runs on, or None (legacy default stream / CPU)."""
+    if stream is not None:
+        return int(getattr(stream, "cuda_stream", stream))
+    device_type, index = _dlpack_device(tensor)
+    if device_type in (_DL_CUDA, _DL_CUDA_MANAGED):
+        torch = sys.modules.get("torch")
+        if torch is not None:
+            return int(torch.cuda.current_stream(index).cuda_stream)
+    return None
+
+
+_NUMPY_DTYPES = {"i32": np.int32, "f32": np.float32, "bf16": np.uint16, "u64": np.uint64}
+
+
+def _empty(like, shape, dtype, name):
+    """A new output of `shape` and m3msa `dtype` where `like` lives. On NumPy a bf16 output is
+    uint16 bits tagged m3msa.view(..., 'bf16'), ready to feed the next call (to_float32()
+    decodes it)."""
+    tensor = _unwrap(like)
+    if type(tensor).__module__.split(".")[0] == "torch":
+        import torch
+        torch_dtypes = {"i32": torch.int32, "f32": torch.float32, "bf16": torch.bfloat16,
+                        "u64": getattr(torch, "uint64", torch.int64)}
+        return torch.empty(shape, dtype=torch_dtypes[dtype], device=tensor.device)
+    if _dlpack_device(tensor)[0] in (_DL_CPU, _DL_CUDA_HOST):
+        array = np.empty(shape, dtype=_NUMPY_DTYPES[dtype])
+        return view(array, dtype) if dtype == "bf16" else array
+    raise invalid(f"{name}: cannot allocate an output next to a {type(tensor).__name__} on a "
+                  f"device; pass {name}=")
+
+
+def _typed(out, dtype):
+    """What the C++ side is handed for an output. An output's dtype is fixed by the operation, so
+    untagged bits arrays are accepted there: NumPy uint16 for bf16, torch int64 for uint64."""
+    if dtype == "bf16" and isinstance(out, np.ndarray) and out.dtype == np.uint16:
+        return view(out, dtype)
+    if dtype == "u64" and type(out).__module__.split(".")[0] == "torch":
+        return view(out, "u64")  # torch without uint64 hands back int64 storage
+    return out
+
+
+def _check_config(config):
+    if not isinstance(config, SparseConfig):
+        raise invalid(f"config: expected an m3msa.SparseConfig, got {type(config).__name__}")
+
+
+def _check_batch(batch):
+    if not isinstance(batch, Batch):
+        raise invalid(f"batch: expected an m3msa.Batch, got {type(batch).__name__}")
+
+
+def select_topk(config, index_q, index_cache, batch, out=None, *, threads=0, stream=None):
+    """Index scoring + exact top-k block selection (spec.md section 4).
+
+    index_q:      [rows, H, D] bf16
+    index_cache:  [pages, block_size, D] bf16 | fp8 e4m3, read through batch.index_block_table
+    out:          [rows, H, k] int32 (the topk_idx): logical block ids in descending key order
+                  (forced blocks first), then -1; dead rows all -1.
+    Returns out.
+    """
+    _check_config(config)
+    _check_batch(batch)
+    if out is None:
+        out = _empty(index_q, (batch.num_rows, config.index_heads, config.topk), "i32", "out")
+    _m3msa.select_topk(config, index_q, index_cache, batch, out, threads,
+                       _resolve_stream(index_q, stream))
+    return out
+
+
+def sparse_attention(config, q, kv_cache, batch, topk_idx, out=None, *, k_scale=1.0, v_scale=1.0,
+                     threads=0, stream=None):
+    """Block-sparse GQA attention over the selected blocks (spec.md section 5).
+
+    q:         [rows, QH, HD] bf16
+    kv_cache:  [pages, kv_heads, 2, block_size, HD] bf16 | fp8 e4m3 (read = stored * k/v_scale),
+               read through batch.kv_block_table
+    topk_idx:  [rows, kv_heads, k] int32 from select_topk; None attends densely (causal)
+    out:       [rows, QH, HD] bf16 (on NumPy: m3msa.view of uint16 bits, or a uint16 array).
+    Returns out.
+    """
+    _check_config(config)
+    _check_batch(batch)
+    if out is None:
+        out = _empty(q, (batch.num_rows, config.q_heads, config.head_dim), "bf16", "out")
+    _m3msa.sparse_attention(config, q, kv_cache, float(k_scale), float(v_scale), batch, topk_idx,
+                            _typed(out, "bf16"), threads, _resolve_stream(q, stream))
+    return out
+
+
+def dense_attention(config, q, kv_cache, batch, out=None, *, k_scale=1.0, v_scale=1.0, threads=0,
+                    stream=None):
+    """Dense causal attention over every visible key: sparse_attention without a selection (the
+    oracle the sparse path equals when every row sees <= topk blocks)."""
+    return sparse_attention(config, q, kv_cache, batch, None, out, k_scale=k_scale,
+                            v_scale=v_scale, threads=threads, stream=stream)
+
+
+def preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, positions, batch,
+               kv_cache, index_cache, q_out=None, index_q_out=None, *, k_scale=1.0, v_scale=1.0,
+               threads=0, stream=None):
+    """Per-token preprocessing (spec.md section 2): Gemma RMSNorm of every head of q, k, index_q
+    and index_k, partial NeoX RoPE at `positions`, and the cache inserts.
+
+    qkv:           [rows, qkv_width] bf16, [q | k | v | index_q | index_k]
+    q_norm, k_norm: [HD] bf16; index_q_norm, index_k_norm: [D] bf16
+    positions:     [rows] int64 (< 0: padding, nothing written)
+    kv_cache:      written in place at batch.slot_mapping (k and v)
+    index_cache:   written in place at batch.index_slot_mapping (index_k)
+    q_out:         [rows, QH, HD] bf16; index_q_out: [rows, H, D] bf16
+    Returns (q_out, index_q_out).
+    """
+    _check_config(config)
+    _check_batch(batch)
+    rows = batch.num_rows
+    if q_out is None:
+        q_out = _empty(qkv, (rows, config.q_heads, config.head_dim), "bf16", "q_out")
+    if index_q_out is None:
+        index_q_out = _empty(qkv, (rows, config.index_heads, config.index_dim), "bf16",
+                             "index_q_out")
+    _m3msa.preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, positions, batch,
+                      kv_cache, float(k_scale), float(v_scale), index_cache,
+                      _typed(q_out, "bf16"), _typed(index_q_out, "bf16"), threads,
+                      _resolve_stream(qkv, stream))
+    return q_out, index_q_out
+
+
+def score_blocks(config, index_q, index_cache, batch, out=None, *, max_blocks=None, threads=0):
+    """Block scores S(t, h, b) (spec.md section 4), CPU reference only: [rows, H, max_blocks]
+    float32; blocks a row cannot see and dead rows hold -inf. max_blocks defaults to the index
+    table's width. Returns out."""
+    _check_config(config)
+    _check_batch(batch)
+    if out is None:
+        if max_blocks is None:
+            table = batch.index_block_table
+            if table is None:
+                raise invalid("batch.index_block_table is required")
+            shape = tuple(getattr(_unwrap(table), "shape", ()))
+            max_blocks = int(shape[1]) if len(shape) == 2 else 0
+        out = _empty(index_q, (batch.num_rows, config.index_heads, max_blocks), "f32", "out")
+    _m3msa.score_blocks(config, index_q, index_cache, batch, out, threads)
+    return out
+
+
+def nominate(config, index_q, index_cache, batch, shard=0, num_shards=1, out=None, *, threads=0):
+    """The top-k sort keys (spec.md section 4) of one round-robin shard of the blocks, CPU
+    reference only: [rows, H, k] uint64, descending, 0-padded. Returns out."""
+    _check_config(config)
+    _check_batch(batch)
+    if out is None:
+        out = _empty(index_q, (batch.num_rows, config.index_heads, config.topk), "u64", "out")
+    _m3msa.nominate(config, index_q, index_cache, batch, shard, num_shards, _typed(out, "u64"),
+                    threads)
+    return out
+
+
+class SyntheticCase:
+    """A seeded random case from the C++ generator (synthetic.h), as zero-copy NumPy arrays:
+    bf16 / fp8 tensors come as m3msa.view()s. Fields: config, batch, positions, index_q, q,
+    index_cache, kv_cache, k_scale, v_scale."""
+
+    def __init__(self, config, fields):
+        self.config = config
+        self.batch = Batch(fields["kind"], fields["num_reqs"], q_len=fields["q_len"],
+                           num_tokens=fields["num_tokens"], seq_lens=fields["seq_lens"],
+                           cu_seqlens_q=fields["cu_seqlens_q"],
+                           context_lens=fields["context_lens"],
+                           index_block_table=fields["index_block_table"],
+                           kv_block_table=fields["kv_block_table"],
+                           slot_mapping=fields["slot_mapping"],
+                           index_slot_mapping=fields["index_slot_mapping"])
+        for name in ("positions", "index_q", "q", "index_cache", "kv_cache", "k_scale",
+                     "v_scale"):
+            setattr(self, name, fields[name])
+
+    @property
+    def num_rows(self):
+        return self.batch.num_rows
+
+
+def synthetic_case(config, *, kind="decode", num_reqs=4, q_len=1, seq_lens=(), min_context=1,
+                   max_context=4096, chunk_lens=(), context_lens=(), padding_reqs=0,
+                   index_dtype="bf16", kv_dtype="bf16", k_scale=1.0, v_scale=1.0, extra_pages=3,
+                   query_scale=1.0, make_index_cache=True, make_kv_cache=True, seed=1):
+    """make_synthetic_case() of the C++ library: caches with random contexts (and garbage after
+    each one), shuffled page tables, random queries; deterministic for a given seed."""
+    _check_config(config)
+    fields = _m3msa.synthetic_case(config, kind, num_reqs, q_len, list(seq_lens), min_context,
+                                   max_context, list(chunk_lens), list(context_lens),
+                                   padding_reqs, index_dtype, kv_dtype, float(k_scale),
+                                   float(v_scale), extra_pages, float(query_scale),
+                                   make_index_cache, make_kv_cache, seed)
+    return SyntheticCase(config, fields)
+
+
+def info():
+    """What this build can do."""
+    from . import __version__
+    return {
+        "version": __version__,
+        "built_with_cuda": bool(_m3msa.built_with_cuda()),
+        "cuda_device_count": int(_m3msa.cuda_device_count()),
+        "cuda_backend": bool(_m3msa.cuda_backend_available()),
+        "cp_cpu_selector": bool(_m3msa.has_cp),
+        "module": _m3msa.__file__,
+    }

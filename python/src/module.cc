@@ -1,0 +1,513 @@
+// m3msa._m3msa: the compiled half of the m3msa Python package. Thin: every entry imports its
+// tensors zero-copy (interop.h), picks the backend from their device (dispatch.h) and runs the
+// C++ entry with the GIL released. Defaults, output allocation and the CUDA stream lookup live in
+// the pure-Python package (python/m3msa), which is the documented API.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <chrono>
+#include <cstdint>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "dispatch.h"
+#include "interop.h"
+#include "m3msa/backend.h"
+#include "m3msa/config.h"
+#include "m3msa/cpu_reference.h"
+#include "m3msa/error.h"
+#include "m3msa/ops.h"
+#include "m3msa/synthetic.h"
+#if M3MSA_PY_WITH_CP
+#include "m3msa/cp.h"
+#endif
+
+namespace m3msa::python {
+namespace {
+
+using Stream = std::optional<uintptr_t>;
+
+// ---- Errors: m3msa::Error -> m3msa.Error(text, code, message, rank) ----
+
+PyObject* g_error_type = nullptr;  // set by m3msa/__init__.py; a strong reference kept forever
+
+const char* error_code_key(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kInvalidArgument: return "invalid_argument";
+    case ErrorCode::kUnsupported: return "unsupported";
+    case ErrorCode::kTimeout: return "timeout";
+    case ErrorCode::kInternal: return "internal";
+  }
+  return "internal";
+}
+
+void set_python_error(const Error& error) {
+  if (g_error_type == nullptr) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return;
+  }
+  py::handle type(g_error_type);
+  const py::object rank =
+      error.rank() >= 0 ? py::object(py::int_(error.rank())) : py::object(py::none());
+  const py::object instance =
+      type(error.what(), error_code_key(error.code()), error.message(), rank);
+  PyErr_SetObject(g_error_type, instance.ptr());
+}
+
+void set_error_type(py::object type) {
+  Py_XDECREF(g_error_type);
+  g_error_type = type.release().ptr();
+}
+
+// ---- Operations ----
+
+void check_cpu(const TensorView& view, const char* entry, const char* name) {
+  M3MSA_CHECK_SUPPORTED(view.device.type == DeviceType::kCPU, entry,
+                        " runs on the CPU reference only; ", name, " is on ",
+                        device_name(view.device));
+}
+
+void select_topk(const SparseConfig& config, py::handle index_q, py::handle index_cache,
+                 py::handle batch, py::handle topk_idx, int threads, Stream stream) {
+  ImportScope scope(stream);
+  IndexerArgs args;
+  args.index_q = scope.tensor(index_q, "index_q");
+  args.index_cache.data = scope.tensor(index_cache, "index_cache");
+  args.batch = scope.batch(batch);
+  args.topk_idx = scope.tensor(topk_idx, "topk_idx", /*writable=*/true);
+  Backend& backend = backend_for(args.index_q.device, threads, stream);
+  py::gil_scoped_release release;  // destroyed first: the GIL is back before the scope's deleters
+  backend.select_topk(config, args);
+}
+
+void sparse_attention(const SparseConfig& config, py::handle q, py::handle kv_cache, float k_scale,
+                      float v_scale, py::handle batch, py::handle topk_idx, py::handle out,
+                      int threads, Stream stream) {
+  ImportScope scope(stream);
+  AttentionArgs args;
+  args.q = scope.tensor(q, "q");
+  args.kv_cache = {scope.tensor(kv_cache, "kv_cache"), k_scale, v_scale};
+  args.batch = scope.batch(batch);
+  args.topk_idx = scope.optional_tensor(topk_idx, "topk_idx");
+  args.out = scope.tensor(out, "out", /*writable=*/true);
+  Backend& backend = backend_for(args.q.device, threads, stream);
+  py::gil_scoped_release release;
+  backend.sparse_attention(config, args);
+}
+
+void preprocess(const SparseConfig& config, py::handle qkv, py::handle q_norm, py::handle k_norm,
+                py::handle index_q_norm, py::handle index_k_norm, py::handle positions,
+                py::handle batch, py::handle kv_cache, float k_scale, float v_scale,
+                py::handle index_cache, py::handle q_out, py::handle index_q_out, int threads,
+                Stream stream) {
+  ImportScope scope(stream);
+  PreprocessArgs args;
+  args.qkv = scope.tensor(qkv, "qkv");
+  args.q_norm = scope.tensor(q_norm, "q_norm");
+  args.k_norm = scope.tensor(k_norm, "k_norm");
+  args.index_q_norm = scope.tensor(index_q_norm, "index_q_norm");
+  args.index_k_norm = scope.tensor(index_k_norm, "index_k_norm");
+  args.positions = scope.tensor(positions, "positions");
+  args.batch = scope.batch(batch);
+  args.kv_cache = {scope.tensor(kv_cache, "kv_cache", /*writable=*/true), k_scale, v_scale};
+  args.index_cache.data = scope.tensor(index_cache, "index_cache", /*writable=*/true);
+  args.q_out = scope.tensor(q_out, "q_out", /*writable=*/true);
+  args.index_q_out = scope.tensor(index_q_out, "index_q_out", /*writable=*/true);
+  Backend& backend = backend_for(args.qkv.device, threads, stream);
+  py::gil_scoped_release release;
+  backend.preprocess(config, args);
+}
+
+void score_blocks(const SparseConfig& config, py::handle index_q, py::handle index_cache,
+                  py::handle batch, py::handle scores, int threads) {
+  ImportScope scope;
+  IndexerArgs args;
+  args.index_q = scope.tensor(index_q, "index_q");
+  args.index_cache.data = scope.tensor(index_cache, "index_cache");
+  args.batch = scope.batch(batch);
+  const TensorView out = scope.tensor(scores, "scores", /*writable=*/true);
+  check_cpu(args.index_q, "score_blocks", "index_q");
+  M3MSA_CHECK_ARG(threads >= 0, "threads must be >= 0, got ", threads);
+  py::gil_scoped_release release;
+  cpu::score_blocks(config, args, out, threads);
+}
+
+void nominate(const SparseConfig& config, py::handle index_q, py::handle index_cache,
+              py::handle batch, int shard, int num_shards, py::handle keys, int threads) {
+  ImportScope scope;
+  IndexerArgs args;
+  args.index_q = scope.tensor(index_q, "index_q");
+  args.index_cache.data = scope.tensor(index_cache, "index_cache");
+  args.batch = scope.batch(batch);
+  const TensorView out = scope.tensor(keys, "keys", /*writable=*/true);
+  check_cpu(args.index_q, "nominate", "index_q");
+  M3MSA_CHECK_ARG(threads >= 0, "threads must be >= 0, got ", threads);
+  py::gil_scoped_release release;
+  cpu::nominate(config, args, shard, num_shards, out, threads);
+}
+
+// ---- Synthetic cases: the C++ generator's tensors as NumPy arrays (zero-copy) ----
+
+py::object to_numpy(const HostTensor& tensor) {
+  if (tensor.shape().empty()) return py::none();  // not made for this kind of case
+  const char* format = "uint8";
+  switch (tensor.dtype()) {
+    case DType::kF32: format = "float32"; break;
+    case DType::kBF16: format = "uint16"; break;
+    case DType::kFP8E4M3: format = "uint8"; break;
+    case DType::kI32: format = "int32"; break;
+    case DType::kI64: format = "int64"; break;
+    case DType::kU64: format = "uint64"; break;
+    case DType::kU8: format = "uint8"; break;
+  }
+  auto* owner = new HostTensor(tensor);  // shares the storage; freed with the array
+  const py::capsule base(owner, [](void* p) { delete static_cast<HostTensor*>(p); });
+  const py::array array(py::dtype(format), tensor.shape(), owner->data(), base);
+  if (tensor.dtype() == DType::kBF16 || tensor.dtype() == DType::kFP8E4M3) {
+    return py::cast(TypedView{array, tensor.dtype()});
+  }
+  return array;
+}
+
+py::dict synthetic_case(const SparseConfig& config, const std::string& kind, int num_reqs,
+                        int q_len, std::vector<int64_t> seq_lens, int64_t min_context,
+                        int64_t max_context, std::vector<int64_t> chunk_lens,
+                        std::vector<int64_t> context_lens, int padding_reqs,
+                        const std::string& index_dtype, const std::string& kv_dtype, float k_scale,
+                        float v_scale, int extra_pages, float query_scale, bool make_index_cache,
+                        bool make_kv_cache, uint64_t seed) {
+  SyntheticSpec spec;
+  spec.config = config;
+  M3MSA_CHECK_ARG(kind == "decode" || kind == "prefill",
+                  "kind must be 'decode' or 'prefill', got '", kind, "'");
+  spec.kind = kind == "decode" ? BatchKind::kDecode : BatchKind::kPrefill;
+  spec.num_reqs = num_reqs;
+  spec.q_len = q_len;
+  spec.seq_lens = std::move(seq_lens);
+  spec.min_context = min_context;
+  spec.max_context = max_context;
+  spec.chunk_lens = std::move(chunk_lens);
+  spec.context_lens = std::move(context_lens);
+  spec.padding_reqs = padding_reqs;
+  spec.index_dtype = parse_dtype(index_dtype, "index_dtype");
+  spec.kv_dtype = parse_dtype(kv_dtype, "kv_dtype");
+  spec.k_scale = k_scale;
+  spec.v_scale = v_scale;
+  spec.extra_pages = extra_pages;
+  spec.query_scale = query_scale;
+  spec.make_index_cache = make_index_cache;
+  spec.make_kv_cache = make_kv_cache;
+  spec.seed = seed;
+  SyntheticCase made;
+  {
+    py::gil_scoped_release release;
+    made = make_synthetic_case(spec);
+  }
+  py::dict out;
+  out["kind"] = kind;
+  out["num_reqs"] = made.batch.num_reqs;
+  out["q_len"] = made.batch.q_len;
+  out["num_tokens"] = made.batch.num_tokens;
+  out["seq_lens"] = to_numpy(made.seq_lens);
+  out["cu_seqlens_q"] = to_numpy(made.cu_seqlens_q);
+  out["context_lens"] = to_numpy(made.context_lens);
+  out["index_block_table"] = to_numpy(made.index_block_table);
+  out["kv_block_table"] = to_numpy(made.kv_block_table);
+  out["slot_mapping"] = to_numpy(made.slot_mapping);
+  out["index_slot_mapping"] = to_numpy(made.index_slot_mapping);
+  out["positions"] = to_numpy(made.positions);
+  out["index_q"] = to_numpy(made.index_q);
+  out["q"] = to_numpy(made.q);
+  out["index_cache"] = to_numpy(made.index_cache);
+  out["kv_cache"] = to_numpy(made.kv_cache);
+  out["k_scale"] = made.k_scale;
+  out["v_scale"] = made.v_scale;
+  return out;
+}
+
+// ---- Context-parallel CPU model ----
+
+#if M3MSA_PY_WITH_CP
+void check_rank(const CpuCpGroup& group, int rank) {
+  M3MSA_CHECK_ARG(rank >= 0 && rank < group.world_size(),
+                  "rank must be in [0, world_size = ", group.world_size(), "), got ", rank);
+}
+
+void bind_cp(py::module_& m) {
+  py::class_<CpuCpGroup>(m, "CpuCpGroup",
+                         "P ranks of the CPU model of the context-parallel indexer (cp.h).")
+      .def(py::init([](const SparseConfig& config, int world_size, int max_rows,
+                       int64_t spin_budget_us, int threads) {
+             CpConfig cp;
+             cp.world_size = world_size;
+             cp.max_rows = max_rows;
+             cp.spin_budget = std::chrono::microseconds(spin_budget_us);
+             cp.threads = threads;
+             return std::make_unique<CpuCpGroup>(config, cp);
+           }),
+           py::arg("config"), py::arg("world_size"), py::arg("max_rows"), py::arg("spin_budget_us"),
+           py::arg("threads"))
+      .def_property_readonly("world_size", &CpuCpGroup::world_size)
+      .def(
+          "merged_heads",
+          [](const CpuCpGroup& group, int rank) {
+            check_rank(group, rank);
+            return group.merged_heads(rank);
+          },
+          py::arg("rank"))
+      .def(
+          "generation",
+          [](CpuCpGroup& group, int rank) {
+            check_rank(group, rank);
+            return group.rank(rank).generation();
+          },
+          py::arg("rank"))
+      .def(
+          "select_all",
+          [](CpuCpGroup& group, int layer, py::handle index_q, py::handle index_cache,
+             py::handle batch, py::handle topk_idx) {
+            ImportScope scope;
+            IndexerArgs args;
+            args.index_q = scope.tensor(index_q, "index_q");
+            args.index_cache.data = scope.tensor(index_cache, "index_cache");
+            args.batch = scope.batch(batch);
+            args.topk_idx = scope.tensor(topk_idx, "topk_idx", /*writable=*/true);
+            check_cpu(args.index_q, "the CP CPU selector", "index_q");
+            py::gil_scoped_release release;
+            cp_select_all(group, layer, args);
+          },
+          py::arg("layer"), py::arg("index_q"), py::arg("index_cache"), py::arg("batch"),
+          py::arg("topk_idx"));
+  m.def("cp_merged_heads", &cp_merged_heads, py::arg("world_size"), py::arg("index_heads"),
+        py::arg("rank"));
+  m.def("cp_consumers", &cp_consumers, py::arg("world_size"), py::arg("index_heads"),
+        py::arg("head"));
+  m.def("validate_cp_placement", &validate_cp_placement, py::arg("world_size"),
+        py::arg("index_heads"));
+}
+#endif
+
+// ---- Configurations ----
+
+std::string repr(const SparseConfig& c) {
+  std::ostringstream out;
+  out << "SparseConfig(q_heads=" << c.q_heads << ", kv_heads=" << c.kv_heads
+      << ", head_dim=" << c.head_dim << ", index_heads=" << c.index_heads
+      << ", index_dim=" << c.index_dim << ", block_size=" << c.block_size << ", topk=" << c.topk
+      << ", init_blocks=" << c.init_blocks << ", local_blocks=" << c.local_blocks
+      << ", rope_dim=" << c.rope_dim << ", rope_theta=" << c.rope_theta << ", rms_eps=" << c.rms_eps
+      << ")";
+  return out.str();
+}
+
+std::string repr(const ModelConfig& c) {
+  std::ostringstream out;
+  out << "ModelConfig(hidden=" << c.hidden << ", num_layers=" << c.num_layers
+      << ", first_sparse_layer=" << c.first_sparse_layer << ", q_heads=" << c.q_heads
+      << ", kv_heads=" << c.kv_heads << ", head_dim=" << c.head_dim
+      << ", index_heads=" << c.index_heads << ", index_dim=" << c.index_dim
+      << ", block_size=" << c.block_size << ", topk=" << c.topk << ", init_blocks=" << c.init_blocks
+      << ", local_blocks=" << c.local_blocks << ", rope_dim=" << c.rope_dim
+      << ", rope_theta=" << c.rope_theta << ", rms_eps=" << c.rms_eps
+      << ", intermediate=" << c.intermediate << ")";
+  return out.str();
+}
+
+bool same(const SparseConfig& a, const SparseConfig& b) {
+  return repr(a) == repr(b);
+}
+bool same(const ModelConfig& a, const ModelConfig& b) {
+  return repr(a) == repr(b);
+}
+
+void bind_configs(py::module_& m) {
+  const SparseConfig s;
+  py::class_<SparseConfig>(m, "SparseConfig",
+                           "What one sparse layer's kernels need, with head counts local to one "
+                           "rank. Defaults: MiniMax-M3 at TP=1 (spec.md section 1).")
+      .def(py::init([](int q_heads, int kv_heads, int head_dim, int index_heads, int index_dim,
+                       int block_size, int topk, int init_blocks, int local_blocks, int rope_dim,
+                       double rope_theta, float rms_eps) {
+             SparseConfig c;
+             c.q_heads = q_heads;
+             c.kv_heads = kv_heads;
+             c.head_dim = head_dim;
+             c.index_heads = index_heads;
+             c.index_dim = index_dim;
+             c.block_size = block_size;
+             c.topk = topk;
+             c.init_blocks = init_blocks;
+             c.local_blocks = local_blocks;
+             c.rope_dim = rope_dim;
+             c.rope_theta = rope_theta;
+             c.rms_eps = rms_eps;
+             return c;
+           }),
+           py::kw_only(), py::arg("q_heads") = s.q_heads, py::arg("kv_heads") = s.kv_heads,
+           py::arg("head_dim") = s.head_dim, py::arg("index_heads") = s.index_heads,
+           py::arg("index_dim") = s.index_dim, py::arg("block_size") = s.block_size,
+           py::arg("topk") = s.topk, py::arg("init_blocks") = s.init_blocks,
+           py::arg("local_blocks") = s.local_blocks, py::arg("rope_dim") = s.rope_dim,
+           py::arg("rope_theta") = s.rope_theta, py::arg("rms_eps") = s.rms_eps)
+      .def_readwrite("q_heads", &SparseConfig::q_heads)
+      .def_readwrite("kv_heads", &SparseConfig::kv_heads)
+      .def_readwrite("head_dim", &SparseConfig::head_dim)
+      .def_readwrite("index_heads", &SparseConfig::index_heads)
+      .def_readwrite("index_dim", &SparseConfig::index_dim)
+      .def_readwrite("block_size", &SparseConfig::block_size)
+      .def_readwrite("topk", &SparseConfig::topk)
+      .def_readwrite("init_blocks", &SparseConfig::init_blocks)
+      .def_readwrite("local_blocks", &SparseConfig::local_blocks)
+      .def_readwrite("rope_dim", &SparseConfig::rope_dim)
+      .def_readwrite("rope_theta", &SparseConfig::rope_theta)
+      .def_readwrite("rms_eps", &SparseConfig::rms_eps)
+      .def_property_readonly("group_size", &SparseConfig::group_size, "query heads per KV head")
+      .def_property_readonly("softmax_scale", &SparseConfig::softmax_scale, "1 / sqrt(head_dim)")
+      .def_property_readonly("qkv_width", &SparseConfig::qkv_width,
+                             "width of one token's fused projection [q | k | v | index_q | "
+                             "index_k]")
+      .def("validate", &SparseConfig::validate, "Raises m3msa.Error naming the first bad field.")
+      .def("__repr__", [](const SparseConfig& c) { return repr(c); })
+      .def("__eq__", [](const SparseConfig& a, const SparseConfig& b) { return same(a, b); })
+      .def("__copy__", [](const SparseConfig& c) { return c; })
+      .def("__deepcopy__", [](const SparseConfig& c, py::handle) { return c; });
+
+  const ModelConfig d;
+  py::class_<ModelConfig>(m, "ModelConfig",
+                          "The whole model, with global head counts. Defaults: MiniMax-M3.")
+      .def(py::init([](int hidden, int num_layers, int first_sparse_layer, int q_heads,
+                       int kv_heads, int head_dim, int index_heads, int index_dim, int block_size,
+                       int topk, int init_blocks, int local_blocks, int rope_dim, double rope_theta,
+                       float rms_eps, int intermediate) {
+             ModelConfig c;
+             c.hidden = hidden;
+             c.num_layers = num_layers;
+             c.first_sparse_layer = first_sparse_layer;
+             c.q_heads = q_heads;
+             c.kv_heads = kv_heads;
+             c.head_dim = head_dim;
+             c.index_heads = index_heads;
+             c.index_dim = index_dim;
+             c.block_size = block_size;
+             c.topk = topk;
+             c.init_blocks = init_blocks;
+             c.local_blocks = local_blocks;
+             c.rope_dim = rope_dim;
+             c.rope_theta = rope_theta;
+             c.rms_eps = rms_eps;
+             c.intermediate = intermediate;
+             return c;
+           }),
+           py::kw_only(), py::arg("hidden") = d.hidden, py::arg("num_layers") = d.num_layers,
+           py::arg("first_sparse_layer") = d.first_sparse_layer, py::arg("q_heads") = d.q_heads,
+           py::arg("kv_heads") = d.kv_heads, py::arg("head_dim") = d.head_dim,
+           py::arg("index_heads") = d.index_heads, py::arg("index_dim") = d.index_dim,
+           py::arg("block_size") = d.block_size, py::arg("topk") = d.topk,
+           py::arg("init_blocks") = d.init_blocks, py::arg("local_blocks") = d.local_blocks,
+           py::arg("rope_dim") = d.rope_dim, py::arg("rope_theta") = d.rope_theta,
+           py::arg("rms_eps") = d.rms_eps, py::arg("intermediate") = d.intermediate)
+      .def_readwrite("hidden", &ModelConfig::hidden)
+      .def_readwrite("num_layers", &ModelConfig::num_layers)
+      .def_readwrite("first_sparse_layer", &ModelConfig::first_sparse_layer)
+      .def_readwrite("q_heads", &ModelConfig::q_heads)
+      .def_readwrite("kv_heads", &ModelConfig::kv_heads)
+      .def_readwrite("head_dim", &ModelConfig::head_dim)
+      .def_readwrite("index_heads", &ModelConfig::index_heads)
+      .def_readwrite("index_dim", &ModelConfig::index_dim)
+      .def_readwrite("block_size", &ModelConfig::block_size)
+      .def_readwrite("topk", &ModelConfig::topk)
+      .def_readwrite("init_blocks", &ModelConfig::init_blocks)
+      .def_readwrite("local_blocks", &ModelConfig::local_blocks)
+      .def_readwrite("rope_dim", &ModelConfig::rope_dim)
+      .def_readwrite("rope_theta", &ModelConfig::rope_theta)
+      .def_readwrite("rms_eps", &ModelConfig::rms_eps)
+      .def_readwrite("intermediate", &ModelConfig::intermediate)
+      .def_property_readonly("num_sparse_layers", &ModelConfig::num_sparse_layers)
+      .def("sparse", &ModelConfig::sparse, py::arg("tp_size") = 1,
+           "The per-rank SparseConfig under tensor parallelism of tp_size ranks.")
+      .def("validate", &ModelConfig::validate)
+      .def("__repr__", [](const ModelConfig& c) { return repr(c); })
+      .def("__eq__", [](const ModelConfig& a, const ModelConfig& b) { return same(a, b); })
+      .def("__copy__", [](const ModelConfig& c) { return c; })
+      .def("__deepcopy__", [](const ModelConfig& c, py::handle) { return c; });
+}
+
+void bind_view(py::module_& m) {
+  py::class_<TypedView>(m, "TypedView",
+                        "An array paired with the m3msa dtype its bits hold (NumPy has no "
+                        "bfloat16 or float8): made by m3msa.view(array, dtype).")
+      .def(py::init([](py::object array, const std::string& dtype) {
+             M3MSA_CHECK_ARG(!py::isinstance<TypedView>(array),
+                             "array: already an m3msa.view; pass its .array");
+             return TypedView{std::move(array), parse_dtype(dtype, "dtype")};
+           }),
+           py::arg("array"), py::arg("dtype"))
+      .def_property_readonly("array", [](const TypedView& v) { return v.array; })
+      .def_property_readonly("dtype",
+                             [](const TypedView& v) { return std::string(dtype_name(v.dtype)); })
+      .def_property_readonly("shape", [](const TypedView& v) { return v.array.attr("shape"); })
+      .def("__repr__", [](const TypedView& v) {
+        std::string what = Py_TYPE(v.array.ptr())->tp_name;
+        if (py::hasattr(v.array, "dtype") && py::hasattr(v.array, "shape")) {
+          what = std::string(py::str(v.array.attr("dtype"))) +
+                 std::string(py::str(py::tuple(v.array.attr("shape"))));
+        }
+        return "m3msa.view(" + what + ", '" + dtype_name(v.dtype) + "')";
+      });
+}
+
+}  // namespace
+}  // namespace m3msa::python
+
+PYBIND11_MODULE(_m3msa, m) {
+  namespace py = pybind11;
+  using namespace m3msa::python;
+  m.doc() = "m3msa compiled bindings; use the m3msa package, which wraps this module.";
+
+  py::register_exception_translator([](std::exception_ptr pointer) {
+    try {
+      if (pointer) std::rethrow_exception(pointer);
+    } catch (const m3msa::Error& error) {
+      set_python_error(error);
+    }
+  });
+  m.def("_set_error_type", &set_error_type, py::arg("type"));
+
+  bind_view(m);
+  bind_configs(m);
+
+  m.def("select_topk", &select_topk, py::arg("config"), py::arg("index_q"), py::arg("index_cache"),
+        py::arg("batch"), py::arg("topk_idx"), py::arg("threads"), py::arg("stream").none(true));
+  m.def("sparse_attention", &sparse_attention, py::arg("config"), py::arg("q"), py::arg("kv_cache"),
+        py::arg("k_scale"), py::arg("v_scale"), py::arg("batch"), py::arg("topk_idx").none(true),
+        py::arg("out"), py::arg("threads"), py::arg("stream").none(true));
+  m.def("preprocess", &preprocess, py::arg("config"), py::arg("qkv"), py::arg("q_norm"),
+        py::arg("k_norm"), py::arg("index_q_norm"), py::arg("index_k_norm"), py::arg("positions"),
+        py::arg("batch"), py::arg("kv_cache"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("index_cache"), py::arg("q_out"), py::arg("index_q_out"), py::arg("threads"),
+        py::arg("stream").none(true));
+  m.def("score_blocks", &score_blocks, py::arg("config"), py::arg("index_q"),
+        py::arg("index_cache"), py::arg("batch"), py::arg("scores"), py::arg("threads"));
+  m.def("nominate", &nominate, py::arg("config"), py::arg("index_q"), py::arg("index_cache"),
+        py::arg("batch"), py::arg("shard"), py::arg("num_shards"), py::arg("keys"),
+        py::arg("threads"));
+  m.def("synthetic_case", &synthetic_case, py::arg("config"), py::arg("kind"), py::arg("num_reqs"),
+        py::arg("q_len"), py::arg("seq_lens"), py::arg("min_context"), py::arg("max_context"),
+        py::arg("chunk_lens"), py::arg("context_lens"), py::arg("padding_reqs"),
+        py::arg("index_dtype"), py::arg("kv_dtype"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("extra_pages"), py::arg("query_scale"), py::arg("make_index_cache"),
+        py::arg("make_kv_cache"), py::arg("seed"));
+
+  m.def("built_with_cuda", &m3msa::built_with_cuda);
+  m.def("cuda_device_count", &m3msa::cuda_device_count);
+  m.def("cuda_backend_available", &cuda_backend_available);
+#if M3MSA_PY_WITH_CP
+  bind_cp(m);
+  m.attr("has_cp") = true;
+#else
+  m.attr("has_cp") = false;
+#endif
+}

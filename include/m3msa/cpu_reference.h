@@ -5,7 +5,10 @@
 //  - preprocessing in fp32 from bf16 inputs; norm output rounded to bf16, then RoPE in fp32 and
 //    rounded to bf16 again; caches written with float_to_bf16 / float_to_fp8e4m3.
 //  - a block score is the max over its visible tokens of an fp32 dot product accumulated in
-//    dimension order 0..D-1 (so scores do not depend on threading or sharding);
+//    dimension order 0..D-1 (so scores do not depend on threading or sharding); NaN propagates
+//    through the max: a block with any NaN dot product among its visible tokens scores NaN;
+//  - RoPE angles pos * theta^(-2i/rope_dim) and their cos / sin are computed in double and rounded
+//    once to fp32 (an fp32 angle is off by up to ~0.03 rad at million-token positions);
 //  - attention: fp32 logits and softmax (two passes), fp32 accumulation, bf16 output.
 // All functions validate their arguments (ops.h) and the batch contents before touching data.
 #pragma once

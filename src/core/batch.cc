@@ -60,7 +60,8 @@ void check_slots(const TensorView& slots, const char* name, int64_t pages, int b
   if (!slots.defined()) return;
   const int64_t* data = slots.ptr<int64_t>();
   for (int64_t i = 0; i < slots.shape[0]; ++i) {
-    M3MSA_CHECK_ARG(data[i] < pages * block_size, name, "[", i, "] = ", data[i],
+    // slot < pages * block_size, without the product (pages can be any int64).
+    M3MSA_CHECK_ARG(data[i] < 0 || data[i] / block_size < pages, name, "[", i, "] = ", data[i],
                     " is past the cache (", pages, " pages of ", block_size, " tokens)");
   }
 }
@@ -69,6 +70,15 @@ void check_slots(const TensorView& slots, const char* name, int64_t pages, int b
 void validate_batch_contents(const BatchMeta& batch, const SparseConfig& config,
                              int64_t index_pages, int64_t kv_pages) {
   validate_batch_shapes(batch, Device::cpu());
+  M3MSA_CHECK_ARG(config.block_size > 0, "config.block_size must be > 0, got ", config.block_size);
+  M3MSA_CHECK_ARG(index_pages >= 0, "index_pages must be >= 0, got ", index_pages);
+  M3MSA_CHECK_ARG(kv_pages >= 0, "kv_pages must be >= 0, got ", kv_pages);
+  if (batch.kind == BatchKind::kPrefill) {
+    // Checked before the loop: with cu[0] == 0 and every step non-decreasing, all offsets are
+    // in [0, INT32_MAX], so the differences below cannot overflow.
+    const int32_t* cu = batch.cu_seqlens_q.ptr<int32_t>();
+    M3MSA_CHECK_ARG(cu[0] == 0, "batch.cu_seqlens_q[0] must be 0, got ", cu[0]);
+  }
   const int64_t max_tokens = (kMaxBlockId + 1) * int64_t{config.block_size};
   for (int req = 0; req < batch.num_reqs; ++req) {
     int64_t end = 0;  // one past the last position of the request
@@ -83,18 +93,22 @@ void validate_batch_contents(const BatchMeta& batch, const SparseConfig& config,
       M3MSA_CHECK_ARG(cu[req + 1] >= cu[req], "batch.cu_seqlens_q must be non-decreasing, got ",
                       cu[req], " then ", cu[req + 1], " at request ", req);
       M3MSA_CHECK_ARG(context >= 0, "batch.context_lens[", req, "] must be >= 0, got ", context);
-      end = int64_t{context} + (cu[req + 1] - cu[req]);
+      end = int64_t{context} + (int64_t{cu[req + 1]} - cu[req]);
     }
-    M3MSA_CHECK_ARG(end >= 0 && end <= max_tokens, "request ", req, ": sequence length ", end,
-                    " is out of range [0, ", max_tokens, "] (block ids are capped at ",
-                    kMaxBlockId, ")");
+    // Name the argument that carries the length: seq_lens for decode, context_lens (plus the
+    // request's new tokens) for prefill.
+    M3MSA_CHECK_ARG(end >= 0 && end <= max_tokens,
+                    batch.kind == BatchKind::kDecode ? "batch.seq_lens[" : "batch.context_lens[",
+                    req, "]", batch.kind == BatchKind::kDecode ? "" : " + new tokens",
+                    ": sequence length ", end, " is out of range [0, ", max_tokens, "] (",
+                    kMaxBlockId + 1, " blocks of ", config.block_size,
+                    " tokens: block ids are capped at ", kMaxBlockId, ")");
     const int64_t blocks = (end + config.block_size - 1) / config.block_size;
     check_table_row(batch.index_block_table, "batch.index_block_table", req, blocks, index_pages);
     check_table_row(batch.kv_block_table, "batch.kv_block_table", req, blocks, kv_pages);
   }
   if (batch.kind == BatchKind::kPrefill) {
     const int32_t* cu = batch.cu_seqlens_q.ptr<int32_t>();
-    M3MSA_CHECK_ARG(cu[0] == 0, "batch.cu_seqlens_q[0] must be 0, got ", cu[0]);
     M3MSA_CHECK_ARG(cu[batch.num_reqs] == batch.num_tokens, "batch.cu_seqlens_q[", batch.num_reqs,
                     "] = ", cu[batch.num_reqs], " must equal batch.num_tokens (",
                     batch.num_tokens, ")");

@@ -33,13 +33,17 @@ void SparseConfig::validate() const {
   M3MSA_CHECK_ARG(topk > 0 && topk <= 1024, "config.topk must be in [1, 1024], got ", topk);
   M3MSA_CHECK_ARG(init_blocks >= 0, "config.init_blocks must be >= 0, got ", init_blocks);
   M3MSA_CHECK_ARG(local_blocks >= 0, "config.local_blocks must be >= 0, got ", local_blocks);
-  M3MSA_CHECK_ARG(init_blocks + local_blocks <= topk, "config.init_blocks + config.local_blocks (",
-                  init_blocks + local_blocks, ") must be <= config.topk (", topk, ")");
+  // In 64 bits: two hostile ints must not overflow before the comparison.
+  const int64_t forced = int64_t{init_blocks} + local_blocks;
+  M3MSA_CHECK_ARG(forced <= topk, "config.init_blocks + config.local_blocks (", forced,
+                  ") must be <= config.topk (", topk, ")");
   M3MSA_CHECK_ARG(rope_dim >= 0 && rope_dim % 2 == 0 && rope_dim <= head_dim &&
                       rope_dim <= index_dim,
                   "config.rope_dim must be even and <= head_dim and index_dim, got ", rope_dim);
-  M3MSA_CHECK_ARG(rope_theta > 0, "config.rope_theta must be > 0, got ", rope_theta);
-  M3MSA_CHECK_ARG(rms_eps > 0, "config.rms_eps must be > 0, got ", rms_eps);
+  M3MSA_CHECK_ARG(std::isfinite(rope_theta) && rope_theta > 0,
+                  "config.rope_theta must be finite and > 0, got ", rope_theta);
+  M3MSA_CHECK_ARG(std::isfinite(rms_eps) && rms_eps > 0,
+                  "config.rms_eps must be finite and > 0, got ", rms_eps);
 }
 
 std::string SparseConfig::to_string() const {

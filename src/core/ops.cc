@@ -1,5 +1,7 @@
 #include "m3msa/ops.h"
 
+#include <cmath>
+
 #include "m3msa/error.h"
 
 namespace m3msa {
@@ -12,9 +14,10 @@ void validate_index_cache(const IndexCache& cache, const SparseConfig& config, c
 void validate_kv_cache(const KVCache& cache, const SparseConfig& config, const char* name) {
   check_tensor(cache.data, name, {DType::kBF16, DType::kFP8E4M3},
                {-1, config.kv_heads, 2, config.block_size, config.head_dim});
-  M3MSA_CHECK_ARG(cache.k_scale > 0 && cache.v_scale > 0, name,
-                  ": k_scale and v_scale must be > 0, got ", cache.k_scale, " and ",
-                  cache.v_scale);
+  M3MSA_CHECK_ARG(std::isfinite(cache.k_scale) && cache.k_scale > 0 &&
+                      std::isfinite(cache.v_scale) && cache.v_scale > 0,
+                  name, ": k_scale and v_scale must be finite and > 0, got ", cache.k_scale,
+                  " and ", cache.v_scale);
 }
 
 void validate(const SparseConfig& config, const PreprocessArgs& args, Device device) {

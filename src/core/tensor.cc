@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <sstream>
 
 #include "m3msa/error.h"
@@ -70,6 +71,9 @@ TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int
     M3MSA_CHECK_ARG(shape[d] >= 0, "tensor: negative extent ", shape[d], " in dimension ", d);
     view.shape[d] = shape[d];
     view.strides[d] = stride;
+    // Strides of a hostile shape must not wrap: a product past int64 is an error.
+    M3MSA_CHECK_ARG(shape[d] == 0 || stride <= std::numeric_limits<int64_t>::max() / shape[d],
+                    "tensor: shape ", shape_string(shape), " has more elements than int64 holds");
     stride *= shape[d];
   }
   return view;
@@ -99,6 +103,11 @@ std::string shape_string(const std::vector<int64_t>& shape) {
 }
 
 std::string describe(const TensorView& view) {
+  // Used in error messages about views that failed validation: never read past shape[kMaxDims].
+  if (view.ndim < 0 || view.ndim > kMaxDims) {
+    return std::string(dtype_name(view.dtype)) + "[<" + std::to_string(view.ndim) +
+           " dimensions>] " + device_name(view.device);
+  }
   return std::string(dtype_name(view.dtype)) + shape_string(view.sizes()) + " " +
          device_name(view.device);
 }
@@ -120,8 +129,33 @@ std::string expected_shape_string(std::initializer_list<int64_t> shape) {
   return out.str();
 }
 
+// Product of the non-zero extents, or -1 when it does not fit in int64. Bounding it bounds every
+// suffix product too, so is_contiguous() and numel() cannot overflow on an accepted view.
+int64_t checked_extent_product(const int64_t* shape, int ndim) {
+  int64_t product = 1;
+  for (int d = 0; d < ndim; ++d) {
+    if (shape[d] == 0) continue;
+    if (product > std::numeric_limits<int64_t>::max() / shape[d]) return -1;
+    product *= shape[d];
+  }
+  return product;
+}
+
 void check_shape_and_layout(const TensorView& view, const char* name,
                             std::initializer_list<int64_t> expected_shape) {
+  // Rank, extents and size first: everything after (and every message) indexes shape[].
+  M3MSA_CHECK_ARG(view.ndim >= 0 && view.ndim <= kMaxDims, name, ": ", view.ndim,
+                  " dimensions is outside [0, ", kMaxDims, "] (expected shape ",
+                  expected_shape_string(expected_shape), ")");
+  for (int d = 0; d < view.ndim; ++d) {
+    M3MSA_CHECK_ARG(view.shape[d] >= 0, name, ": negative extent ", view.shape[d],
+                    " in dimension ", d, " of ", describe(view));
+  }
+  const int64_t product = checked_extent_product(view.shape.data(), view.ndim);
+  M3MSA_CHECK_ARG(product >= 0 && static_cast<uint64_t>(product) <=
+                                      static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) /
+                                          dtype_size(view.dtype),
+                  name, ": ", describe(view), " has more bytes than int64 holds");
   M3MSA_CHECK_ARG(view.data != nullptr || view.numel() == 0, name, ": null data pointer for ",
                   describe(view));
   bool shape_ok = view.ndim == static_cast<int>(expected_shape.size());
@@ -170,6 +204,13 @@ HostTensor::HostTensor(DType dtype, std::vector<int64_t> shape)
   for (int64_t extent : shape_) {
     M3MSA_CHECK_ARG(extent >= 0, "HostTensor: negative extent in shape ", shape_string(shape_));
   }
+  // A size that wraps would allocate a small buffer for a huge view.
+  const int64_t product = checked_extent_product(shape_.data(), static_cast<int>(shape_.size()));
+  M3MSA_CHECK_ARG(product >= 0 && static_cast<uint64_t>(product) <=
+                                      static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) /
+                                          dtype_size(dtype_),
+                  "HostTensor: ", dtype_name(dtype_), shape_string(shape_),
+                  " has more bytes than int64 holds");
   const std::size_t bytes = (nbytes() + 63) / 64 * 64;
   void* raw = bytes ? std::aligned_alloc(64, bytes) : nullptr;
   M3MSA_CHECK(bytes == 0 || raw != nullptr, ErrorCode::kInternal, "HostTensor: out of memory for ",

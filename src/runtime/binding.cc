@@ -1,0 +1,389 @@
+// The checks of the three prepare stages. Each stage records every problem it finds (not only the
+// first), classified as "unsupported" (a valid setup the runtime does not run: fall back) or an
+// error (the binding contradicts the configuration: a bug in the caller). Refusals name the
+// tensor, and the expected and the found dtype, shape, stride or device.
+#include <cmath>
+#include <sstream>
+
+#include "m3msa/sort_key.h"
+#include "runtime/runtime_internal.h"
+
+namespace m3msa::runtime_detail {
+
+const char* outcome_kind_name(OutcomeKind kind) {
+  switch (kind) {
+    case OutcomeKind::kOk: return "ok";
+    case OutcomeKind::kNotReady: return "not ready";
+    case OutcomeKind::kUnsupported: return "unsupported";
+    case OutcomeKind::kError: return "error";
+  }
+  return "unknown";
+}
+
+ByteRecord encode(const Outcome& outcome) {
+  return RecordWriter()
+      .u8(static_cast<uint8_t>(outcome.kind))
+      .u8(static_cast<uint8_t>(outcome.code))
+      .str(outcome.message)
+      .str(outcome.fingerprint)
+      .take();
+}
+
+Outcome decode(const ByteRecord& record, int rank) {
+  RecordReader reader(record, "prepare outcome of rank " + std::to_string(rank));
+  Outcome out;
+  const uint8_t kind = reader.u8();
+  const uint8_t code = reader.u8();
+  M3MSA_CHECK_INTERNAL(kind <= static_cast<uint8_t>(OutcomeKind::kError) &&
+                           code <= static_cast<uint8_t>(ErrorCode::kInternal),
+                       "malformed outcome record of rank ", rank);
+  out.kind = static_cast<OutcomeKind>(kind);
+  out.code = static_cast<ErrorCode>(code);
+  out.message = reader.str();
+  out.fingerprint = reader.str();
+  M3MSA_CHECK_INTERNAL(reader.done(), "trailing bytes in the outcome record of rank ", rank);
+  return out;
+}
+
+void Problems::unsupported(std::string message) {
+  items_.push_back({OutcomeKind::kUnsupported, ErrorCode::kUnsupported, std::move(message)});
+}
+
+void Problems::error(ErrorCode code, std::string message) {
+  items_.push_back({OutcomeKind::kError, code, std::move(message)});
+}
+
+void Problems::not_ready(std::string message) {
+  items_.push_back({OutcomeKind::kNotReady, ErrorCode::kInternal, std::move(message)});
+}
+
+Outcome Problems::outcome() const {
+  constexpr int kMaxListed = 8;
+  Outcome out;
+  for (const Item& item : items_) {
+    if (static_cast<int>(item.kind) > static_cast<int>(out.kind)) {
+      out.kind = item.kind;
+      out.code = item.code;
+    }
+  }
+  if (out.kind == OutcomeKind::kOk) return out;
+  int listed = 0;
+  int left = 0;
+  std::string text;
+  for (const Item& item : items_) {
+    if (item.kind != out.kind) continue;
+    if (listed == kMaxListed) {
+      ++left;
+      continue;
+    }
+    text += (listed++ ? "; " : "") + item.message;
+  }
+  if (left > 0) text += "; ... and " + std::to_string(left) + " more";
+  out.message = text;
+  return out;
+}
+
+namespace {
+
+std::string expected_shape(const std::vector<int64_t>& shape) {
+  std::ostringstream out;
+  out << '[';
+  for (std::size_t i = 0; i < shape.size(); ++i) {
+    out << (i ? ", " : "");
+    if (shape[i] < 0) {
+      out << '*';
+    } else {
+      out << shape[i];
+    }
+  }
+  out << ']';
+  return out.str();
+}
+
+std::string dtype_list(const std::vector<DType>& dtypes) {
+  std::string out;
+  for (DType d : dtypes) out += (out.empty() ? "" : " or ") + std::string(dtype_name(d));
+  return out;
+}
+
+std::vector<int64_t> contiguous_strides(const TensorView& t) {
+  std::vector<int64_t> strides(static_cast<std::size_t>(t.ndim));
+  int64_t stride = 1;
+  for (int d = t.ndim - 1; d >= 0; --d) {
+    strides[static_cast<std::size_t>(d)] = stride;
+    stride *= t.shape[d];
+  }
+  return strides;
+}
+
+// Checks one bound tensor; true when it can be used as is. A negative expected extent matches
+// any extent.
+bool check_bound(Problems& problems, const TensorView& t, const std::string& name,
+                 const std::vector<DType>& dtypes, const std::vector<int64_t>& shape) {
+  const std::string expected = dtype_list(dtypes) + expected_shape(shape);
+  if (!t.defined()) {
+    problems.error(ErrorCode::kInvalidArgument, name + ": not bound (expected " + expected + ")");
+    return false;
+  }
+  bool ok = true;
+  if (t.device.type != DeviceType::kCPU) {
+    problems.unsupported(name + ": expected a host tensor (the CPU backend), found one on " +
+                         device_name(t.device));
+    ok = false;
+  }
+  bool dtype_ok = false;
+  for (DType d : dtypes) dtype_ok = dtype_ok || d == t.dtype;
+  if (!dtype_ok) {
+    problems.unsupported(name + ": expected dtype " + dtype_list(dtypes) + ", found " +
+                         dtype_name(t.dtype));
+    ok = false;
+  }
+  bool shape_ok = t.ndim == static_cast<int>(shape.size());
+  for (int d = 0; shape_ok && d < t.ndim; ++d) {
+    shape_ok =
+        shape[static_cast<std::size_t>(d)] < 0 || shape[static_cast<std::size_t>(d)] == t.shape[d];
+  }
+  if (!shape_ok) {
+    problems.error(ErrorCode::kInvalidArgument, name + ": expected shape " + expected_shape(shape) +
+                                                    ", found " + shape_string(t.sizes()));
+    return false;
+  }
+  if (t.data == nullptr && t.numel() > 0) {
+    problems.error(ErrorCode::kInvalidArgument, name + ": null data pointer for " + describe(t));
+    return false;
+  }
+  if (!t.is_contiguous()) {
+    problems.unsupported(
+        name + ": expected contiguous strides " + shape_string(contiguous_strides(t)) + ", found " +
+        shape_string({t.strides.begin(), t.strides.begin() + t.ndim}) + " for " + describe(t));
+    ok = false;
+  }
+  return ok;
+}
+
+// A projection weight and, for fp8, its per-output-channel scale.
+void check_projection(Problems& problems, const TensorView& weight, const TensorView& scale,
+                      const std::string& name, int64_t out_features, int64_t in_features) {
+  const bool ok = check_bound(problems, weight, name, {DType::kBF16, DType::kFP8E4M3},
+                              {out_features, in_features});
+  if (!ok) return;
+  if (weight.dtype == DType::kFP8E4M3) {
+    check_bound(problems, scale, name + "_scale", {DType::kF32}, {out_features});
+  } else if (scale.defined()) {
+    problems.error(ErrorCode::kInvalidArgument,
+                   name + "_scale: given for a bf16 weight (scales go with fp8 weights only)");
+  }
+}
+
+bool positive_finite(float v) {
+  return std::isfinite(v) && v > 0.0f;
+}
+
+}  // namespace
+
+void check_model_support(const RuntimeConfig& config, int tp_size, Problems& problems) {
+  const ModelConfig& model = config.model;
+  try {
+    model.validate();
+  } catch (const Error& e) {
+    problems.error(e.code() == ErrorCode::kUnsupported ? ErrorCode::kInvalidArgument : e.code(),
+                   e.message());
+    return;
+  }
+  // Contradictions in the options: errors.
+  auto error = [&](bool ok, const std::string& message) {
+    if (!ok) problems.error(ErrorCode::kInvalidArgument, message);
+  };
+  error(!config.token_buckets.empty(), "config.token_buckets is empty");
+  for (std::size_t i = 0; i < config.token_buckets.size(); ++i) {
+    error(config.token_buckets[i] > 0 &&
+              (i == 0 || config.token_buckets[i] > config.token_buckets[i - 1]),
+          "config.token_buckets must be positive and strictly ascending, got " +
+              std::to_string(config.token_buckets[i]) + " at index " + std::to_string(i));
+  }
+  error(!config.query_lens.empty(), "config.query_lens is empty");
+  for (int q : config.query_lens) {
+    error(q > 0, "config.query_lens: query length must be > 0, got " + std::to_string(q));
+  }
+  error(config.max_requests > 0,
+        "config.max_requests must be > 0, got " + std::to_string(config.max_requests));
+  error(config.max_context > 0,
+        "config.max_context must be > 0, got " + std::to_string(config.max_context));
+  error(config.pipeline_parallel_size >= 1, "config.pipeline_parallel_size must be >= 1, got " +
+                                                std::to_string(config.pipeline_parallel_size));
+  error(config.selection_share_period >= 1, "config.selection_share_period must be >= 1, got " +
+                                                std::to_string(config.selection_share_period));
+  error(config.cache_block_size >= 0,
+        "config.cache_block_size must be >= 0, got " + std::to_string(config.cache_block_size));
+  error(std::isfinite(config.swiglu_limit) && config.swiglu_limit > 0,
+        "config.swiglu_limit must be finite and > 0, got " + std::to_string(config.swiglu_limit));
+  error(config.threads >= 0, "config.threads must be >= 0, got " + std::to_string(config.threads));
+  error(tp_size >= 1, "tensor parallel size must be >= 1, got " + std::to_string(tp_size));
+  if (!problems.empty()) return;
+
+  // Valid, but not what this backend runs: unsupported.
+  if (config.pipeline_parallel_size != 1) {
+    problems.unsupported("pipeline parallelism (pipeline_parallel_size " +
+                         std::to_string(config.pipeline_parallel_size) + ") is not supported");
+  }
+  if (config.activation_dtype != DType::kBF16) {
+    problems.unsupported(std::string("activation dtype ") + dtype_name(config.activation_dtype) +
+                         " is not supported (expected bf16)");
+  }
+  if (config.cache_block_size != 0 && config.cache_block_size != model.block_size) {
+    problems.unsupported("cache block size " + std::to_string(config.cache_block_size) +
+                         " differs from the sparse block size " + std::to_string(model.block_size) +
+                         " (one block must be one page)");
+  }
+  if (model.q_heads % tp_size != 0) {
+    problems.unsupported("tensor parallel size " + std::to_string(tp_size) +
+                         " does not divide q_heads " + std::to_string(model.q_heads));
+  }
+  if (model.kv_heads % tp_size != 0 && tp_size % model.kv_heads != 0) {
+    problems.unsupported("tensor parallel size " + std::to_string(tp_size) +
+                         " neither divides kv_heads " + std::to_string(model.kv_heads) +
+                         " nor is a multiple of it");
+  }
+  if (model.intermediate % tp_size != 0) {
+    problems.unsupported("tensor parallel size " + std::to_string(tp_size) +
+                         " does not divide the MLP width " + std::to_string(model.intermediate));
+  }
+  for (int q : config.query_lens) {
+    if (q > kMaxQueryLen) {
+      problems.unsupported("query length " + std::to_string(q) + " is above the maximum " +
+                           std::to_string(kMaxQueryLen));
+    }
+  }
+  if ((config.max_context + model.block_size - 1) / model.block_size > kMaxBlockId + 1) {
+    problems.unsupported("max_context " + std::to_string(config.max_context) +
+                         " needs block ids above " + std::to_string(kMaxBlockId));
+  }
+  if (config.context_parallel) {
+    problems.unsupported("the context-parallel indexer is not implemented on the CPU backend");
+  }
+  if (config.selection_share_period != 1) {
+    problems.unsupported("cross-layer selection sharing (period " +
+                         std::to_string(config.selection_share_period) +
+                         ") is not implemented on the CPU backend");
+  }
+}
+
+void check_readiness(const ModelWeights& model, Problems& problems) {
+  for (const LayerWeights& layer : model.layers) {
+    const std::string prefix = "layer " + std::to_string(layer.layer) + " ";
+    const std::pair<const TensorView*, const char*> caches[] = {
+        {&layer.kv_cache.data, "kv_cache"}, {&layer.index_cache.data, "index_cache"}};
+    for (const auto& [view, name] : caches) {
+      if (!view->defined()) {
+        problems.not_ready(prefix + name + " is not bound");
+      } else if (view->numel() == 0) {
+        problems.not_ready(prefix + name + " is empty (" + describe(*view) + ")");
+      }
+    }
+  }
+}
+
+void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights& model,
+                   Problems& problems, std::vector<LayerWeights>& by_layer) {
+  const ModelConfig& m = config.model;
+  const SparseConfig sc = m.sparse(tp_size);
+  const int first = m.first_sparse_layer;
+  const int count = m.num_sparse_layers();
+  std::vector<const LayerWeights*> slots(static_cast<std::size_t>(count), nullptr);
+  for (const LayerWeights& layer : model.layers) {
+    if (layer.layer < first || layer.layer >= m.num_layers) {
+      problems.error(ErrorCode::kInvalidArgument,
+                     "layer " + std::to_string(layer.layer) + ": not a sparse layer (expected [" +
+                         std::to_string(first) + ", " + std::to_string(m.num_layers) + "))");
+      continue;
+    }
+    const LayerWeights*& slot = slots[static_cast<std::size_t>(layer.layer - first)];
+    if (slot != nullptr) {
+      problems.error(ErrorCode::kInvalidArgument,
+                     "layer " + std::to_string(layer.layer) + ": bound twice");
+      continue;
+    }
+    slot = &layer;
+  }
+
+  const int64_t hidden = m.hidden;
+  const int64_t width = sc.qkv_width();
+  const int64_t attn_width = int64_t{sc.q_heads} * sc.head_dim;
+  const int64_t mlp_width = m.intermediate / tp_size;
+  int64_t kv_pages = -1;
+  int64_t index_pages = -1;
+  int kv_pages_layer = -1;
+  int index_pages_layer = -1;
+  for (int i = 0; i < count; ++i) {
+    const int id = first + i;
+    const std::string prefix = "layer " + std::to_string(id) + " ";
+    const LayerWeights* w = slots[static_cast<std::size_t>(i)];
+    if (w == nullptr) {
+      problems.error(ErrorCode::kInvalidArgument,
+                     prefix + "is a sparse layer but is not bound (every sparse layer must be)");
+      continue;
+    }
+    check_projection(problems, w->qkv_proj, w->qkv_proj_scale, prefix + "qkv_proj", width, hidden);
+    check_bound(problems, w->q_norm, prefix + "q_norm", {DType::kBF16}, {sc.head_dim});
+    check_bound(problems, w->k_norm, prefix + "k_norm", {DType::kBF16}, {sc.head_dim});
+    check_bound(problems, w->index_q_norm, prefix + "index_q_norm", {DType::kBF16}, {sc.index_dim});
+    check_bound(problems, w->index_k_norm, prefix + "index_k_norm", {DType::kBF16}, {sc.index_dim});
+    check_bound(problems, w->input_norm, prefix + "input_norm", {DType::kBF16}, {hidden});
+    check_bound(problems, w->post_attention_norm, prefix + "post_attention_norm", {DType::kBF16},
+                {hidden});
+    check_projection(problems, w->o_proj, w->o_proj_scale, prefix + "o_proj", hidden, attn_width);
+
+    if (check_bound(problems, w->kv_cache.data, prefix + "kv_cache",
+                    {DType::kBF16, DType::kFP8E4M3},
+                    {-1, sc.kv_heads, 2, sc.block_size, sc.head_dim})) {
+      if (!positive_finite(w->kv_cache.k_scale) || !positive_finite(w->kv_cache.v_scale)) {
+        problems.error(ErrorCode::kInvalidArgument,
+                       prefix + "kv_cache: k_scale and v_scale must be finite and > 0, found " +
+                           std::to_string(w->kv_cache.k_scale) + " and " +
+                           std::to_string(w->kv_cache.v_scale));
+      }
+      // One block table addresses every layer's cache: the page counts must agree.
+      if (kv_pages < 0) {
+        kv_pages = w->kv_cache.pages();
+        kv_pages_layer = id;
+      } else if (w->kv_cache.pages() != kv_pages) {
+        problems.error(ErrorCode::kInvalidArgument,
+                       prefix + "kv_cache: expected " + std::to_string(kv_pages) +
+                           " pages (as layer " + std::to_string(kv_pages_layer) + "), found " +
+                           std::to_string(w->kv_cache.pages()));
+      }
+    }
+    if (check_bound(problems, w->index_cache.data, prefix + "index_cache",
+                    {DType::kBF16, DType::kFP8E4M3}, {-1, sc.block_size, sc.index_dim})) {
+      if (index_pages < 0) {
+        index_pages = w->index_cache.pages();
+        index_pages_layer = id;
+      } else if (w->index_cache.pages() != index_pages) {
+        problems.error(ErrorCode::kInvalidArgument,
+                       prefix + "index_cache: expected " + std::to_string(index_pages) +
+                           " pages (as layer " + std::to_string(index_pages_layer) + "), found " +
+                           std::to_string(w->index_cache.pages()));
+      }
+    }
+
+    const bool has_gate_up = w->mlp_gate_up.defined();
+    const bool has_down = w->mlp_down.defined();
+    if (has_gate_up != has_down) {
+      problems.error(ErrorCode::kInvalidArgument,
+                     prefix + "mlp: mlp_gate_up and mlp_down must be bound together (found " +
+                         (has_gate_up ? "only mlp_gate_up" : "only mlp_down") + ")");
+    } else if (has_gate_up && m.intermediate == 0) {
+      problems.error(ErrorCode::kInvalidArgument,
+                     prefix + "mlp: MLP weights are bound but model.intermediate is 0");
+    } else if (has_gate_up) {
+      check_bound(problems, w->mlp_gate_up, prefix + "mlp_gate_up", {DType::kBF16},
+                  {2 * mlp_width, hidden});
+      check_bound(problems, w->mlp_down, prefix + "mlp_down", {DType::kBF16}, {hidden, mlp_width});
+    }
+  }
+  if (!problems.empty()) return;
+  by_layer.clear();
+  for (const LayerWeights* w : slots) by_layer.push_back(*w);
+}
+
+}  // namespace m3msa::runtime_detail

@@ -1,0 +1,664 @@
+// The runtime's lifecycle (mono.md) on the CPU backend: the staged, collectively agreed prepare,
+// begin_step into fixed metadata buffers, forward_layer through the CPU reference, detach and
+// close. Everything a step needs is allocated in prepare; the step path allocates nothing.
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "m3msa/cpu_reference.h"
+#include "m3msa/error.h"
+#include "m3msa/ops.h"
+#include "m3msa/runtime.h"
+#include "runtime/runtime_internal.h"
+
+namespace m3msa {
+
+using runtime_detail::Outcome;
+using runtime_detail::OutcomeKind;
+using runtime_detail::Problems;
+
+const char* prepare_result_name(PrepareResult result) {
+  switch (result) {
+    case PrepareResult::kSkipped: return "skipped";
+    case PrepareResult::kNotReady: return "not ready";
+    case PrepareResult::kActive: return "active";
+    case PrepareResult::kFallback: return "fallback";
+  }
+  return "unknown";
+}
+
+const char* runtime_state_name(RuntimeState state) {
+  switch (state) {
+    case RuntimeState::kIdle: return "idle";
+    case RuntimeState::kActive: return "active";
+    case RuntimeState::kFallback: return "fallback";
+    case RuntimeState::kClosed: return "closed";
+  }
+  return "unknown";
+}
+
+const char* step_refusal_name(StepRefusal refusal) {
+  switch (refusal) {
+    case StepRefusal::kNotActive: return "not active";
+    case StepRefusal::kPrefill: return "prefill or mixed batch";
+    case StepRefusal::kTooManyRequests: return "too many requests";
+    case StepRefusal::kQueryLen: return "unsupported query length";
+    case StepRefusal::kTokenCount: return "token count outside the buckets";
+    case StepRefusal::kContextTooLong: return "context longer than max_context";
+  }
+  return "unknown";
+}
+
+std::string RuntimeConfig::to_string() const {
+  std::ostringstream out;
+  const ModelConfig& m = model;
+  out << "hidden=" << m.hidden << " layers=" << m.num_layers
+      << " first_sparse=" << m.first_sparse_layer << " q_heads=" << m.q_heads
+      << " kv_heads=" << m.kv_heads << " head_dim=" << m.head_dim
+      << " index_heads=" << m.index_heads << " index_dim=" << m.index_dim
+      << " block_size=" << m.block_size << " topk=" << m.topk << " init=" << m.init_blocks
+      << " local=" << m.local_blocks << " rope_dim=" << m.rope_dim << " theta=" << m.rope_theta
+      << " eps=" << m.rms_eps << " intermediate=" << m.intermediate
+      << " pp=" << pipeline_parallel_size << " act=" << dtype_name(activation_dtype)
+      << " cache_block=" << cache_block_size << " buckets=";
+  for (std::size_t i = 0; i < token_buckets.size(); ++i) out << (i ? "," : "") << token_buckets[i];
+  out << " q_lens=";
+  for (std::size_t i = 0; i < query_lens.size(); ++i) out << (i ? "," : "") << query_lens[i];
+  out << " max_requests=" << max_requests << " max_context=" << max_context
+      << " cp=" << (context_parallel ? 1 : 0) << " share_period=" << selection_share_period
+      << " swiglu_limit=" << swiglu_limit;
+  return out.str();
+}
+
+std::string RuntimeStats::to_json() const {
+  nlohmann::json j;
+  j["state"] = runtime_state_name(state);
+  j["backend"] = backend;
+  j["tp_rank"] = tp_rank;
+  j["tp_size"] = tp_size;
+  j["prepare_calls"] = prepare_calls;
+  j["prepare_skipped"] = prepare_skipped;
+  j["prepare_not_ready"] = prepare_not_ready;
+  j["fallback_reasons"] = nlohmann::json::object();
+  for (const auto& [reason, count] : fallback_reasons) j["fallback_reasons"][reason] = count;
+  j["refusals"] = nlohmann::json::object();
+  for (int i = 0; i < kNumStepRefusals; ++i) {
+    j["refusals"][step_refusal_name(static_cast<StepRefusal>(i))] =
+        refusals[static_cast<std::size_t>(i)];
+  }
+  j["last_refusal"] = last_refusal;
+  j["steps_accepted"] = steps_accepted;
+  j["buckets"] = buckets;
+  j["bucket_steps"] = bucket_steps;
+  j["graphs_captured"] = graphs_captured;
+  j["launches_per_layer"] = launches_per_layer;
+  j["bound_layers"] = bound_layers;
+  j["layers_run"] = layers_run;
+  return j.dump();
+}
+
+namespace {
+
+void default_log(const std::string& line) {
+  std::cerr << line << '\n';
+}
+
+// Runs one stage's check on this rank; nothing it throws escapes before the agreement, so a
+// failing rank still arrives at the all-gather its peers wait in.
+template <typename Check>
+Outcome run_stage(Check&& check) {
+  try {
+    Problems problems;
+    check(problems);
+    return problems.outcome();
+  } catch (const Error& e) {
+    Outcome out;
+    out.kind =
+        e.code() == ErrorCode::kUnsupported ? OutcomeKind::kUnsupported : OutcomeKind::kError;
+    out.code = e.code();
+    out.message = e.message();
+    return out;
+  } catch (const std::exception& e) {
+    Outcome out;
+    out.kind = OutcomeKind::kError;
+    out.code = ErrorCode::kInternal;
+    out.message = e.what();
+    return out;
+  }
+}
+
+std::string list_outcomes(const std::vector<Outcome>& outcomes) {
+  std::string text;
+  for (std::size_t r = 0; r < outcomes.size(); ++r) {
+    const Outcome& o = outcomes[r];
+    text += (r ? "; " : "") + std::string("rank ") + std::to_string(r) + ": ";
+    if (o.kind == OutcomeKind::kError) {
+      text += std::string(error_code_name(o.code)) + ": " + o.message;
+    } else if (o.kind == OutcomeKind::kOk) {
+      text += "ok";
+    } else {
+      text += std::string(runtime_detail::outcome_kind_name(o.kind)) + ": " + o.message;
+    }
+  }
+  return text;
+}
+
+}  // namespace
+
+struct Runtime::Impl {
+  LogSink log;
+  RuntimeState state = RuntimeState::kIdle;
+  RuntimeStats stats;
+
+  // Bound at prepare (views only; the engine owns the storage).
+  Communicator* comm = nullptr;
+  RuntimeConfig config;
+  SparseConfig sparse;
+  std::vector<LayerWeights> layers;  // index: layer - first_sparse_layer
+  int max_rows = 0;
+  int64_t max_blocks = 0;
+
+  // Fixed metadata buffers: allocated at prepare, addresses stable until close.
+  HostTensor seq_lens;            // [max_requests] i32
+  HostTensor index_block_table;   // [max_requests, max_blocks] i32
+  HostTensor kv_block_table;      // [max_requests, max_blocks] i32
+  HostTensor slot_mapping;        // [max_rows] i64
+  HostTensor index_slot_mapping;  // [max_rows] i64
+  BatchMeta step;
+  bool step_open = false;
+
+  // Scratch, sized for max_rows.
+  HostTensor normed;           // [max_rows, hidden] bf16
+  HostTensor qkv;              // [max_rows, qkv_width] bf16
+  HostTensor q;                // [max_rows, QH, HD] bf16
+  HostTensor index_q;          // [max_rows, H, D] bf16
+  HostTensor topk;             // [max_rows, H, k] i32
+  HostTensor attn;             // [max_rows, QH, HD] bf16
+  HostTensor mlp_gu;           // [max_rows, 2 I] bf16 (when a layer has an MLP)
+  HostTensor mlp_act;          // [max_rows, I] bf16
+  std::vector<float> f32_out;  // [max_rows * max(width, hidden, 2 I)]
+  std::vector<float> x_row;    // [max(hidden, QH*HD, I)]
+
+  void emit(const std::string& line) const {
+    const std::string text = "m3msa runtime (rank " + std::to_string(stats.tp_rank) + "): " + line;
+    if (log) {
+      log(text);
+    } else {
+      default_log(text);
+    }
+  }
+
+  std::vector<Outcome> agree(const std::string& tag, const Outcome& mine) {
+    const std::vector<ByteRecord> records = comm->all_gather(runtime_detail::encode(mine), tag);
+    std::vector<Outcome> all;
+    all.reserve(records.size());
+    for (std::size_t r = 0; r < records.size(); ++r) {
+      all.push_back(runtime_detail::decode(records[r], static_cast<int>(r)));
+    }
+    return all;
+  }
+
+  // Every rank sees the same outcomes and so reaches the same decision. Returns the worst kind;
+  // throws the one error every rank raises when any rank failed for a reason other than
+  // "unsupported"; records and logs the fallback reasons.
+  OutcomeKind decide(const std::string& stage, const std::vector<Outcome>& all) {
+    OutcomeKind worst = OutcomeKind::kOk;
+    const Outcome* first_error = nullptr;
+    for (const Outcome& o : all) {
+      if (static_cast<int>(o.kind) > static_cast<int>(worst)) worst = o.kind;
+      if (o.kind == OutcomeKind::kError && first_error == nullptr) first_error = &o;
+    }
+    if (first_error != nullptr) {
+      throw Error(first_error->code,
+                  "prepare failed at stage '" + stage + "': " + list_outcomes(all), __FILE__,
+                  __LINE__, comm->rank());
+    }
+    if (worst == OutcomeKind::kUnsupported) {
+      std::string reasons;
+      for (std::size_t r = 0; r < all.size(); ++r) {
+        if (all[r].kind != OutcomeKind::kUnsupported) continue;
+        const std::string reason =
+            "rank " + std::to_string(r) + ": " + stage + ": " + all[r].message;
+        ++stats.fallback_reasons[reason];
+        reasons += (reasons.empty() ? "" : "; ") + reason;
+      }
+      emit("falling back to native execution for good: " + reasons);
+    } else if (worst == OutcomeKind::kNotReady) {
+      std::string reasons;
+      for (std::size_t r = 0; r < all.size(); ++r) {
+        if (all[r].kind != OutcomeKind::kNotReady) continue;
+        reasons +=
+            (reasons.empty() ? "rank " : "; rank ") + std::to_string(r) + ": " + all[r].message;
+      }
+      emit("not ready, retrying on a later step: " + reasons);
+    }
+    return worst;
+  }
+
+  void allocate() {
+    const ModelConfig& m = config.model;
+    max_rows = config.token_buckets.back();
+    max_blocks = (config.max_context + m.block_size - 1) / m.block_size;
+    const int64_t rows = max_rows;
+    const int64_t reqs = config.max_requests;
+    seq_lens = HostTensor(DType::kI32, {reqs});
+    index_block_table = HostTensor(DType::kI32, {reqs, max_blocks});
+    kv_block_table = HostTensor(DType::kI32, {reqs, max_blocks});
+    slot_mapping = HostTensor(DType::kI64, {rows});
+    index_slot_mapping = HostTensor(DType::kI64, {rows});
+    seq_lens.fill_bytes(0);
+    index_block_table.fill_bytes(0xFF);  // -1: no page
+    kv_block_table.fill_bytes(0xFF);
+    slot_mapping.fill_bytes(0xFF);
+    index_slot_mapping.fill_bytes(0xFF);
+
+    const int64_t hidden = m.hidden;
+    const int64_t width = sparse.qkv_width();
+    const int64_t attn_width = int64_t{sparse.q_heads} * sparse.head_dim;
+    const int64_t mlp_width = m.intermediate / stats.tp_size;
+    bool any_mlp = false;
+    for (const LayerWeights& w : layers) any_mlp = any_mlp || w.mlp_gate_up.defined();
+    normed = HostTensor(DType::kBF16, {rows, hidden});
+    qkv = HostTensor(DType::kBF16, {rows, width});
+    q = HostTensor(DType::kBF16, {rows, sparse.q_heads, sparse.head_dim});
+    index_q = HostTensor(DType::kBF16, {rows, sparse.index_heads, sparse.index_dim});
+    topk = HostTensor(DType::kI32, {rows, sparse.index_heads, sparse.topk});
+    attn = HostTensor(DType::kBF16, {rows, sparse.q_heads, sparse.head_dim});
+    if (any_mlp) {
+      mlp_gu = HostTensor(DType::kBF16, {rows, 2 * mlp_width});
+      mlp_act = HostTensor(DType::kBF16, {rows, mlp_width});
+    }
+    f32_out.assign(static_cast<std::size_t>(rows * std::max({width, hidden, 2 * mlp_width})), 0.0f);
+    x_row.assign(static_cast<std::size_t>(std::max({hidden, attn_width, mlp_width})), 0.0f);
+  }
+
+  void release() {
+    layers.clear();
+    seq_lens = {};
+    index_block_table = {};
+    kv_block_table = {};
+    slot_mapping = {};
+    index_slot_mapping = {};
+    normed = {};
+    qkv = {};
+    q = {};
+    index_q = {};
+    topk = {};
+    attn = {};
+    mlp_gu = {};
+    mlp_act = {};
+    f32_out = {};
+    x_row = {};
+    step = {};
+    step_open = false;
+    stats.bound_layers.clear();
+  }
+
+  bool refuse(StepRefusal why, const std::string& detail) {
+    ++stats.refusals[static_cast<std::size_t>(why)];
+    stats.last_refusal = std::string(step_refusal_name(why)) + ": " + detail;
+    step_open = false;
+    return false;
+  }
+};
+
+Runtime::Runtime(LogSink log) : impl_(std::make_unique<Impl>()) {
+  impl_->log = std::move(log);
+}
+
+Runtime::~Runtime() = default;
+
+RuntimeState Runtime::state() const {
+  return impl_->state;
+}
+
+RuntimeStats Runtime::stats() const {
+  RuntimeStats out = impl_->stats;
+  out.state = impl_->state;
+  return out;
+}
+
+const BatchMeta& Runtime::step_metadata() const {
+  return impl_->step;
+}
+
+PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& config,
+                               Communicator& comm, const StepContext& step) {
+  Impl& s = *impl_;
+  M3MSA_CHECK_ARG(!step.capturing,
+                  "prepare: called while a stream is capturing; prepare runs only in an eager "
+                  "step (mono.md lifecycle 1)");
+  if (s.state == RuntimeState::kFallback) return PrepareResult::kFallback;  // final
+  if (s.state == RuntimeState::kActive) return PrepareResult::kActive;
+  if (!step.has_metadata) {
+    ++s.stats.prepare_skipped;
+    return PrepareResult::kSkipped;
+  }
+  ++s.stats.prepare_calls;
+  s.comm = &comm;
+  s.stats.tp_rank = comm.rank();
+  s.stats.tp_size = comm.world_size();
+  const int tp = comm.world_size();
+
+  // Stage 1: model support, plus the configuration every rank must share.
+  Outcome mine = run_stage(
+      [&](Problems& problems) { runtime_detail::check_model_support(config, tp, problems); });
+  mine.fingerprint = config.to_string();
+  std::vector<Outcome> all = s.agree("prepare/model support", mine);
+  OutcomeKind decision = s.decide("model support", all);
+  if (decision == OutcomeKind::kUnsupported) {
+    s.state = RuntimeState::kFallback;
+    return PrepareResult::kFallback;
+  }
+  for (std::size_t r = 1; r < all.size(); ++r) {
+    if (all[r].fingerprint == all[0].fingerprint) continue;
+    std::string text = "prepare failed at stage 'model support': the ranks' configurations differ:";
+    for (std::size_t i = 0; i < all.size(); ++i) {
+      text += (i ? "; rank " : " rank ") + std::to_string(i) + ": " + all[i].fingerprint;
+    }
+    throw Error(ErrorCode::kInvalidArgument, text, __FILE__, __LINE__, comm.rank());
+  }
+
+  // Stage 2: readiness (temporary profiling caches are a normal case: retry later).
+  mine = run_stage([&](Problems& problems) { runtime_detail::check_readiness(model, problems); });
+  all = s.agree("prepare/readiness", mine);
+  decision = s.decide("readiness", all);
+  if (decision == OutcomeKind::kNotReady) {
+    ++s.stats.prepare_not_ready;
+    return PrepareResult::kNotReady;
+  }
+
+  // Stage 3: weight support; binds views and allocates every buffer a step needs.
+  std::vector<LayerWeights> bound;
+  mine = run_stage([&](Problems& problems) {
+    runtime_detail::check_weights(config, tp, model, problems, bound);
+    if (!problems.empty()) return;
+    s.config = config;
+    s.sparse = config.model.sparse(tp);
+    s.layers = bound;
+    s.allocate();
+  });
+  try {
+    all = s.agree("prepare/weight support", mine);
+    decision = s.decide("weight support", all);
+  } catch (...) {
+    s.release();
+    throw;
+  }
+  if (decision == OutcomeKind::kUnsupported) {
+    s.release();
+    s.state = RuntimeState::kFallback;
+    return PrepareResult::kFallback;
+  }
+  s.stats.buckets = config.token_buckets;
+  s.stats.bucket_steps.assign(config.token_buckets.size(), 0);
+  s.stats.bound_layers.clear();
+  for (const LayerWeights& w : s.layers) s.stats.bound_layers.push_back(w.layer);
+  s.state = RuntimeState::kActive;
+  return PrepareResult::kActive;
+}
+
+bool Runtime::begin_step(const BatchMeta& batch) {
+  Impl& s = *impl_;
+  s.step_open = false;
+  if (s.state != RuntimeState::kActive) {
+    return s.refuse(StepRefusal::kNotActive,
+                    std::string("the runtime is ") + runtime_state_name(s.state));
+  }
+  if (batch.kind != BatchKind::kDecode) {
+    return s.refuse(StepRefusal::kPrefill, "the batch is not a pure decode batch");
+  }
+  validate_batch_shapes(batch, Device::cpu());
+  M3MSA_CHECK_ARG(batch.index_block_table.defined() && batch.kv_block_table.defined(),
+                  "begin_step: both block tables are required");
+  M3MSA_CHECK_ARG(batch.slot_mapping.defined() && batch.index_slot_mapping.defined(),
+                  "begin_step: both slot mappings are required");
+  const RuntimeConfig& c = s.config;
+  if (batch.num_reqs > c.max_requests) {
+    return s.refuse(StepRefusal::kTooManyRequests, "num_reqs " + std::to_string(batch.num_reqs) +
+                                                       " > max_requests " +
+                                                       std::to_string(c.max_requests));
+  }
+  if (std::find(c.query_lens.begin(), c.query_lens.end(), batch.q_len) == c.query_lens.end()) {
+    return s.refuse(StepRefusal::kQueryLen, "q_len " + std::to_string(batch.q_len));
+  }
+  const int64_t rows = batch.num_rows();
+  const auto bucket = std::lower_bound(c.token_buckets.begin(), c.token_buckets.end(), rows);
+  if (rows == 0 || bucket == c.token_buckets.end()) {
+    return s.refuse(StepRefusal::kTokenCount, std::to_string(rows) + " tokens (largest bucket " +
+                                                  std::to_string(c.token_buckets.back()) + ")");
+  }
+  // seq_lens are host memory on this backend; a device backend cannot read them on the step path
+  // and relies on the engine's maximum model length being <= max_context instead.
+  const int32_t* lens = batch.seq_lens.ptr<const int32_t>();
+  for (int r = 0; r < batch.num_reqs; ++r) {
+    if (lens[r] > c.max_context) {
+      return s.refuse(StepRefusal::kContextTooLong,
+                      "request " + std::to_string(r) + " has " + std::to_string(lens[r]) +
+                          " tokens > max_context " + std::to_string(c.max_context));
+    }
+  }
+
+  // Copy into the fixed buffers (addresses never change; only the views' shapes follow the step).
+  const int n = batch.num_reqs;
+  std::memcpy(s.seq_lens.data(), batch.seq_lens.data,
+              sizeof(int32_t) * static_cast<std::size_t>(n));
+  const std::pair<const TensorView*, HostTensor*> tables[] = {
+      {&batch.index_block_table, &s.index_block_table}, {&batch.kv_block_table, &s.kv_block_table}};
+  for (const auto& [src, dst] : tables) {
+    const int64_t cols = std::min<int64_t>(src->shape[1], s.max_blocks);
+    int32_t* out = dst->ptr<int32_t>();
+    for (int r = 0; r < n; ++r) {
+      const int32_t* in = src->ptr<const int32_t>() + r * src->strides[0];
+      std::memcpy(out + r * s.max_blocks, in, sizeof(int32_t) * static_cast<std::size_t>(cols));
+      std::fill(out + r * s.max_blocks + cols, out + (r + 1) * s.max_blocks, -1);
+    }
+  }
+  std::memcpy(s.slot_mapping.data(), batch.slot_mapping.data,
+              sizeof(int64_t) * static_cast<std::size_t>(rows));
+  std::memcpy(s.index_slot_mapping.data(), batch.index_slot_mapping.data,
+              sizeof(int64_t) * static_cast<std::size_t>(rows));
+
+  BatchMeta& step = s.step;
+  step = BatchMeta{};
+  step.kind = BatchKind::kDecode;
+  step.num_reqs = n;
+  step.q_len = batch.q_len;
+  step.seq_lens = TensorView::contiguous(s.seq_lens.data(), DType::kI32, {int64_t{n}});
+  step.index_block_table =
+      TensorView::contiguous(s.index_block_table.data(), DType::kI32, {int64_t{n}, s.max_blocks});
+  step.kv_block_table =
+      TensorView::contiguous(s.kv_block_table.data(), DType::kI32, {int64_t{n}, s.max_blocks});
+  step.slot_mapping = TensorView::contiguous(s.slot_mapping.data(), DType::kI64, {rows});
+  step.index_slot_mapping =
+      TensorView::contiguous(s.index_slot_mapping.data(), DType::kI64, {rows});
+  ++s.stats.steps_accepted;
+  ++s.stats.bucket_steps[static_cast<std::size_t>(bucket - c.token_buckets.begin())];
+  s.step_open = true;
+  return true;
+}
+
+void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
+                            TensorView positions) {
+  Impl& s = *impl_;
+  M3MSA_CHECK_ARG(s.state == RuntimeState::kActive, "forward_layer: the runtime is ",
+                  runtime_state_name(s.state), ", not active");
+  M3MSA_CHECK_ARG(s.step_open,
+                  "forward_layer: no accepted step (begin_step must return true "
+                  "first)");
+  const ModelConfig& m = s.config.model;
+  M3MSA_CHECK_ARG(layer >= m.first_sparse_layer && layer < m.num_layers, "forward_layer: layer ",
+                  layer, " is not a sparse layer [", m.first_sparse_layer, ", ", m.num_layers, ")");
+  const LayerWeights& w = s.layers[static_cast<std::size_t>(layer - m.first_sparse_layer)];
+  const int64_t rows = s.step.num_rows();
+  const int64_t H = m.hidden;
+  check_tensor(hidden, "forward_layer: hidden", DType::kBF16, {rows, H});
+  check_tensor(residual, "forward_layer: residual", DType::kBF16, {rows, H});
+  check_tensor(positions, "forward_layer: positions", DType::kI64, {rows});
+  M3MSA_CHECK_ARG(hidden.data != residual.data || rows == 0,
+                  "forward_layer: hidden and residual must be distinct buffers");
+  for (const auto& [view, name] : {std::pair{hidden, "forward_layer: hidden"},
+                                   {residual, "forward_layer: residual"},
+                                   {positions, "forward_layer: positions"}}) {
+    check_device(view, name, Device::cpu());
+  }
+  const SparseConfig& sc = s.sparse;
+  const int threads = s.config.threads;
+  uint16_t* h = hidden.ptr<uint16_t>();
+  uint16_t* res = residual.ptr<uint16_t>();
+  uint16_t* normed = s.normed.ptr<uint16_t>();
+  float* f32 = s.f32_out.data();
+  char tag[48];
+
+  // 1. x = hidden + residual (the new residual), h = input_norm(x).
+  for (int64_t i = 0; i < rows * H; ++i) {
+    res[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(res[i]));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    runtime_detail::gemma_rmsnorm_row(res + r * H, w.input_norm.ptr<const uint16_t>(), H, m.rms_eps,
+                                      normed + r * H);
+  }
+
+  // 2. The fused projection [q | k | v | index_q | index_k].
+  const int64_t width = sc.qkv_width();
+  runtime_detail::linear(normed, rows, H, w.qkv_proj, w.qkv_proj_scale, f32, s.x_row.data());
+  uint16_t* qkv = s.qkv.ptr<uint16_t>();
+  for (int64_t i = 0; i < rows * width; ++i) qkv[i] = float_to_bf16(f32[i]);
+
+  // 3. Head norms, RoPE, cache insert; 4. selection; 5. sparse attention.
+  PreprocessArgs pre;
+  pre.qkv = TensorView::contiguous(qkv, DType::kBF16, {rows, width});
+  pre.q_norm = w.q_norm;
+  pre.k_norm = w.k_norm;
+  pre.index_q_norm = w.index_q_norm;
+  pre.index_k_norm = w.index_k_norm;
+  pre.positions = positions;
+  pre.batch = s.step;
+  pre.kv_cache = w.kv_cache;
+  pre.index_cache = w.index_cache;
+  pre.q_out = TensorView::contiguous(s.q.data(), DType::kBF16,
+                                     {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
+  pre.index_q_out = TensorView::contiguous(s.index_q.data(), DType::kBF16,
+                                           {rows, int64_t{sc.index_heads}, int64_t{sc.index_dim}});
+  cpu::preprocess(sc, pre, threads);
+
+  IndexerArgs idx;
+  idx.index_q = pre.index_q_out;
+  idx.index_cache = w.index_cache;
+  idx.batch = s.step;
+  idx.topk_idx = TensorView::contiguous(s.topk.data(), DType::kI32,
+                                        {rows, int64_t{sc.index_heads}, int64_t{sc.topk}});
+  cpu::select_topk(sc, idx, threads);
+
+  AttentionArgs att;
+  att.q = pre.q_out;
+  att.kv_cache = w.kv_cache;
+  att.batch = s.step;
+  att.topk_idx = idx.topk_idx;
+  att.out = TensorView::contiguous(s.attn.data(), DType::kBF16,
+                                   {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
+  cpu::sparse_attention(sc, att, threads);
+
+  // 6. Output projection (this rank's heads) and the TP reduce.
+  const int64_t attn_width = int64_t{sc.q_heads} * sc.head_dim;
+  runtime_detail::linear(s.attn.ptr<const uint16_t>(), rows, attn_width, w.o_proj, w.o_proj_scale,
+                         f32, s.x_row.data());
+  std::snprintf(tag, sizeof(tag), "layer %d o_proj", layer);
+  s.comm->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
+
+  // 7. x2 = x + o (the new residual), h2 = post_attention_norm(x2).
+  for (int64_t i = 0; i < rows * H; ++i) {
+    res[i] = float_to_bf16(bf16_to_float(res[i]) + round_to_bf16(f32[i]));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    runtime_detail::gemma_rmsnorm_row(res + r * H, w.post_attention_norm.ptr<const uint16_t>(), H,
+                                      m.rms_eps, h + r * H);
+  }
+
+  // 8. Optional dense SwiGLU-OAI MLP: hidden <- mlp(h2).
+  if (w.mlp_gate_up.defined()) {
+    const int64_t I = m.intermediate / s.stats.tp_size;
+    runtime_detail::linear(h, rows, H, w.mlp_gate_up, TensorView{}, f32, s.x_row.data());
+    uint16_t* act = s.mlp_act.ptr<uint16_t>();
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < I; ++j) {
+        const float gate = round_to_bf16(f32[r * 2 * I + j]);
+        const float up = round_to_bf16(f32[r * 2 * I + I + j]);
+        act[r * I + j] = float_to_bf16(runtime_detail::swiglu_oai(gate, up, s.config.swiglu_limit));
+      }
+    }
+    runtime_detail::linear(act, rows, I, w.mlp_down, TensorView{}, f32, s.x_row.data());
+    std::snprintf(tag, sizeof(tag), "layer %d mlp_down", layer);
+    s.comm->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
+    for (int64_t i = 0; i < rows * H; ++i) h[i] = float_to_bf16(f32[i]);
+  }
+  ++s.stats.layers_run;
+}
+
+void Runtime::detach(const std::vector<LayerCaches>& replacement) {
+  Impl& s = *impl_;
+  Outcome mine = run_stage([&](Problems& problems) {
+    for (const LayerCaches& c : replacement) {
+      const std::string prefix = "layer " + std::to_string(c.layer) + " ";
+      if (c.kv_cache.data.numel() > 0) {
+        problems.error(ErrorCode::kInvalidArgument,
+                       prefix + "kv_cache: the replacement must be empty storage, found " +
+                           describe(c.kv_cache.data));
+      }
+      if (c.index_cache.data.numel() > 0) {
+        problems.error(ErrorCode::kInvalidArgument,
+                       prefix + "index_cache: the replacement must be empty storage, found " +
+                           describe(c.index_cache.data));
+      }
+    }
+  });
+  if (s.state == RuntimeState::kActive) {
+    // All ranks detach together: agree, so a bad replacement on one rank fails every rank.
+    const std::vector<Outcome> all = s.agree("detach", mine);
+    for (const Outcome& o : all) {
+      if (o.kind != OutcomeKind::kOk) {
+        throw Error(o.code, "detach refused: " + list_outcomes(all), __FILE__, __LINE__,
+                    s.comm->rank());
+      }
+    }
+  } else if (mine.kind != OutcomeKind::kOk) {
+    throw Error(mine.code, "detach refused: " + mine.message, __FILE__, __LINE__,
+                s.comm ? s.comm->rank() : -1);
+  }
+  close();
+}
+
+void Runtime::close() {
+  Impl& s = *impl_;
+  if (s.state != RuntimeState::kActive) return;  // idempotent; a fallback stays a fallback
+  // Agree that every rank ran the same steps and layers (the lockstep rule), then release even if
+  // the agreement fails: close must leave nothing bound.
+  Outcome mine;
+  mine.fingerprint = "steps_accepted=" + std::to_string(s.stats.steps_accepted) +
+                     " layers_run=" + std::to_string(s.stats.layers_run);
+  std::vector<Outcome> all;
+  try {
+    all = s.agree("close", mine);
+  } catch (...) {
+    s.release();
+    s.state = RuntimeState::kClosed;
+    throw;
+  }
+  s.release();
+  s.state = RuntimeState::kClosed;
+  for (const Outcome& o : all) {
+    if (o.fingerprint != all[0].fingerprint) {
+      std::string text = "close: the ranks ran different work (out of lockstep):";
+      for (std::size_t r = 0; r < all.size(); ++r) {
+        text += (r ? "; rank " : " rank ") + std::to_string(r) + ": " + all[r].fingerprint;
+      }
+      throw Error(ErrorCode::kInternal, text, __FILE__, __LINE__, s.comm->rank());
+    }
+  }
+}
+
+}  // namespace m3msa

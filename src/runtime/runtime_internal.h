@@ -1,0 +1,78 @@
+// Internals of the runtime shared by its translation units: the per-rank stage outcome that the
+// host agreement exchanges, the checks of the three prepare stages, and the CPU layer math.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "m3msa/comm.h"
+#include "m3msa/error.h"
+#include "m3msa/runtime.h"
+
+namespace m3msa::runtime_detail {
+
+// ---- Stage outcomes and the host agreement ----
+
+enum class OutcomeKind : uint8_t { kOk = 0, kNotReady = 1, kUnsupported = 2, kError = 3 };
+const char* outcome_kind_name(OutcomeKind kind);
+
+struct Outcome {
+  OutcomeKind kind = OutcomeKind::kOk;
+  ErrorCode code = ErrorCode::kInternal;  // for kError: the code every rank rethrows with
+  std::string message;                    // why (empty when ok)
+  std::string fingerprint;                // model stage: the agreed configuration
+};
+
+ByteRecord encode(const Outcome& outcome);
+Outcome decode(const ByteRecord& record, int rank);
+
+// Problems found by one stage on one rank. Each is "unsupported" (a valid setup the runtime does
+// not run: the engine falls back) or an error (a contradiction: a bug in the caller).
+class Problems {
+ public:
+  void unsupported(std::string message);
+  void error(ErrorCode code, std::string message);
+  void not_ready(std::string message);
+  // Error beats unsupported beats not ready; the message lists every problem of the worst kind
+  // (up to a cap), so one prepare names every refused tensor.
+  Outcome outcome() const;
+  bool empty() const { return items_.empty(); }
+
+ private:
+  struct Item {
+    OutcomeKind kind;
+    ErrorCode code;
+    std::string message;
+  };
+  std::vector<Item> items_;
+};
+
+// ---- Stage checks (binding.cc) ----
+
+// Stage 1: configuration vs what the CPU backend runs, for a TP group of `tp_size` ranks.
+void check_model_support(const RuntimeConfig& config, int tp_size, Problems& problems);
+// Stage 2: every bound layer's caches are given and non-empty.
+void check_readiness(const ModelWeights& model, Problems& problems);
+// Stage 3: every sparse layer bound once, every tensor's dtype, shape, layout and device.
+// Fills `by_layer` (index = layer - first_sparse_layer) when there is no problem.
+void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights& model,
+                   Problems& problems, std::vector<LayerWeights>& by_layer);
+
+// ---- CPU layer math (cpu_layer.cc) ----
+
+// out[r, n] = sum_k x[r, k] * w[n, k] (* scale[n]) for r < rows: fp32, k ascending.
+// x: [rows, in] bf16 (row stride in); w: [out, in] bf16 | fp8_e4m3; scale: [out] f32 or not given.
+// x_row: scratch of at least `in` floats.
+void linear(const uint16_t* x, int64_t rows, int64_t in, const TensorView& w,
+            const TensorView& scale, float* out, float* x_row);
+
+// y = bf16(x * rsqrt(mean(x^2) + eps) * (1 + w)), fp32 math, sum of squares in order.
+void gemma_rmsnorm_row(const uint16_t* x, const uint16_t* weight, int64_t n, float eps,
+                       uint16_t* y);
+
+// SwiGLU-OAI on one value pair: min(g, limit) * sigmoid(1.702 min(g, limit)) *
+// (clamp(u, -limit, limit) + 1).
+float swiglu_oai(float gate, float up, float limit);
+
+}  // namespace m3msa::runtime_detail

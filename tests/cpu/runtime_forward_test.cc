@@ -1,0 +1,358 @@
+// forward_layer on the CPU backend: TP = 2 and TP = 4 (ranks as threads) against TP = 1, and
+// TP = 1 against a hand-written reference of the layer that composes the CPU reference ops with
+// double-precision matmuls and norms (independent numerics, so wiring errors cannot cancel).
+//
+// Tolerances (bf16 outputs, values O(1)): |got - want| <= kAbsTol + kRelTol * |want|.
+//  - TP = P vs TP = 1: the only difference is the fp32 order of the o_proj / mlp_down sums (rank
+//    partials added in rank order), so a few bf16 ulps: kRelTol = 2^-6, kAbsTol = 2^-8.
+//  - TP = 1 vs the reference: double vs fp32 accumulation can flip a bf16 rounding anywhere in
+//    the chain (projections, norms, attention), over two layers and three steps: kRelTol = 2^-5,
+//    kAbsTol = 2^-6.
+// Exact checks: every rank of a TP group returns bit-identical outputs; the first sparse layer's
+// caches of every rank equal the TP = 1 caches (projection rows do not depend on TP).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "m3msa/comm.h"
+#include "m3msa/cpu_reference.h"
+#include "m3msa/error.h"
+#include "m3msa/runtime.h"
+#include "runtime_test_fixture.h"
+
+namespace m3msa {
+namespace {
+
+using rt_test::MasterModel;
+using rt_test::StepMeta;
+
+constexpr int64_t kMaxContext = 256;
+
+struct Scenario {
+  MasterModel master;
+  RuntimeConfig config;
+  int64_t max_blocks = 0;
+  std::vector<StepMeta> steps;
+  std::vector<std::vector<uint16_t>> hidden_in;    // per step [rows, hidden]
+  std::vector<std::vector<uint16_t>> residual_in;  // per step [rows, hidden]
+};
+
+// Three decode steps: speculative rows (q = 2) with a padding request, then plain decode (q = 1)
+// with a new request. Contexts span 3..10 blocks of 16 against top-4.
+Scenario make_scenario(int intermediate, uint64_t seed) {
+  Scenario s;
+  s.config = rt_test::small_config(intermediate);
+  s.config.max_context = kMaxContext;
+  const ModelConfig& m = s.config.model;
+  s.max_blocks = kMaxContext / m.block_size;
+  const int64_t pages = s.config.max_requests * s.max_blocks + 3;
+  s.master = rt_test::make_master(m, pages, seed, /*mlp_on_last_layer=*/true);
+  const auto index_perm = rt_test::page_permutation(pages, seed + 1);
+  const auto kv_perm = rt_test::page_permutation(pages, seed + 2);
+  const std::vector<std::pair<std::vector<int32_t>, int>> shapes = {
+      {{70, 150, 0}, 2}, {{72, 152, 0}, 2}, {{73, 153, 40, 0}, 1}};
+  rt_test::Rng rng(seed + 3);
+  for (const auto& [lens, q] : shapes) {
+    s.steps.push_back(rt_test::make_step(lens, q, m.block_size, s.max_blocks, index_perm, kv_perm));
+    const std::size_t n = lens.size() * static_cast<std::size_t>(q) * m.hidden;
+    std::vector<uint16_t> h(n), r(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      h[i] = float_to_bf16(rng.unit());
+      r[i] = float_to_bf16(rng.unit());
+    }
+    s.hidden_in.push_back(h);
+    s.residual_in.push_back(r);
+  }
+  return s;
+}
+
+struct RunResult {
+  // [rank][step]: the last layer's (hidden, residual).
+  std::vector<std::vector<std::vector<uint16_t>>> hidden, residual;
+  std::vector<rt_test::RankModel> ranks;  // their caches after the run
+};
+
+RunResult run_runtime(const Scenario& s, int world, bool fp8_qkv = false) {
+  RunResult out;
+  out.hidden.assign(static_cast<std::size_t>(world), {});
+  out.residual.assign(static_cast<std::size_t>(world), {});
+  for (int r = 0; r < world; ++r) {
+    out.ranks.push_back(rt_test::make_rank_model(s.master, r, world, fp8_qkv));
+  }
+  auto group = ThreadGroup::create(world, std::chrono::seconds(60));
+  const auto errors = run_ranks(group, [&](Communicator& comm) {
+    const int r = comm.rank();
+    Runtime runtime([](const std::string&) {});
+    const PrepareResult prepared =
+        runtime.prepare(out.ranks[static_cast<std::size_t>(r)].weights, s.config, comm);
+    M3MSA_CHECK_INTERNAL(prepared == PrepareResult::kActive, "prepare returned ",
+                         prepare_result_name(prepared));
+    for (std::size_t step = 0; step < s.steps.size(); ++step) {
+      const StepMeta& meta = s.steps[step];
+      M3MSA_CHECK_INTERNAL(runtime.begin_step(meta.batch), "step ", step,
+                           " refused: ", runtime.stats().last_refusal);
+      std::vector<uint16_t> hidden = s.hidden_in[step];
+      std::vector<uint16_t> residual = s.residual_in[step];
+      const int64_t rows = meta.batch.num_rows();
+      const int64_t H = s.config.model.hidden;
+      for (const rt_test::MasterLayer& layer : s.master.layers) {
+        runtime.forward_layer(layer.layer,
+                              TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}),
+                              TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}),
+                              meta.positions.view());
+      }
+      out.hidden[static_cast<std::size_t>(r)].push_back(hidden);
+      out.residual[static_cast<std::size_t>(r)].push_back(residual);
+    }
+    runtime.close();
+  });
+  for (int r = 0; r < world; ++r) {
+    if (errors[static_cast<std::size_t>(r)])
+      std::rethrow_exception(errors[static_cast<std::size_t>(r)]);
+  }
+  return out;
+}
+
+// ---- The hand-written reference (TP = 1) ----
+
+uint16_t bf16(double v) {
+  return float_to_bf16(static_cast<float>(v));
+}
+double f(uint16_t v) {
+  return bf16_to_float(v);
+}
+
+// y[n] = bf16(sum_k x[k] * w[n, k]) in double.
+void matvec(const uint16_t* x, const std::vector<float>& w, int64_t out, int64_t in, uint16_t* y) {
+  for (int64_t n = 0; n < out; ++n) {
+    double acc = 0.0;
+    for (int64_t k = 0; k < in; ++k) acc += f(x[k]) * w[static_cast<std::size_t>(n * in + k)];
+    y[n] = bf16(acc);
+  }
+}
+
+void rmsnorm(const uint16_t* x, const std::vector<float>& w, int64_t n, double eps, uint16_t* y) {
+  double sum_sq = 0.0;
+  for (int64_t i = 0; i < n; ++i) sum_sq += f(x[i]) * f(x[i]);
+  const double r = 1.0 / std::sqrt(sum_sq / static_cast<double>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) y[i] = bf16(f(x[i]) * r * (1.0 + w[static_cast<std::size_t>(i)]));
+}
+
+struct Reference {
+  std::vector<HostTensor> kv, index;         // the reference's own caches
+  std::vector<std::vector<float>> qkv_rows;  // per layer, [W, hidden]
+};
+
+Reference make_reference(const MasterModel& master) {
+  Reference ref;
+  for (const rt_test::MasterLayer& w : master.layers) {
+    HostTensor kv(DType::kBF16, w.kv_cache.shape());
+    std::memcpy(kv.data(), w.kv_cache.data(), kv.nbytes());
+    HostTensor index(DType::kBF16, w.index_cache.shape());
+    std::memcpy(index.data(), w.index_cache.data(), index.nbytes());
+    ref.kv.push_back(kv);
+    ref.index.push_back(index);
+    ref.qkv_rows.push_back(rt_test::rank_qkv_rows(master.config, w, 0, 1));
+  }
+  return ref;
+}
+
+void reference_layer(const Scenario& s, Reference& ref, std::size_t li, const StepMeta& meta,
+                     std::vector<uint16_t>& hidden, std::vector<uint16_t>& residual) {
+  const ModelConfig& m = s.config.model;
+  const rt_test::MasterLayer& w = s.master.layers[li];
+  const SparseConfig sc = m.sparse(1);
+  const int64_t rows = meta.batch.num_rows();
+  const int64_t H = m.hidden;
+  const int64_t W = sc.qkv_width();
+  const int64_t A = int64_t{sc.q_heads} * sc.head_dim;
+  std::vector<uint16_t> x(static_cast<std::size_t>(rows * H)), normed(x.size());
+  std::vector<uint16_t> qkv(static_cast<std::size_t>(rows * W));
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = bf16(f(hidden[i]) + f(residual[i]));
+  for (int64_t r = 0; r < rows; ++r) {
+    rmsnorm(&x[r * H], w.input_norm, H, m.rms_eps, &normed[r * H]);
+    matvec(&normed[r * H], ref.qkv_rows[li], W, H, &qkv[r * W]);
+  }
+  HostTensor q(DType::kBF16, {rows, sc.q_heads, sc.head_dim});
+  HostTensor iq(DType::kBF16, {rows, sc.index_heads, sc.index_dim});
+  HostTensor topk(DType::kI32, {rows, sc.index_heads, sc.topk});
+  HostTensor attn(DType::kBF16, {rows, sc.q_heads, sc.head_dim});
+  KVCache kv{ref.kv[li].view(), 1.0f, 1.0f};
+  IndexCache index{ref.index[li].view()};
+
+  PreprocessArgs pre;
+  pre.qkv = TensorView::contiguous(qkv.data(), DType::kBF16, {rows, W});
+  HostTensor qn = rt_test::bf16_tensor(w.q_norm, {sc.head_dim});
+  HostTensor kn = rt_test::bf16_tensor(w.k_norm, {sc.head_dim});
+  HostTensor iqn = rt_test::bf16_tensor(w.iq_norm, {sc.index_dim});
+  HostTensor ikn = rt_test::bf16_tensor(w.ik_norm, {sc.index_dim});
+  pre.q_norm = qn.view();
+  pre.k_norm = kn.view();
+  pre.index_q_norm = iqn.view();
+  pre.index_k_norm = ikn.view();
+  pre.positions = meta.positions.view();
+  pre.batch = meta.batch;
+  pre.kv_cache = kv;
+  pre.index_cache = index;
+  pre.q_out = q.view();
+  pre.index_q_out = iq.view();
+  cpu::preprocess(sc, pre, 1);
+  IndexerArgs sel{iq.view(), index, meta.batch, topk.view()};
+  cpu::select_topk(sc, sel, 1);
+  AttentionArgs att{q.view(), kv, meta.batch, topk.view(), attn.view()};
+  cpu::sparse_attention(sc, att, 1);
+
+  std::vector<uint16_t> o(static_cast<std::size_t>(H));
+  for (int64_t r = 0; r < rows; ++r) {
+    matvec(attn.ptr<uint16_t>() + r * A, w.wo, H, A, o.data());
+    for (int64_t i = 0; i < H; ++i) residual[r * H + i] = bf16(f(x[r * H + i]) + f(o[i]));
+    rmsnorm(&residual[r * H], w.post_norm, H, m.rms_eps, &hidden[r * H]);
+    if (!w.mlp) continue;
+    const int64_t I = m.intermediate;
+    std::vector<uint16_t> g(static_cast<std::size_t>(I)), u(g.size()), act(g.size());
+    matvec(&hidden[r * H], w.gate, I, H, g.data());
+    matvec(&hidden[r * H], w.up, I, H, u.data());
+    const double limit = s.config.swiglu_limit;
+    for (int64_t j = 0; j < I; ++j) {
+      const double gate = std::min(f(g[j]), limit);
+      const double up = std::max(std::min(f(u[j]), limit), -limit);
+      act[j] = bf16(gate / (1.0 + std::exp(-1.702 * gate)) * (up + 1.0));
+    }
+    matvec(act.data(), w.down, H, I, &hidden[r * H]);
+  }
+}
+
+// ---- Comparison ----
+
+struct Diff {
+  double worst_ratio = 0.0;  // max |got - want| / (abs + rel * |want|); <= 1 passes
+  std::size_t index = 0;
+  double got = 0.0, want = 0.0;
+};
+
+Diff compare(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want, double abs_tol,
+             double rel_tol) {
+  Diff d;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    const double g = f(got[i]);
+    const double w = f(want[i]);
+    const double ratio = std::isfinite(g) && std::isfinite(w)
+                             ? std::fabs(g - w) / (abs_tol + rel_tol * std::fabs(w))
+                             : 1e30;
+    if (ratio > d.worst_ratio) d = {ratio, i, g, w};
+  }
+  return d;
+}
+
+void expect_close(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want,
+                  double abs_tol, double rel_tol, int64_t hidden, const std::string& what) {
+  ASSERT_EQ(got.size(), want.size()) << what;
+  const Diff d = compare(got, want, abs_tol, rel_tol);
+  EXPECT_LE(d.worst_ratio, 1.0) << what << ": worst element row " << d.index / hidden << " col "
+                                << d.index % hidden << ": got " << d.got << ", want " << d.want;
+}
+
+constexpr double kTpRel = 1.0 / 64;
+constexpr double kTpAbs = 1.0 / 256;
+constexpr double kRefRel = 1.0 / 32;
+constexpr double kRefAbs = 1.0 / 64;
+
+TEST(RuntimeForward, TensorParallelEqualsOneRankAndOneRankEqualsReference) {
+  const Scenario s = make_scenario(/*intermediate=*/128, /*seed=*/11);
+  const int64_t H = s.config.model.hidden;
+  const RunResult one = run_runtime(s, 1);
+
+  // TP = 1 against the hand-written reference.
+  Reference ref = make_reference(s.master);
+  for (std::size_t step = 0; step < s.steps.size(); ++step) {
+    std::vector<uint16_t> hidden = s.hidden_in[step];
+    std::vector<uint16_t> residual = s.residual_in[step];
+    for (std::size_t li = 0; li < s.master.layers.size(); ++li) {
+      reference_layer(s, ref, li, s.steps[step], hidden, residual);
+    }
+    const std::string at = "step " + std::to_string(step);
+    expect_close(one.hidden[0][step], hidden, kRefAbs, kRefRel, H,
+                 "TP=1 vs reference hidden, " + at);
+    expect_close(one.residual[0][step], residual, kRefAbs, kRefRel, H,
+                 "TP=1 vs reference residual, " + at);
+  }
+
+  for (int world : {2, 4}) {
+    const RunResult tp = run_runtime(s, world);
+    const std::string name = "TP=" + std::to_string(world);
+    for (int r = 0; r < world; ++r) {
+      for (std::size_t step = 0; step < s.steps.size(); ++step) {
+        // Every rank holds the same (all-reduced) result, bit for bit.
+        EXPECT_EQ(tp.hidden[static_cast<std::size_t>(r)][step], tp.hidden[0][step])
+            << name << " rank " << r << " step " << step;
+        EXPECT_EQ(tp.residual[static_cast<std::size_t>(r)][step], tp.residual[0][step])
+            << name << " rank " << r << " step " << step;
+      }
+    }
+    for (std::size_t step = 0; step < s.steps.size(); ++step) {
+      const std::string at = name + " vs TP=1, step " + std::to_string(step);
+      expect_close(tp.hidden[0][step], one.hidden[0][step], kTpAbs, kTpRel, H, at + " hidden");
+      expect_close(tp.residual[0][step], one.residual[0][step], kTpAbs, kTpRel, H,
+                   at + " residual");
+    }
+    // The first sparse layer's projections do not depend on TP: its caches are bit-identical.
+    const ModelConfig& m = s.config.model;
+    const SparseConfig sc = m.sparse(world);
+    const int64_t tile = int64_t{2} * m.block_size * m.head_dim;
+    for (int r = 0; r < world; ++r) {
+      const auto& rank = tp.ranks[static_cast<std::size_t>(r)];
+      EXPECT_EQ(std::memcmp(rank.index_caches[0].data(), one.ranks[0].index_caches[0].data(),
+                            rank.index_caches[0].nbytes()),
+                0)
+          << name << " rank " << r << " index cache";
+      const int kv0 = rt_test::first_kv_head(m, r, world);
+      int64_t mismatched_tiles = 0;
+      for (int64_t p = 0; p < s.master.pages; ++p) {
+        for (int h = 0; h < sc.kv_heads; ++h) {
+          mismatched_tiles +=
+              std::memcmp(
+                  rank.kv_caches[0].ptr<uint16_t>() + (p * sc.kv_heads + h) * tile,
+                  one.ranks[0].kv_caches[0].ptr<uint16_t>() + (p * m.kv_heads + kv0 + h) * tile,
+                  sizeof(uint16_t) * static_cast<std::size_t>(tile)) != 0;
+        }
+      }
+      EXPECT_EQ(mismatched_tiles, 0) << name << " rank " << r << " kv cache";
+    }
+  }
+}
+
+TEST(RuntimeForward, Fp8ProjectionMatchesDequantizedReference) {
+  const Scenario s = make_scenario(/*intermediate=*/0, /*seed=*/23);
+  const int64_t H = s.config.model.hidden;
+  const RunResult fp8 = run_runtime(s, 1, /*fp8_qkv=*/true);
+  // The reference with the dequantized weights (stored fp8 * per-channel scale).
+  const rt_test::RankModel rank = rt_test::make_rank_model(s.master, 0, 1, /*fp8_qkv=*/true);
+  Reference ref = make_reference(s.master);
+  for (std::size_t li = 0; li < s.master.layers.size(); ++li) {
+    const LayerWeights& w = rank.weights.layers[li];
+    std::vector<float>& rows = ref.qkv_rows[li];
+    for (int64_t n = 0; n < w.qkv_proj.shape[0]; ++n) {
+      for (int64_t k = 0; k < H; ++k) {
+        rows[static_cast<std::size_t>(n * H + k)] =
+            fp8e4m3_to_float(w.qkv_proj.ptr<uint8_t>()[n * H + k]) *
+            w.qkv_proj_scale.ptr<float>()[n];
+      }
+    }
+  }
+  for (std::size_t step = 0; step < s.steps.size(); ++step) {
+    std::vector<uint16_t> hidden = s.hidden_in[step];
+    std::vector<uint16_t> residual = s.residual_in[step];
+    for (std::size_t li = 0; li < s.master.layers.size(); ++li) {
+      reference_layer(s, ref, li, s.steps[step], hidden, residual);
+    }
+    const std::string at = "fp8 step " + std::to_string(step);
+    expect_close(fp8.hidden[0][step], hidden, kRefAbs, kRefRel, H, at + " hidden");
+    expect_close(fp8.residual[0][step], residual, kRefAbs, kRefRel, H, at + " residual");
+  }
+}
+
+}  // namespace
+}  // namespace m3msa

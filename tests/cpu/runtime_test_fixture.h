@@ -1,0 +1,345 @@
+// Shared pieces of the runtime tests: a small model with seeded master (TP = 1) weights and
+// caches, each rank's slice of them as the runtime binds it, and decode-step metadata.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "m3msa/batch.h"
+#include "m3msa/config.h"
+#include "m3msa/dtype.h"
+#include "m3msa/runtime.h"
+#include "m3msa/tensor.h"
+
+namespace m3msa::rt_test {
+
+// hidden 256, 4 q heads / 2 KV heads of 32, blocks of 16 tokens, top-4: contexts of a few
+// hundred tokens already need a real selection. Layer 0 is dense, layers 1 and 2 are sparse.
+inline ModelConfig small_model(int intermediate = 128) {
+  ModelConfig m;
+  m.hidden = 256;
+  m.num_layers = 3;
+  m.first_sparse_layer = 1;
+  m.q_heads = 4;
+  m.kv_heads = 2;
+  m.head_dim = 32;
+  m.index_heads = 2;
+  m.index_dim = 32;
+  m.block_size = 16;
+  m.topk = 4;
+  m.init_blocks = 0;
+  m.local_blocks = 1;
+  m.rope_dim = 16;
+  m.rope_theta = 10000.0;
+  m.intermediate = intermediate;
+  return m;
+}
+
+inline RuntimeConfig small_config(int intermediate = 128) {
+  RuntimeConfig c;
+  c.model = small_model(intermediate);
+  c.token_buckets = {1, 2, 4, 8};
+  c.query_lens = {1, 2, 4};
+  c.max_requests = 4;
+  c.max_context = 256;
+  c.threads = 1;
+  return c;
+}
+
+struct Rng {
+  uint64_t state;
+  explicit Rng(uint64_t seed) : state(seed) {}
+  uint64_t next() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [-1, 1).
+  float unit() {
+    return static_cast<float>(static_cast<double>(next() >> 11) * (2.0 / 9007199254740992.0) - 1.0);
+  }
+};
+
+// n bf16-exact values, uniform in [-scale, scale).
+inline std::vector<float> random_values(Rng& rng, std::size_t n, float scale) {
+  std::vector<float> v(n);
+  for (float& x : v) x = round_to_bf16(rng.unit() * scale);
+  return v;
+}
+
+inline HostTensor bf16_tensor(const std::vector<float>& values, std::vector<int64_t> shape) {
+  HostTensor t(DType::kBF16, std::move(shape));
+  for (std::size_t i = 0; i < values.size(); ++i) t.ptr<uint16_t>()[i] = float_to_bf16(values[i]);
+  return t;
+}
+
+inline std::vector<float> to_floats(const HostTensor& t) {
+  std::vector<float> out(static_cast<std::size_t>(t.numel()));
+  for (std::size_t i = 0; i < out.size(); ++i) out[i] = bf16_to_float(t.ptr<uint16_t>()[i]);
+  return out;
+}
+
+// One sparse layer's TP = 1 parameters (bf16-exact floats, row-major [out, in]) and the initial
+// contents of its caches.
+struct MasterLayer {
+  int layer = -1;
+  std::vector<float> wq, wk, wv, wiq, wik;  // [QH*HD | KVH*HD | KVH*HD | IH*ID | ID, hidden]
+  std::vector<float> q_norm, k_norm, iq_norm, ik_norm, input_norm, post_norm;
+  std::vector<float> wo;  // [hidden, QH*HD]
+  bool mlp = false;
+  std::vector<float> gate, up, down;  // [I, hidden], [I, hidden], [hidden, I]
+  HostTensor kv_cache;                // [pages, KVH, 2, bs, HD] bf16
+  HostTensor index_cache;             // [pages, bs, ID] bf16
+};
+
+struct MasterModel {
+  ModelConfig config;
+  int64_t pages = 0;
+  std::vector<MasterLayer> layers;  // one per sparse layer, ascending
+};
+
+// Caches are filled with random values everywhere (so a read past a context is visible).
+inline MasterModel make_master(const ModelConfig& m, int64_t pages, uint64_t seed,
+                               bool mlp_on_last_layer) {
+  MasterModel model;
+  model.config = m;
+  model.pages = pages;
+  Rng rng(seed);
+  const std::size_t H = static_cast<std::size_t>(m.hidden);
+  const std::size_t hd = static_cast<std::size_t>(m.head_dim);
+  const std::size_t id = static_cast<std::size_t>(m.index_dim);
+  const float in_scale = 1.7f / std::sqrt(static_cast<float>(m.hidden));
+  for (int layer = m.first_sparse_layer; layer < m.num_layers; ++layer) {
+    MasterLayer w;
+    w.layer = layer;
+    w.wq = random_values(rng, m.q_heads * hd * H, in_scale);
+    w.wk = random_values(rng, m.kv_heads * hd * H, in_scale);
+    w.wv = random_values(rng, m.kv_heads * hd * H, in_scale);
+    w.wiq = random_values(rng, m.index_heads * id * H, in_scale);
+    w.wik = random_values(rng, id * H, in_scale);
+    w.q_norm = random_values(rng, hd, 0.2f);
+    w.k_norm = random_values(rng, hd, 0.2f);
+    w.iq_norm = random_values(rng, id, 0.2f);
+    w.ik_norm = random_values(rng, id, 0.2f);
+    w.input_norm = random_values(rng, H, 0.2f);
+    w.post_norm = random_values(rng, H, 0.2f);
+    w.wo = random_values(rng, H * m.q_heads * hd,
+                         1.7f / std::sqrt(static_cast<float>(m.q_heads * m.head_dim)));
+    w.mlp = mlp_on_last_layer && layer == m.num_layers - 1 && m.intermediate > 0;
+    if (w.mlp) {
+      const std::size_t I = static_cast<std::size_t>(m.intermediate);
+      // Wide enough that many gates and ups land beyond the clamping limit of 7.
+      w.gate = random_values(rng, I * H, 5.0f * in_scale);
+      w.up = random_values(rng, I * H, 5.0f * in_scale);
+      w.down = random_values(rng, H * I, 1.7f / std::sqrt(static_cast<float>(I)));
+    }
+    const std::size_t kv_n = static_cast<std::size_t>(pages) * m.kv_heads * 2 * m.block_size * hd;
+    w.kv_cache = bf16_tensor(random_values(rng, kv_n, 1.0f),
+                             {pages, m.kv_heads, 2, m.block_size, m.head_dim});
+    const std::size_t ix_n = static_cast<std::size_t>(pages) * m.block_size * id;
+    w.index_cache = bf16_tensor(random_values(rng, ix_n, 1.0f), {pages, m.block_size, m.index_dim});
+    model.layers.push_back(std::move(w));
+  }
+  return model;
+}
+
+// Head placement under TP (matches ModelConfig::sparse): the global heads rank r holds.
+inline int first_q_head(const ModelConfig& m, int rank, int world) {
+  return rank * (m.q_heads / world);
+}
+inline int first_kv_head(const ModelConfig& m, int rank, int world) {
+  return world <= m.kv_heads ? rank * (m.kv_heads / world) : rank / (world / m.kv_heads);
+}
+
+// Appends rows [first, first + count) of a row-major [rows, cols] matrix.
+inline void append_rows(std::vector<float>& out, const std::vector<float>& w, int64_t cols,
+                        int64_t first, int64_t count) {
+  out.insert(out.end(), w.begin() + first * cols, w.begin() + (first + count) * cols);
+}
+
+// Columns [first, first + count) of a row-major [rows, cols] matrix.
+inline std::vector<float> columns(const std::vector<float>& w, int64_t rows, int64_t cols,
+                                  int64_t first, int64_t count) {
+  std::vector<float> out;
+  out.reserve(static_cast<std::size_t>(rows * count));
+  for (int64_t r = 0; r < rows; ++r) {
+    out.insert(out.end(), w.begin() + r * cols + first, w.begin() + r * cols + first + count);
+  }
+  return out;
+}
+
+// The fused projection of rank r as float rows [q | k | v | index_q | index_k].
+inline std::vector<float> rank_qkv_rows(const ModelConfig& m, const MasterLayer& w, int rank,
+                                        int world) {
+  const SparseConfig sc = m.sparse(world);
+  const int64_t H = m.hidden;
+  std::vector<float> rows;
+  append_rows(rows, w.wq, H, int64_t{first_q_head(m, rank, world)} * m.head_dim,
+              int64_t{sc.q_heads} * m.head_dim);
+  const int64_t kv0 = int64_t{first_kv_head(m, rank, world)};
+  append_rows(rows, w.wk, H, kv0 * m.head_dim, int64_t{sc.kv_heads} * m.head_dim);
+  append_rows(rows, w.wv, H, kv0 * m.head_dim, int64_t{sc.kv_heads} * m.head_dim);
+  append_rows(rows, w.wiq, H, kv0 * m.index_dim, int64_t{sc.index_heads} * m.index_dim);
+  append_rows(rows, w.wik, H, 0, m.index_dim);
+  return rows;
+}
+
+// What one rank binds: owning storage plus the LayerWeights views into it. The caches are fresh
+// copies of the master caches (this rank's KV heads), so every run starts from the same state.
+struct RankModel {
+  std::vector<HostTensor> storage;
+  std::vector<HostTensor> kv_caches;     // per sparse layer
+  std::vector<HostTensor> index_caches;  // per sparse layer
+  ModelWeights weights;
+
+  TensorView keep(HostTensor t) {
+    storage.push_back(std::move(t));
+    return storage.back().view();
+  }
+};
+
+// fp8_qkv: the fused projection as fp8 e4m3 with per-output-channel scales (max |w| / 448).
+inline RankModel make_rank_model(const MasterModel& master, int rank, int world,
+                                 bool fp8_qkv = false) {
+  const ModelConfig& m = master.config;
+  const SparseConfig sc = m.sparse(world);
+  RankModel out;
+  out.storage.reserve(64);
+  const int64_t H = m.hidden;
+  const int64_t width = sc.qkv_width();
+  for (const MasterLayer& w : master.layers) {
+    LayerWeights lw;
+    lw.layer = w.layer;
+    const std::vector<float> qkv = rank_qkv_rows(m, w, rank, world);
+    if (fp8_qkv) {
+      HostTensor q8(DType::kFP8E4M3, {width, H});
+      HostTensor scale(DType::kF32, {width});
+      for (int64_t n = 0; n < width; ++n) {
+        float amax = 0.0f;
+        for (int64_t k = 0; k < H; ++k) amax = std::max(amax, std::fabs(qkv[n * H + k]));
+        const float s = amax > 0 ? amax / 448.0f : 1.0f;
+        scale.ptr<float>()[n] = s;
+        for (int64_t k = 0; k < H; ++k) {
+          q8.ptr<uint8_t>()[n * H + k] = float_to_fp8e4m3(qkv[n * H + k] / s);
+        }
+      }
+      lw.qkv_proj = out.keep(std::move(q8));
+      lw.qkv_proj_scale = out.keep(std::move(scale));
+    } else {
+      lw.qkv_proj = out.keep(bf16_tensor(qkv, {width, H}));
+    }
+    lw.q_norm = out.keep(bf16_tensor(w.q_norm, {m.head_dim}));
+    lw.k_norm = out.keep(bf16_tensor(w.k_norm, {m.head_dim}));
+    lw.index_q_norm = out.keep(bf16_tensor(w.iq_norm, {m.index_dim}));
+    lw.index_k_norm = out.keep(bf16_tensor(w.ik_norm, {m.index_dim}));
+    lw.input_norm = out.keep(bf16_tensor(w.input_norm, {H}));
+    lw.post_attention_norm = out.keep(bf16_tensor(w.post_norm, {H}));
+    const int64_t attn_cols = int64_t{sc.q_heads} * m.head_dim;
+    lw.o_proj =
+        out.keep(bf16_tensor(columns(w.wo, H, int64_t{m.q_heads} * m.head_dim,
+                                     int64_t{first_q_head(m, rank, world)} * m.head_dim, attn_cols),
+                             {H, attn_cols}));
+    if (w.mlp) {
+      const int64_t I = m.intermediate / world;
+      std::vector<float> gate_up;
+      append_rows(gate_up, w.gate, H, rank * I, I);
+      append_rows(gate_up, w.up, H, rank * I, I);
+      lw.mlp_gate_up = out.keep(bf16_tensor(gate_up, {2 * I, H}));
+      lw.mlp_down = out.keep(bf16_tensor(columns(w.down, H, m.intermediate, rank * I, I), {H, I}));
+    }
+    // Caches: this rank's KV heads of every page; the whole index-K cache.
+    const int64_t pages = master.pages;
+    const int64_t tile = int64_t{2} * m.block_size * m.head_dim;  // K and V of one head
+    HostTensor kv(DType::kBF16, {pages, sc.kv_heads, 2, m.block_size, m.head_dim});
+    const int kv0 = first_kv_head(m, rank, world);
+    for (int64_t p = 0; p < pages; ++p) {
+      for (int h = 0; h < sc.kv_heads; ++h) {
+        std::memcpy(kv.ptr<uint16_t>() + (p * sc.kv_heads + h) * tile,
+                    w.kv_cache.ptr<uint16_t>() + (p * m.kv_heads + kv0 + h) * tile,
+                    sizeof(uint16_t) * static_cast<std::size_t>(tile));
+      }
+    }
+    HostTensor index(DType::kBF16, w.index_cache.shape());
+    std::memcpy(index.data(), w.index_cache.data(), index.nbytes());
+    out.kv_caches.push_back(kv);
+    out.index_caches.push_back(index);
+    lw.kv_cache = {kv.view(), 1.0f, 1.0f};
+    lw.index_cache = {index.view()};
+    out.weights.layers.push_back(lw);
+  }
+  return out;
+}
+
+// One decode step's metadata. Request r owns pages perm[r * max_blocks + b] for logical block b
+// (a different shuffle per cache, so mixing the tables up shows).
+struct StepMeta {
+  HostTensor seq_lens, index_table, kv_table, slots, index_slots, positions;
+  BatchMeta batch;
+};
+
+inline std::vector<int32_t> page_permutation(int64_t pages, uint64_t seed) {
+  std::vector<int32_t> perm(static_cast<std::size_t>(pages));
+  std::iota(perm.begin(), perm.end(), 0);
+  Rng rng(seed);
+  for (std::size_t i = perm.size(); i > 1; --i) {
+    std::swap(perm[i - 1], perm[static_cast<std::size_t>(rng.next() % i)]);
+  }
+  return perm;
+}
+
+inline StepMeta make_step(const std::vector<int32_t>& seq_lens, int q_len, int block_size,
+                          int64_t max_blocks, const std::vector<int32_t>& index_perm,
+                          const std::vector<int32_t>& kv_perm) {
+  StepMeta s;
+  const int64_t n = static_cast<int64_t>(seq_lens.size());
+  const int64_t rows = n * q_len;
+  s.seq_lens = HostTensor(DType::kI32, {n});
+  s.index_table = HostTensor(DType::kI32, {n, max_blocks});
+  s.kv_table = HostTensor(DType::kI32, {n, max_blocks});
+  s.slots = HostTensor(DType::kI64, {rows});
+  s.index_slots = HostTensor(DType::kI64, {rows});
+  s.positions = HostTensor(DType::kI64, {rows});
+  for (int64_t r = 0; r < n; ++r) {
+    s.seq_lens.ptr<int32_t>()[r] = seq_lens[static_cast<std::size_t>(r)];
+    for (int64_t b = 0; b < max_blocks; ++b) {
+      s.index_table.ptr<int32_t>()[r * max_blocks + b] =
+          index_perm[static_cast<std::size_t>(r * max_blocks + b)];
+      s.kv_table.ptr<int32_t>()[r * max_blocks + b] =
+          kv_perm[static_cast<std::size_t>(r * max_blocks + b)];
+    }
+    for (int j = 0; j < q_len; ++j) {
+      const int64_t row = r * q_len + j;
+      const int32_t len = seq_lens[static_cast<std::size_t>(r)];
+      const int64_t pos = len == 0 ? -1 : int64_t{len} - q_len + j;
+      s.positions.ptr<int64_t>()[row] = pos;
+      if (pos < 0 || pos / block_size >= max_blocks) {  // dead row, or past the table
+        s.slots.ptr<int64_t>()[row] = -1;
+        s.index_slots.ptr<int64_t>()[row] = -1;
+      } else {
+        const int64_t b = pos / block_size;
+        s.slots.ptr<int64_t>()[row] =
+            int64_t{s.kv_table.ptr<int32_t>()[r * max_blocks + b]} * block_size + pos % block_size;
+        s.index_slots.ptr<int64_t>()[row] =
+            int64_t{s.index_table.ptr<int32_t>()[r * max_blocks + b]} * block_size +
+            pos % block_size;
+      }
+    }
+  }
+  s.batch.kind = BatchKind::kDecode;
+  s.batch.num_reqs = static_cast<int>(n);
+  s.batch.q_len = q_len;
+  s.batch.seq_lens = s.seq_lens.view();
+  s.batch.index_block_table = s.index_table.view();
+  s.batch.kv_block_table = s.kv_table.view();
+  s.batch.slot_mapping = s.slots.view();
+  s.batch.index_slot_mapping = s.index_slots.view();
+  return s;
+}
+
+}  // namespace m3msa::rt_test

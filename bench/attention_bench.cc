@@ -1,0 +1,349 @@
+// m3msa bench attention: the CUDA block-sparse decode attention under CUDA-graph replay.
+//
+// Per configuration (batch x q_len x KV dtype x context): every request selects 16 distinct blocks
+// per KV head (its own block plus 15 random ones; the rows of one request share them, as the
+// speculative rows of M3 mostly do), each selected (request, block) on its own page. Several input
+// sets on disjoint pages rotate so that the data read per launch set exceeds the 60 MB L2 many
+// times over. Timing, table and JSON come from the shared harness (harness.h): a graph of
+// `launches` back-to-back launches cycling the sets, replayed; time per launch = replay time /
+// launches; median and noise ((p90 - p10) / median) over the replays.
+//
+// Bytes (the floor): the K and V 64-token chunks the kernel must read (each (request, KV head,
+// block) once, however many rows select it; the own block's second chunk only when a row reaches
+// it), plus q, out and topk_idx. TB/s = bytes / median; % of the measured 4.57 TB/s read ceiling.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "bench_registry.h"
+#include "cuda/attention.h"
+#include "cuda/attention_launch.cuh"
+#include "cuda/common.cuh"
+#include "fill.h"
+#include "harness.h"
+#include "m3msa/dtype.h"
+#include "m3msa/error.h"
+#include "m3msa/ops.h"
+
+namespace m3msa::bench {
+namespace {
+
+struct Rng {
+  uint64_t state;
+  explicit Rng(uint64_t seed) : state(seed * 0x9E3779B97F4A7C15ull + 3) {}
+  uint64_t next() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  float unit() {
+    const double u = static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0);
+    return static_cast<float>((u * 2.0 - 1.0) * 1.7320508075688772);
+  }
+};
+
+struct Config {
+  int batch;
+  int q_len;
+  DType kv;
+  int64_t context;
+  cuda::AttentionTuning tuning;
+};
+
+struct Result {
+  Config cfg;
+  int splits = 0;
+  bool cluster = false;
+  int sets = 0;
+  Timing timing;
+  double bytes = 0;
+};
+
+std::string kv_name(const Config& c) {
+  return c.kv == DType::kFP8E4M3 ? "fp8" : "bf16";
+}
+
+Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
+  SparseConfig sc;  // M3 per-rank at TP 1: 64 q heads, 4 KV heads, 128-d, topk 16
+  const int kvh = sc.kv_heads;
+  const int k = sc.topk;
+  const int64_t rows = int64_t{c.batch} * c.q_len;
+  const int64_t nb = (c.context + sc.block_size - 1) / sc.block_size;
+  M3MSA_CHECK_ARG(nb >= k, "bench attention: context ", c.context, " has fewer than ", k,
+                  " blocks");
+  const int64_t elem = c.kv == DType::kBF16 ? 2 : 1;
+  const int64_t page_elems = int64_t{kvh} * 2 * sc.block_size * sc.head_dim;
+  const int64_t page_bytes = page_elems * elem;
+  const int64_t chunk_bytes = 64 * sc.head_dim * elem;
+
+  // One set's bytes (every set has the same shape, on other pages): both chunks of every
+  // selected (request, KV head, block), except the own block's second chunk when no row reaches it.
+  const int64_t own = nb - 1;
+  const int64_t last_pos = c.context - 1;
+  double tile_bytes = 2.0 * 2.0 * chunk_bytes * c.batch * kvh * k;  // K and V, 2 chunks each
+  if (last_pos % sc.block_size < 64) tile_bytes -= 2.0 * chunk_bytes * c.batch * kvh;
+  const double io_bytes = rows * sc.q_heads * sc.head_dim * 2.0 * 2 + rows * kvh * k * 4.0;
+  const double bytes = tile_bytes + io_bytes;
+
+  const int sets = static_cast<int>(std::clamp<int64_t>(
+      (4 * kL2Bytes + static_cast<int64_t>(tile_bytes) - 1) / static_cast<int64_t>(tile_bytes), 2,
+      64));
+  const int64_t pages_per_set = int64_t{c.batch} * kvh * k;  // worst case: heads disjoint
+  const int64_t pages = pages_per_set * sets;
+
+  cuda::DeviceBuffer cache(static_cast<size_t>(pages * page_bytes));
+  fill_random(cache.data(), pages * page_elems, c.kv == DType::kFP8E4M3, seed, nullptr);
+  cuda::DeviceBuffer q(static_cast<size_t>(sets * rows * sc.q_heads * sc.head_dim * 2));
+  fill_random(q.data(), sets * rows * sc.q_heads * sc.head_dim, false, seed + 1, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  cuda::DeviceBuffer out(static_cast<size_t>(sets * rows * sc.q_heads * sc.head_dim * 2));
+  cuda::DeviceBuffer seq_lens(static_cast<size_t>(c.batch) * 4);
+  std::vector<int32_t> lens(static_cast<size_t>(c.batch), static_cast<int32_t>(c.context));
+  CUDA_CHECK(cudaMemcpy(seq_lens.data(), lens.data(), seq_lens.bytes(), cudaMemcpyHostToDevice));
+  cuda::DeviceBuffer tables(static_cast<size_t>(sets * c.batch * nb * 4));
+  cuda::DeviceBuffer topk(static_cast<size_t>(sets * rows * kvh * k * 4));
+
+  Rng rng(seed + 2);
+  std::vector<int32_t> table(static_cast<size_t>(c.batch * nb));
+  std::vector<int32_t> sel(static_cast<size_t>(rows * kvh * k));
+  for (int s = 0; s < sets; ++s) {
+    std::fill(table.begin(), table.end(), static_cast<int32_t>(s * pages_per_set));
+    int64_t next_page = s * pages_per_set;
+    for (int r = 0; r < c.batch; ++r) {
+      std::set<int64_t> used;
+      for (int h = 0; h < kvh; ++h) {
+        std::vector<int32_t> blocks{static_cast<int32_t>(own)};
+        while (static_cast<int>(blocks.size()) < k) {
+          const auto b = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(nb - 1));
+          if (std::find(blocks.begin(), blocks.end(), b) == blocks.end()) blocks.push_back(b);
+        }
+        for (int32_t b : blocks) {
+          if (used.insert(b).second)
+            table[static_cast<size_t>(r * nb + b)] = static_cast<int32_t>(next_page++);
+        }
+        for (int j = 0; j < c.q_len; ++j) {
+          std::copy(blocks.begin(), blocks.end(),
+                    sel.begin() + ((int64_t{r} * c.q_len + j) * kvh + h) * k);
+        }
+      }
+    }
+    CUDA_CHECK(cudaMemcpy(tables.as<int32_t>() + s * c.batch * nb, table.data(), table.size() * 4,
+                          cudaMemcpyHostToDevice));
+    CUDA_CHECK(cudaMemcpy(topk.as<int32_t>() + s * rows * kvh * k, sel.data(), sel.size() * 4,
+                          cudaMemcpyHostToDevice));
+  }
+
+  PlanLimits limits;
+  limits.max_reqs = c.batch;
+  limits.max_q_len = c.q_len;
+  const size_t ws_bytes = cuda::sparse_attention_workspace_size(sc, limits);
+  cuda::DeviceBuffer ws(ws_bytes);
+  CUDA_CHECK(cudaMemset(ws.data(), 0, ws_bytes));
+
+  auto args_for = [&](int s) {
+    AttentionArgs a;
+    const Device dev = Device::cuda(0);
+    a.q = TensorView::contiguous(
+        static_cast<uint8_t*>(q.data()) + s * rows * sc.q_heads * sc.head_dim * 2, DType::kBF16,
+        {rows, sc.q_heads, sc.head_dim}, dev);
+    a.out = TensorView::contiguous(
+        static_cast<uint8_t*>(out.data()) + s * rows * sc.q_heads * sc.head_dim * 2, DType::kBF16,
+        {rows, sc.q_heads, sc.head_dim}, dev);
+    a.kv_cache.data = TensorView::contiguous(cache.data(), c.kv,
+                                             {pages, kvh, 2, sc.block_size, sc.head_dim}, dev);
+    a.kv_cache.k_scale = c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
+    a.kv_cache.v_scale = c.kv == DType::kFP8E4M3 ? 0.25f : 1.0f;
+    a.batch.kind = BatchKind::kDecode;
+    a.batch.num_reqs = c.batch;
+    a.batch.q_len = c.q_len;
+    a.batch.seq_lens = TensorView::contiguous(seq_lens.data(), DType::kI32, {c.batch}, dev);
+    a.batch.kv_block_table = TensorView::contiguous(tables.as<int32_t>() + s * c.batch * nb,
+                                                    DType::kI32, {c.batch, nb}, dev);
+    a.topk_idx = TensorView::contiguous(topk.as<int32_t>() + s * rows * kvh * k, DType::kI32,
+                                        {rows, kvh, k}, dev);
+    return a;
+  };
+
+  cuda::Stream stream;
+  const int launches = std::max(launches_min, sets);
+  // Warm-up eagerly (also configures the kernel), then capture.
+  for (int s = 0; s < sets; ++s) {
+    cuda::launch_sparse_attention_tuned(sc, args_for(s), ws.data(), ws_bytes, stream.get(),
+                                        c.tuning);
+  }
+  stream.synchronize();
+  cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
+    for (int i = 0; i < launches; ++i) {
+      cuda::launch_sparse_attention_tuned(sc, args_for(i % sets), ws.data(), ws_bytes, stream.get(),
+                                          c.tuning);
+    }
+  });
+  const Timing timing = time_graph(graph, stream.get(), launches, /*warmup=*/2, reps);
+  Result res;
+  res.cfg = c;
+  const cuda::AttentionPlanInfo plan =
+      cuda::sparse_attention_plan_info(sc, rows, false, c.kv == DType::kFP8E4M3, c.tuning);
+  res.splits = plan.splits;
+  res.cluster = plan.cluster;
+  res.sets = sets;
+  res.timing = timing;
+  res.bytes = bytes;
+  return res;
+}
+
+std::vector<int64_t> parse_list(const std::string& text) {
+  std::vector<int64_t> out;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    out.push_back(std::stoll(text.substr(at, end - at)));
+    at = end + 1;
+  }
+  return out;
+}
+
+int run_attention_bench(int argc, char** argv) {
+  CLI::App app{"CUDA block-sparse decode attention (graph replay, rotated inputs)"};
+  std::string batches = "1,4,32,128";
+  std::string q_lens = "1,4";
+  std::string contexts = "32768,131072";
+  std::string kvs = "bf16,fp8";
+  int reps = 20;
+  int launches = 20;
+  std::string tunings =
+      "default;cluster=0,pdl=0;cluster=0,pdl=1;cluster=2,pdl=0;cluster=2,pdl=1;"
+      "splitp=0,cluster=2,pdl=1";
+  std::string json_path;
+  uint64_t seed = 1;
+  app.add_option("--batch", batches, "comma-separated batch sizes (requests)");
+  app.add_option("--q-len", q_lens, "comma-separated query lengths");
+  app.add_option("--context", contexts, "comma-separated context lengths (tokens)");
+  app.add_option("--kv", kvs, "comma-separated KV dtypes: bf16, fp8");
+  app.add_option("--reps", reps, "graph replays per configuration (median over them)");
+  app.add_option("--launches", launches, "launches per graph (at least the number of input sets)");
+  app.add_option("--tunings", tunings,
+                 "';'-separated launcher tunings to time side by side (attention_launch.cuh: "
+                 "splitp, cluster, pdl; 'default' = the library default); configurations where "
+                 "two tunings give the same launch are timed once");
+  bool quick = false;
+  app.add_flag("--quick", quick, "subset: batch 1,32 x q_len 1 x 128K, default tuning only");
+  app.add_option("--json", json_path, "write the results as JSON here");
+  app.add_option("--seed", seed, "random seed");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (quick) {
+    batches = "1,32";
+    q_lens = "1";
+    contexts = "131072";
+    tunings = "default";
+  }
+  std::vector<DType> dtypes;
+  {
+    size_t at = 0;
+    while (at <= kvs.size()) {
+      size_t end = kvs.find(',', at);
+      if (end == std::string::npos) end = kvs.size();
+      dtypes.push_back(parse_dtype(kvs.substr(at, end - at), "--kv"));
+      at = end + 1;
+    }
+  }
+  const std::string device = device_description();
+  std::printf(
+      "m3msa bench attention on %s; read ceiling %.2f TB/s; M3 shapes: 64 q heads, 4 KV "
+      "heads, head_dim 128, topk 16; graph replay, inputs rotated over > 4x L2\n",
+      device.c_str(), kReadCeilingTBs);
+  Table table({"kv", "batch", "q_len", "context", "splits", "merge", "median us", "noise", "MB",
+               "TB/s", "% roof"});
+  for (DType kv : dtypes) {
+    std::vector<cuda::AttentionTuning> tuning_list;
+    {
+      size_t at = 0;
+      while (at < tunings.size()) {
+        size_t end = tunings.find(';', at);
+        if (end == std::string::npos) end = tunings.size();
+        const std::string item = tunings.substr(at, end - at);
+        tuning_list.push_back(item == "default" ? cuda::default_attention_tuning()
+                                                : cuda::AttentionTuning::parse(item));
+        at = end + 1;
+      }
+    }
+    for (int64_t context : parse_list(contexts)) {
+      for (int64_t q_len : parse_list(q_lens)) {
+        for (int64_t batch : parse_list(batches)) {
+          std::set<std::string> seen;  // launches already timed for this configuration
+          for (const cuda::AttentionTuning& tuning : tuning_list) {
+            const Config c{static_cast<int>(batch), static_cast<int>(q_len), kv, context, tuning};
+            const cuda::AttentionPlanInfo plan = cuda::sparse_attention_plan_info(
+                SparseConfig{}, batch * q_len, false, kv == DType::kFP8E4M3, tuning);
+            const std::string key =
+                fmt::format("{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
+                            plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-");
+            if (!seen.insert(key).second) continue;
+            const Result r = run_config(c, launches, reps, seed);
+            const double us = r.timing.median_us;
+            const double tbs = r.bytes / (us * 1e-6) / 1e12;
+            const std::string merge = r.splits == 1 ? "-" : (r.cluster ? "cluster" : "global");
+            const std::string label =
+                (kv == DType::kBF16 && !tuning.split_p ? "bf16-1P" : kv_name(c)) +
+                (tuning.pdl ? "+pdl" : "");
+            std::vector<std::string> cells = {
+                label,
+                fmt::format("{}", c.batch),
+                fmt::format("{}", c.q_len),
+                fmt::format("{}", context),
+                fmt::format("{}", r.splits),
+                merge,
+                fmt::format("{:.2f}", us),
+                fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
+                fmt::format("{:.1f}", r.bytes / 1e6),
+                fmt::format("{:.2f}", tbs),
+                fmt::format("{:.1f}%", 100.0 * tbs / kReadCeilingTBs)};
+            std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
+            table.add(cells, {{"bench", "attention"},
+                              {"kv", kv_name(c)},
+                              {"tuning", tuning.name()},
+                              {"label", label},
+                              {"batch", c.batch},
+                              {"q_len", c.q_len},
+                              {"context", context},
+                              {"splits", r.splits},
+                              {"merge", merge},
+                              {"input_sets", r.sets},
+                              {"median_us", us},
+                              {"p10_us", r.timing.p10_us},
+                              {"p90_us", r.timing.p90_us},
+                              {"noise", r.timing.noise()},
+                              {"bytes", r.bytes},
+                              {"tb_per_s", tbs},
+                              {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
+                              {"device", device}});
+          }
+        }
+      }
+    }
+  }
+  table.print();
+  write_json(json_path, table.records());
+  return 0;
+}
+
+const m3msa::cli::BenchRegistrar kRegistrar("attention",
+                                            "block-sparse decode attention (graph replay)",
+                                            run_attention_bench);
+
+}  // namespace
+}  // namespace m3msa::bench

@@ -1,0 +1,124 @@
+// The GPU benchmark harness shared by `m3msa bench ...` handlers: CUDA-graph replay timing with
+// CUDA events, order statistics, and one table format printed as text and written as JSON.
+//
+// Method (docs/benchmarks.md): a graph holds `launches` back-to-back launches that cycle through
+// input copies whose total size is several times the 60 MB L2, so no launch finds its inputs in
+// L2; the graph is replayed `reps` times after `warmup` replays; the time of one launch is the
+// replay time / launches. Reported: the median over replays, and the noise as p10..p90.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda/common.cuh"
+
+namespace m3msa::bench {
+
+inline constexpr double kReadCeilingTBs = 4.57;  // measured HBM read-only ceiling (method.md)
+inline constexpr int64_t kL2Bytes = 60ll << 20;
+
+struct Timing {
+  double median_us = 0.0;
+  double p10_us = 0.0;
+  double p90_us = 0.0;
+  int reps = 0;
+  double noise() const { return median_us > 0 ? (p90_us - p10_us) / median_us : 0.0; }
+};
+
+inline double percentile(std::vector<double> v, double q) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const double pos = q * static_cast<double>(v.size() - 1);
+  const size_t lo = static_cast<size_t>(std::floor(pos));
+  const size_t hi = std::min(v.size() - 1, lo + 1);
+  return v[lo] + (v[hi] - v[lo]) * (pos - static_cast<double>(lo));
+}
+
+// Times `graph` (holding `launches` launches) by replays; stops early once `budget_ms` of
+// measured time is spent (at least 5 replays).
+inline Timing time_graph(const cuda::Graph& graph, cudaStream_t stream, int launches, int warmup,
+                         int reps, double budget_ms = 400.0) {
+  for (int i = 0; i < warmup; ++i) graph.launch(stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  cuda::Event start, stop;
+  std::vector<double> per_launch_us;
+  double spent_ms = 0.0;
+  for (int i = 0; i < reps; ++i) {
+    start.record(stream);
+    graph.launch(stream);
+    stop.record(stream);
+    const double ms = stop.elapsed_ms_since(start);
+    per_launch_us.push_back(ms * 1000.0 / launches);
+    spent_ms += ms;
+    if (i >= 4 && spent_ms > budget_ms) break;
+  }
+  Timing t;
+  t.median_us = percentile(per_launch_us, 0.5);
+  t.p10_us = percentile(per_launch_us, 0.1);
+  t.p90_us = percentile(per_launch_us, 0.9);
+  t.reps = static_cast<int>(per_launch_us.size());
+  return t;
+}
+
+// A results table: fixed columns, rows of cells; printed aligned, saved as a JSON array.
+class Table {
+ public:
+  explicit Table(std::vector<std::string> columns) : columns_(std::move(columns)) {}
+  void add(std::vector<std::string> cells, nlohmann::json record) {
+    rows_.push_back(std::move(cells));
+    records_.push_back(std::move(record));
+  }
+  void print(std::FILE* out = stdout) const {
+    std::vector<size_t> width(columns_.size());
+    for (size_t c = 0; c < columns_.size(); ++c) {
+      width[c] = columns_[c].size();
+      for (const auto& row : rows_) width[c] = std::max(width[c], row[c].size());
+    }
+    auto line = [&](const std::vector<std::string>& cells) {
+      for (size_t c = 0; c < cells.size(); ++c) {
+        std::fprintf(out, "%s%*s", c ? " | " : "| ", static_cast<int>(width[c]), cells[c].c_str());
+      }
+      std::fprintf(out, " |\n");
+    };
+    line(columns_);
+    std::string rule = "|";
+    for (size_t c = 0; c < columns_.size(); ++c) rule += std::string(width[c] + 2, '-') + "|";
+    std::fprintf(out, "%s\n", rule.c_str());
+    for (const auto& row : rows_) line(row);
+    std::fflush(out);
+  }
+  const nlohmann::json& records() const { return records_; }
+
+ private:
+  std::vector<std::string> columns_;
+  std::vector<std::vector<std::string>> rows_;
+  nlohmann::json records_ = nlohmann::json::array();
+};
+
+inline std::string device_description() {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  char numbers[96];
+  std::snprintf(numbers, sizeof(numbers), ", %d SMs, %.0f MB L2, %.0f GiB",
+                prop.multiProcessorCount, prop.l2CacheSize / 1048576.0,
+                prop.totalGlobalMem / 1073741824.0);
+  return std::string(prop.name) + numbers;
+}
+
+inline void write_json(const std::string& path, const nlohmann::json& doc) {
+  if (path.empty()) return;
+  std::ofstream out(path);
+  out << doc.dump(2) << "\n";
+}
+
+}  // namespace m3msa::bench

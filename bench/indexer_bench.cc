@@ -1,0 +1,308 @@
+// m3msa bench indexer: the CUDA decode indexer (fused, and the unfused baseline) under CUDA-graph
+// replay, swept over batch x context x index dtype x query length.
+//
+// Per configuration every request has seq_len = context (nb = context / 128 blocks, all on their
+// own shuffled pages). Input copies on disjoint pages (own tables and queries) rotate so that one
+// graph's launches read several times the 60 MB L2 (harness.h). Both variants run on the same
+// copies in the same process; their selections are compared (they must be bit-identical).
+//
+// Bytes (the floor): every visible index-K token row once (B * nb * 128 * 128 * elem), plus the
+// queries, the table entries, seq_lens and topk_idx. TB/s = bytes / median time; "% roof" is that
+// over the measured 4.57 TB/s read ceiling. The PyTorch eager baseline (bench/torch_indexer.py)
+// is read from --torch-json when given and matched by (batch, context, dtype, q_len).
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "bench_registry.h"
+#include "cuda/common.cuh"
+#include "cuda/indexer.h"
+#include "fill.h"
+#include "harness.h"
+#include "m3msa/cuda_backend.h"
+#include "m3msa/dtype.h"
+#include "m3msa/error.h"
+#include "m3msa/ops.h"
+
+namespace m3msa::bench {
+namespace {
+
+struct Rng {
+  uint64_t state;
+  explicit Rng(uint64_t seed) : state(seed * 0x9E3779B97F4A7C15ull + 9) {}
+  uint64_t next() {
+    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+};
+
+struct Config {
+  int batch;
+  int64_t context;
+  DType dtype;
+  int q_len;
+};
+
+struct TorchKey {
+  int batch;
+  int64_t context;
+  std::string dtype;
+  int q_len;
+  bool operator<(const TorchKey& o) const {
+    return std::tie(batch, context, dtype, q_len) < std::tie(o.batch, o.context, o.dtype, o.q_len);
+  }
+};
+
+std::map<TorchKey, double> read_torch(const std::string& path) {
+  std::map<TorchKey, double> out;
+  if (path.empty()) return out;
+  std::ifstream in(path);
+  if (!in) {
+    std::fprintf(stderr, "bench indexer: no torch results at %s (column left empty)\n",
+                 path.c_str());
+    return out;
+  }
+  nlohmann::json doc;
+  in >> doc;
+  for (const auto& r : doc.at("results")) {
+    if (!r.contains("median_us") || r["median_us"].is_null()) continue;
+    out[{r.at("batch").get<int>(), r.at("context").get<int64_t>(), r.at("dtype").get<std::string>(),
+         r.at("q_len").get<int>()}] = r.at("median_us").get<double>();
+  }
+  return out;
+}
+
+std::string fmt_context(int64_t context) {
+  return context >= (1 << 20) && context % (1 << 20) == 0 ? fmt::format("{}M", context >> 20)
+                                                          : fmt::format("{}K", context >> 10);
+}
+
+struct Options {
+  std::vector<int> batches = {1, 4, 32, 128};
+  std::vector<int64_t> contexts = {4096, 32768, 131072, 524288, 1048576};
+  std::vector<std::string> dtypes = {"bf16", "fp8"};
+  std::vector<int> q_lens = {1, 4};
+  bool quick = false;
+  bool no_unfused = false;
+  int reps = 30;
+  int64_t rotate_bytes = 4 * kL2Bytes;
+  int max_copies = 256;
+  std::string json_path;
+  std::string torch_json;
+  std::string commit;
+};
+
+int run_indexer_bench(int argc, char** argv) {
+  Options opt;
+  CLI::App app{"CUDA decode indexer benchmark (graph replay, rotated inputs)"};
+  app.add_option("--batches", opt.batches, "batch sizes")->delimiter(',');
+  app.add_option("--contexts", opt.contexts, "context lengths in tokens")->delimiter(',');
+  app.add_option("--dtypes", opt.dtypes, "index-K cache dtypes: bf16, fp8")->delimiter(',');
+  app.add_option("--q-lens", opt.q_lens, "query rows per request")->delimiter(',');
+  app.add_flag("--quick", opt.quick, "batches 1,32 x contexts 4K,128K only");
+  app.add_flag("--no-unfused", opt.no_unfused, "skip the unfused baseline");
+  app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
+  app.add_option("--rotate-bytes", opt.rotate_bytes,
+                 "bytes of distinct inputs one graph cycles through (default 4 x L2)");
+  app.add_option("--json", opt.json_path, "write the results as JSON here");
+  app.add_option("--torch-json", opt.torch_json, "PyTorch baseline results (torch_indexer.py)");
+  app.add_option("--commit", opt.commit, "commit id recorded in the JSON");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (opt.quick) {
+    opt.batches = {1, 32};
+    opt.contexts = {4096, 131072};
+  }
+  M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, "bench indexer: no CUDA device visible");
+  const std::map<TorchKey, double> torch = read_torch(opt.torch_json);
+
+  SparseConfig config;  // M3: 4 index heads, dim 128, block 128, top-16, forced own block
+  cuda::Stream stream;
+  const std::string device = device_description();
+  std::printf("m3msa bench indexer on %s\n", device.c_str());
+  std::printf("bytes = index-K rows read once + queries + tables + output; roof = 4.57 TB/s\n\n");
+
+  Table table({"batch", "context", "dtype", "q", "fused us", "noise", "MB", "TB/s", "% roof",
+               "unfused us", "x unfused", "torch us", "x torch", "check"});
+  std::vector<Config> configs;
+  for (const std::string& dt : opt.dtypes) {
+    const DType dtype = parse_dtype(dt, "--dtypes");
+    for (int q : opt.q_lens) {
+      for (int b : opt.batches) {
+        for (int64_t ctx : opt.contexts) configs.push_back({b, ctx, dtype, q});
+      }
+    }
+  }
+
+  for (const Config& cfg : configs) {
+    const bool fp8 = cfg.dtype == DType::kFP8E4M3;
+    const int H = config.index_heads;
+    const int k = config.topk;
+    const int64_t nb = (cfg.context + 127) / 128;
+    const int64_t rows = int64_t{cfg.batch} * cfg.q_len;
+    const int64_t page_bytes = 128 * 128 * (fp8 ? 1 : 2);
+    const int64_t pages_per_copy = cfg.batch * nb;
+    const int64_t bytes_per_launch = pages_per_copy * page_bytes + rows * H * 128 * 2 +
+                                     pages_per_copy * 4 + cfg.batch * 4 + rows * H * k * 4;
+    const int copies = static_cast<int>(std::clamp<int64_t>(
+        (opt.rotate_bytes + pages_per_copy * page_bytes - 1) / (pages_per_copy * page_bytes), 1,
+        opt.max_copies));
+    const int64_t pool_pages = pages_per_copy * copies;
+    size_t free_bytes = 0, total_bytes = 0;
+    CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+    const double need = static_cast<double>(pool_pages) * page_bytes +
+                        static_cast<double>(rows) * H * nb * 4 + (1 << 28);
+    if (need > 0.85 * static_cast<double>(free_bytes)) {
+      std::printf("skip batch %d context %s %s q %d: needs %.1f GB, %.1f GB free\n", cfg.batch,
+                  fmt_context(cfg.context).c_str(), dtype_name(cfg.dtype), cfg.q_len, need / 1e9,
+                  free_bytes / 1e9);
+      continue;
+    }
+
+    // Inputs: the page pool, then per copy a shuffled table, seq_lens and queries.
+    DeviceTensor pool(cfg.dtype, {pool_pages, 128, 128});
+    fill_random(pool.data(), pool.numel(), fp8, 1234 + cfg.batch * 7 + cfg.context, stream.get());
+    Rng rng(static_cast<uint64_t>(cfg.batch) * 1000003u + static_cast<uint64_t>(cfg.context));
+    std::vector<DeviceTensor> tables, seqs, queries;
+    for (int c = 0; c < copies; ++c) {
+      HostTensor t(DType::kI32, {cfg.batch, nb});
+      std::vector<int32_t> order(static_cast<size_t>(pages_per_copy));
+      std::iota(order.begin(), order.end(), static_cast<int32_t>(c * pages_per_copy));
+      for (int64_t i = pages_per_copy - 1; i > 0; --i) {
+        std::swap(order[i], order[rng.next() % static_cast<uint64_t>(i + 1)]);
+      }
+      std::memcpy(t.data(), order.data(), order.size() * sizeof(int32_t));
+      tables.push_back(to_device(t));
+      HostTensor s(DType::kI32, {cfg.batch});
+      for (int r = 0; r < cfg.batch; ++r) s.ptr<int32_t>()[r] = static_cast<int32_t>(cfg.context);
+      seqs.push_back(to_device(s));
+      DeviceTensor q(DType::kBF16, {rows, H, 128});
+      fill_random(q.data(), q.numel(), false, 777 + c, stream.get());
+      queries.push_back(std::move(q));
+    }
+    DeviceTensor out_fused(DType::kI32, {rows, H, k});
+    DeviceTensor out_unfused(DType::kI32, {rows, H, k});
+    auto args_for = [&](int c, const DeviceTensor& out) {
+      IndexerArgs a;
+      a.index_q = queries[c].view();
+      a.index_cache = IndexCache{pool.view()};
+      a.batch.kind = BatchKind::kDecode;
+      a.batch.num_reqs = cfg.batch;
+      a.batch.q_len = cfg.q_len;
+      a.batch.seq_lens = seqs[c].view();
+      a.batch.index_block_table = tables[c].view();
+      a.topk_idx = out.view();
+      return a;
+    };
+    PlanLimits limits;
+    limits.max_reqs = cfg.batch;
+    limits.max_q_len = cfg.q_len;
+    limits.max_context = opt.no_unfused ? 0 : cfg.context;
+    const cuda::IndexerPlan plan = cuda::plan_indexer(config, limits, 0);
+    cuda::DeviceBuffer workspace(plan.workspace_bytes);
+    cuda::init_indexer_workspace(plan, workspace.data(), stream.get());
+    stream.synchronize();
+
+    auto measure = [&](IndexerVariant variant, const DeviceTensor& out) {
+      cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
+        for (int c = 0; c < copies; ++c) {
+          cuda::launch_indexer(plan, config, args_for(c, out), variant, workspace.data(),
+                               stream.get());
+        }
+      });
+      return time_graph(graph, stream.get(), copies, 2, opt.reps);
+    };
+    const Timing fused = measure(IndexerVariant::kFused, out_fused);
+    Timing unfused;
+    std::string check = "-";
+    if (!opt.no_unfused) {
+      unfused = measure(IndexerVariant::kUnfused, out_unfused);
+      HostTensor a, b;
+      copy_to_host(out_fused.view(), a);
+      copy_to_host(out_unfused.view(), b);
+      check = std::memcmp(a.data(), b.data(), a.nbytes()) == 0 ? "same" : "DIFF";
+    }
+    const uint32_t status = cuda::read_indexer_status(plan, workspace.data(), stream.get(), true);
+    if (status != 0) check += fmt::format(" status {}", status);
+
+    const double tbs = static_cast<double>(bytes_per_launch) / (fused.median_us * 1e-6) / 1e12;
+    const double roof = 100.0 * tbs / kReadCeilingTBs;
+    const auto it = torch.find({cfg.batch, cfg.context, fp8 ? "fp8" : "bf16", cfg.q_len});
+    const double torch_us = it == torch.end() ? 0.0 : it->second;
+    nlohmann::json rec = {{"batch", cfg.batch},
+                          {"context", cfg.context},
+                          {"dtype", fp8 ? "fp8" : "bf16"},
+                          {"q_len", cfg.q_len},
+                          {"fused_us", fused.median_us},
+                          {"fused_p10_us", fused.p10_us},
+                          {"fused_p90_us", fused.p90_us},
+                          {"bytes", bytes_per_launch},
+                          {"tb_per_s", tbs},
+                          {"pct_roof", roof},
+                          {"floor_us", bytes_per_launch / (kReadCeilingTBs * 1e12) * 1e6},
+                          {"copies", copies},
+                          {"reps", fused.reps},
+                          {"check", check}};
+    if (!opt.no_unfused) {
+      rec["unfused_us"] = unfused.median_us;
+      rec["speedup_vs_unfused"] = unfused.median_us / fused.median_us;
+    }
+    if (torch_us > 0) {
+      rec["torch_us"] = torch_us;
+      rec["speedup_vs_torch"] = torch_us / fused.median_us;
+    }
+    table.add({std::to_string(cfg.batch), fmt_context(cfg.context), fp8 ? "fp8" : "bf16",
+               std::to_string(cfg.q_len), fmt::format("{:.1f}", fused.median_us),
+               fmt::format("{:.0f}%", 100.0 * fused.noise()),
+               fmt::format("{:.1f}", bytes_per_launch / 1e6), fmt::format("{:.2f}", tbs),
+               fmt::format("{:.0f}%", roof),
+               opt.no_unfused ? "-" : fmt::format("{:.1f}", unfused.median_us),
+               opt.no_unfused ? "-" : fmt::format("{:.2f}", unfused.median_us / fused.median_us),
+               torch_us > 0 ? fmt::format("{:.0f}", torch_us) : "-",
+               torch_us > 0 ? fmt::format("{:.1f}", torch_us / fused.median_us) : "-", check},
+              rec);
+    std::printf(
+        "batch %4d context %5s %-4s q %d: fused %9.1f us (%3.0f%% roof), unfused %9.1f us"
+        " [%s]\n",
+        cfg.batch, fmt_context(cfg.context).c_str(), fp8 ? "fp8" : "bf16", cfg.q_len,
+        fused.median_us, roof, unfused.median_us, check.c_str());
+    std::fflush(stdout);
+  }
+  std::printf("\n");
+  table.print();
+
+  char date[32];
+  const std::time_t now = std::time(nullptr);
+  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+  nlohmann::json doc = {{"benchmark", "indexer"},
+                        {"device", device},
+                        {"date", date},
+                        {"commit", opt.commit},
+                        {"read_ceiling_tb_per_s", kReadCeilingTBs},
+                        {"results", table.records()}};
+  write_json(opt.json_path, doc);
+  return 0;
+}
+
+const m3msa::cli::BenchRegistrar kRegistrar(
+    "indexer", "decode indexer: fused vs unfused (and PyTorch), graph replay", run_indexer_bench);
+
+}  // namespace
+}  // namespace m3msa::bench

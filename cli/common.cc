@@ -1,0 +1,72 @@
+#include "common.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+
+#include "m3msa/dtype.h"
+#include "m3msa/error.h"
+
+#ifndef M3MSA_VERSION
+#define M3MSA_VERSION "unknown"
+#endif
+
+namespace m3msa::cli {
+
+const char* version_string() {
+  return M3MSA_VERSION;
+}
+
+namespace {
+std::string& command_line_storage() {
+  static std::string line;
+  return line;
+}
+}  // namespace
+
+void set_command_line(int argc, char** argv) {
+  std::string& line = command_line_storage();
+  line = "m3msa";
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const bool plain = !arg.empty() && arg.find_first_of(" \t\"'$`\\") == std::string::npos;
+    line += " " + (plain ? arg : "'" + arg + "'");
+  }
+}
+
+const std::string& command_line() {
+  return command_line_storage();
+}
+
+std::string error_text(const std::exception& e) {
+  const std::string text = e.what();
+  const std::string prefix = "m3msa: ";
+  return text.rfind(prefix, 0) == 0 ? text.substr(prefix.size()) : text;
+}
+
+uint64_t derive_seed(uint64_t seed, uint64_t a, uint64_t b) {
+  Rng rng(seed ^ (a * 0xD1B54A32D192ED03ull) ^ (b * 0x8CB92BA72F3D8DD7ull));
+  rng.next();
+  return rng.next();
+}
+
+void fill_bf16(HostTensor& tensor, uint64_t seed, float scale) {
+  M3MSA_CHECK_INTERNAL(tensor.dtype() == DType::kBF16, "fill_bf16 on ", dtype_name(tensor.dtype()));
+  Rng rng(seed);
+  uint16_t* data = tensor.ptr<uint16_t>();
+  for (int64_t i = 0; i < tensor.numel(); ++i) data[i] = float_to_bf16(rng.unit() * scale);
+}
+
+HostTensor clone(const HostTensor& tensor) {
+  if (tensor.empty() && tensor.shape().empty()) return {};
+  HostTensor copy(tensor.dtype(), tensor.shape());
+  if (tensor.nbytes()) std::memcpy(copy.data(), tensor.data(), tensor.nbytes());
+  return copy;
+}
+
+bool stderr_is_tty() {
+  return isatty(fileno(stderr)) != 0;
+}
+
+}  // namespace m3msa::cli

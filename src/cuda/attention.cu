@@ -1,0 +1,343 @@
+// Host side of the block-sparse attention kernel: validation, the split plan, the workspace layout
+// and the launch (attention_kernel.cuh has the algorithm).
+//
+// Split plan: a (row, kv head) "unit" is one CTA unless there are too few units to fill the GPU;
+// then each unit's selected blocks are split over `splits` CTAs (a power of two <= topk for a
+// selection, any count for dense attention) so that units * splits fits in one wave of resident
+// CTAs. The plan depends only on host shapes (rows, kv heads, topk, whether topk_idx is given) and
+// the device, never on device contents, so a captured graph replays any metadata. Partials need
+// at most one wave of slots, so the workspace does not grow with the batch.
+//
+// Merge: up to AttentionTuning::max_cluster splits (when the device can co-schedule them as one
+// thread-block cluster, checked once per kernel and size with cudaOccupancyMaxActiveClusters)
+// merge through distributed shared memory; otherwise through the workspace with an arrival
+// counter, the last CTA to arrive merging. Optional programmatic dependent launch (PDL).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdlib>
+#include <mutex>
+#include <string>
+
+#include "cuda/attention.h"
+#include "cuda/attention_kernel.cuh"
+#include "cuda/attention_launch.cuh"
+#include "cuda/attention_params.h"
+#include "cuda/common.cuh"
+#include "m3msa/error.h"
+
+namespace m3msa::cuda {
+namespace {
+
+constexpr int kMaxDenseSplits = 64;
+static_assert(kMaxDenseSplits <= attn::kMaxMergeSplits, "the merge handles at most 64 splits");
+constexpr size_t kAlign = 256;
+
+size_t align_up(size_t bytes) {
+  return (bytes + kAlign - 1) / kAlign * kAlign;
+}
+
+constexpr int kMaxClusterSplits = 16;
+constexpr int kClusterSizes = 5;  // 1, 2, 4, 8, 16
+
+// The three kernel instantiations: bf16 split-P (default), bf16 single-P (bench), fp8.
+enum KernelId : int { kBf16SplitP = 0, kBf16SingleP = 1, kFp8Kernel = 2, kKernels = 3 };
+
+// Per device: SMs, resident CTAs of each kernel (smem limits raised once), and which cluster
+// sizes each kernel can be launched with.
+struct DeviceShape {
+  int sm_count = 0;
+  int per_sm[kKernels] = {0, 0, 0};
+  bool cluster_ok[kKernels][kClusterSizes] = {};
+};
+
+template <bool kFp8, bool kSplitP>
+void configure_kernel(int sms, DeviceShape& shape, KernelId id) {
+  auto kernel = attn::sparse_attention_kernel<kFp8, kSplitP>;
+  const int smem = attn::KvLayout<kFp8>::kSmemBytes;
+  CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, attn::kThreads, smem));
+  M3MSA_CHECK_INTERNAL(per_sm > 0, "sparse attention kernel cannot be resident (smem ", smem,
+                       " bytes)");
+  shape.per_sm[id] = per_sm;
+  // Cluster sizes above 8 are "non-portable": allowed explicitly, then checked like the others.
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
+      cudaSuccess) {
+    cudaGetLastError();
+  }
+  for (int i = 1; i < kClusterSizes; ++i) {
+    const int cluster = 1 << i;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(static_cast<unsigned>(cluster * sms));
+    cfg.blockDim = dim3(attn::kThreads);
+    cfg.dynamicSmemBytes = static_cast<size_t>(smem);
+    cudaLaunchAttribute attr{};
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim.x = static_cast<unsigned>(cluster);
+    attr.val.clusterDim.y = 1;
+    attr.val.clusterDim.z = 1;
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+      cudaGetLastError();
+      clusters = 0;
+    }
+    shape.cluster_ok[id][i] = clusters > 0;
+  }
+}
+
+const DeviceShape& device_shape() {
+  static std::mutex mutex;
+  static std::array<DeviceShape, 64> shapes{};
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  M3MSA_CHECK_INTERNAL(device >= 0 && device < 64, "device ", device);
+  std::lock_guard<std::mutex> lock(mutex);
+  DeviceShape& shape = shapes[static_cast<size_t>(device)];
+  if (shape.sm_count == 0) {
+    int sms = 0;
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    configure_kernel<false, true>(sms, shape, kBf16SplitP);
+    configure_kernel<false, false>(sms, shape, kBf16SingleP);
+    configure_kernel<true, false>(sms, shape, kFp8Kernel);
+    shape.sm_count = sms;
+  }
+  return shape;
+}
+
+int resident_slots(const DeviceShape& shape, KernelId id) {
+  return shape.sm_count * shape.per_sm[id];
+}
+
+int max_partial_slots(const DeviceShape& shape) {
+  int slots = 0;
+  for (int id = 0; id < kKernels; ++id) {
+    slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id)));
+  }
+  return slots;
+}
+
+KernelId kernel_id(bool fp8, const AttentionTuning& tuning) {
+  if (fp8) return kFp8Kernel;
+  return tuning.split_p ? kBf16SplitP : kBf16SingleP;
+}
+
+bool cluster_usable(const DeviceShape& shape, KernelId id, int splits) {
+  if (splits <= 1 || splits > kMaxClusterSplits || (splits & (splits - 1)) != 0) return false;
+  int log2 = 0;
+  while ((1 << log2) < splits) ++log2;
+  return shape.cluster_ok[id][log2];
+}
+
+template <bool kFp8, bool kSplitP>
+void launch_kernel(const SparseAttentionParams& p, unsigned ctas, bool pdl, cudaStream_t stream) {
+  auto kernel = attn::sparse_attention_kernel<kFp8, kSplitP>;
+  const size_t smem = attn::KvLayout<kFp8>::kSmemBytes;
+  if (!p.cluster_merge && !pdl) {
+    kernel<<<dim3(ctas), attn::kThreads, smem, stream>>>(p);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(ctas);
+  cfg.blockDim = dim3(attn::kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attrs[2]{};
+  unsigned count = 0;
+  if (p.cluster_merge) {
+    attrs[count].id = cudaLaunchAttributeClusterDimension;
+    attrs[count].val.clusterDim.x = static_cast<unsigned>(p.num_splits);
+    attrs[count].val.clusterDim.y = 1;
+    attrs[count].val.clusterDim.z = 1;
+    ++count;
+  }
+  if (pdl) {
+    attrs[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attrs[count].val.programmaticStreamSerializationAllowed = 1;
+    ++count;
+  }
+  cfg.attrs = attrs;
+  cfg.numAttrs = count;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+int choose_splits(int64_t units, int topk, bool dense, int slots) {
+  if (units <= 0) return 1;
+  if (dense) {
+    return static_cast<int>(std::clamp<int64_t>(slots / units, 1, kMaxDenseSplits));
+  }
+  int splits = 1;
+  while (splits * 2 <= topk && units * splits * 2 <= slots) splits *= 2;
+  return splits;
+}
+
+struct WorkspaceLayout {
+  size_t partial_o = 0;
+  size_t partial_ml = 0;
+  size_t counters = 0;
+  size_t total = 0;
+};
+
+WorkspaceLayout workspace_layout(int slots) {
+  WorkspaceLayout layout;
+  const size_t s = static_cast<size_t>(slots);
+  layout.partial_o = 0;
+  layout.partial_ml = align_up(s * attn::kTileHeads * attn::kHeadDim * sizeof(float));
+  layout.counters = layout.partial_ml + align_up(s * attn::kTileHeads * 2 * sizeof(float));
+  layout.total = layout.counters + align_up(s * sizeof(uint32_t));
+  return layout;
+}
+
+void check_supported(const SparseConfig& config) {
+  M3MSA_CHECK_SUPPORTED(config.head_dim == attn::kHeadDim,
+                        "CUDA sparse attention supports head_dim 128, got ", config.head_dim);
+  M3MSA_CHECK_SUPPORTED(config.block_size == attn::kBlockTokens,
+                        "CUDA sparse attention supports block_size 128, got ", config.block_size);
+  M3MSA_CHECK_SUPPORTED(config.group_size() <= attn::kTileHeads,
+                        "CUDA sparse attention supports up to 16 query heads per KV head, got ",
+                        config.group_size());
+}
+
+void check_contiguous(const TensorView& view, const char* name) {
+  M3MSA_CHECK_ARG(view.is_contiguous(), name, " must be contiguous, got ", describe(view));
+}
+
+}  // namespace
+
+size_t sparse_attention_workspace_size(const SparseConfig& config, const PlanLimits& limits) {
+  config.validate();
+  check_supported(config);
+  (void)limits;  // the partials never need more than one wave of CTAs, whatever the batch
+  return workspace_layout(max_partial_slots(device_shape())).total;
+}
+
+std::string AttentionTuning::name() const {
+  return "splitp" + std::to_string(split_p ? 1 : 0) + "-cluster" + std::to_string(max_cluster) +
+         "-pdl" + std::to_string(pdl ? 1 : 0);
+}
+
+AttentionTuning AttentionTuning::parse(const std::string& text) {
+  AttentionTuning t;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(at, end - at);
+    const size_t eq = item.find('=');
+    M3MSA_CHECK_ARG(eq != std::string::npos, "attention tuning '", text, "': item '", item,
+                    "' is not key=value");
+    const std::string key = item.substr(0, eq);
+    const int value = std::atoi(item.c_str() + eq + 1);
+    if (key == "splitp") {
+      t.split_p = value != 0;
+    } else if (key == "cluster") {
+      t.max_cluster = value;
+    } else if (key == "pdl") {
+      t.pdl = value != 0;
+    } else {
+      M3MSA_THROW(ErrorCode::kInvalidArgument, "attention tuning '", text, "': unknown key '", key,
+                  "' (splitp, cluster, pdl)");
+    }
+    at = end + 1;
+  }
+  return t;
+}
+
+AttentionTuning default_attention_tuning() {
+  return AttentionTuning{};
+}
+
+AttentionPlanInfo sparse_attention_plan_info(const SparseConfig& config, int64_t rows, bool dense,
+                                             bool fp8_kv, const AttentionTuning& tuning) {
+  const DeviceShape& shape = device_shape();
+  const KernelId id = kernel_id(fp8_kv, tuning);
+  AttentionPlanInfo info;
+  info.splits =
+      choose_splits(rows * config.kv_heads, config.topk, dense, resident_slots(shape, id));
+  info.cluster = info.splits <= tuning.max_cluster && cluster_usable(shape, id, info.splits);
+  info.ctas = rows * config.kv_heads * info.splits;
+  return info;
+}
+
+void launch_sparse_attention(const SparseConfig& config, const AttentionArgs& args, void* workspace,
+                             size_t workspace_bytes, cudaStream_t stream) {
+  launch_sparse_attention_tuned(config, args, workspace, workspace_bytes, stream,
+                                default_attention_tuning());
+}
+
+void launch_sparse_attention_tuned(const SparseConfig& config, const AttentionArgs& args,
+                                   void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                   const AttentionTuning& tuning) {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  validate(config, args, Device::cuda(device));
+  check_supported(config);
+  check_contiguous(args.q, "q");
+  check_contiguous(args.out, "out");
+  check_contiguous(args.kv_cache.data, "kv_cache");
+  check_contiguous(args.batch.kv_block_table, "batch.kv_block_table");
+  const bool dense = !args.topk_idx.defined();
+  if (!dense) check_contiguous(args.topk_idx, "topk_idx");
+  const bool fp8 = args.kv_cache.data.dtype == DType::kFP8E4M3;
+
+  const int64_t rows = args.batch.num_rows();
+  if (rows == 0) return;
+
+  SparseAttentionParams p;
+  p.q = static_cast<const uint16_t*>(args.q.data);
+  p.kv_cache = args.kv_cache.data.data;
+  p.topk_idx = dense ? nullptr : static_cast<const int32_t*>(args.topk_idx.data);
+  p.kv_block_table = static_cast<const int32_t*>(args.batch.kv_block_table.data);
+  p.out = static_cast<uint16_t*>(args.out.data);
+  p.rows_layout.is_prefill = args.batch.kind == BatchKind::kPrefill ? 1 : 0;
+  p.rows_layout.num_reqs = args.batch.num_reqs;
+  p.rows_layout.q_len = args.batch.q_len;
+  p.rows_layout.seq_lens = static_cast<const int32_t*>(args.batch.seq_lens.data);
+  p.rows_layout.cu_seqlens_q = static_cast<const int32_t*>(args.batch.cu_seqlens_q.data);
+  p.rows_layout.context_lens = static_cast<const int32_t*>(args.batch.context_lens.data);
+  p.num_rows = rows;
+  p.num_pages = args.kv_cache.pages();
+  p.head_stride = int64_t{2} * config.block_size * config.head_dim;
+  p.page_stride = int64_t{config.kv_heads} * p.head_stride;
+  p.table_cols = args.batch.kv_block_table.shape[1];
+  p.q_heads = config.q_heads;
+  p.kv_heads = config.kv_heads;
+  p.group = config.group_size();
+  p.topk = config.topk;
+  const float k_scale = fp8 ? args.kv_cache.k_scale : 1.0f;
+  p.scale_log2 = static_cast<float>(static_cast<double>(config.softmax_scale()) * k_scale *
+                                    1.4426950408889634);
+  p.v_scale = fp8 ? args.kv_cache.v_scale : 1.0f;
+
+  const DeviceShape& shape = device_shape();
+  const KernelId id = kernel_id(fp8, tuning);
+  const AttentionPlanInfo plan = sparse_attention_plan_info(config, rows, dense, fp8, tuning);
+  p.num_splits = plan.splits;
+  p.cluster_merge = plan.cluster ? 1 : 0;
+  const int64_t ctas = plan.ctas;
+  narrow_int(ctas, "sparse attention grid (rows * kv_heads * splits)");
+  if (p.num_splits > 1 && !p.cluster_merge) {
+    const WorkspaceLayout layout = workspace_layout(max_partial_slots(shape));
+    M3MSA_CHECK_ARG(workspace != nullptr && workspace_bytes >= layout.total,
+                    "sparse attention workspace: need ", layout.total, " bytes, got ",
+                    workspace_bytes, (workspace == nullptr ? " (null)" : ""));
+    auto* base = static_cast<uint8_t*>(workspace);
+    p.partial_o = reinterpret_cast<float*>(base + layout.partial_o);
+    p.partial_ml = reinterpret_cast<float*>(base + layout.partial_ml);
+    p.counters = reinterpret_cast<uint32_t*>(base + layout.counters);
+  }
+
+  const auto grid = static_cast<unsigned>(ctas);
+  switch (id) {
+    case kFp8Kernel: launch_kernel<true, false>(p, grid, tuning.pdl, stream); break;
+    case kBf16SingleP: launch_kernel<false, false>(p, grid, tuning.pdl, stream); break;
+    default: launch_kernel<false, true>(p, grid, tuning.pdl, stream); break;
+  }
+}
+
+}  // namespace m3msa::cuda

@@ -1,0 +1,723 @@
+// Block-sparse GQA attention kernel (spec.md section 5). Framework-free: raw pointers, one params
+// struct, launched by attention.cu.
+//
+// One CTA of 4 warps handles one (row, kv head, split). The 16 query heads of the KV head are the
+// m16 side of mma.sync m16n8k16 (bf16 KV: bf16 operands, the softmax weights split into hi + lo
+// bf16 parts; fp8 KV: f16 operands, since every e4m3 value is exact in f16 and f16 weights keep
+// 11 bits; fp32 accumulation either way). The split's selected blocks are streamed as 64-token
+// chunks (K tile + V tile) through a 3-stage (bf16) or 4-stage (fp8) cp.async pipeline into
+// XOR-swizzled shared memory; each warp takes 16 tokens of a chunk and keeps its own online
+// softmax (exp2 domain, lazily rescaled) and 16x128 fp32 accumulator, so warps never wait on each
+// other inside a chunk. The epilogue merges the 4 warps in shared memory; when the (row, kv head)
+// is split over several CTAs, the splits merge either through a thread-block cluster (DSMEM, on
+// rank 0) or through (O, max, sum) partials in the workspace that the last CTA to arrive (an
+// atomic counter it resets) merges. Both merge in split order, so results are deterministic.
+//
+// Dimension permutations: the reduction axis of an mma may be permuted freely as long as A and B
+// agree, so each thread reads whole 16-byte chunks of a K row, and the V output columns are
+// permuted so each thread reads whole chunks of a V row (out_dim() undoes it in the epilogue).
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/attention_params.h"
+
+namespace m3msa::cuda::attn {
+
+inline constexpr int kHeadDim = 128;
+inline constexpr int kBlockTokens = 128;
+inline constexpr int kChunkTokens = 64;
+inline constexpr int kWarps = 4;
+inline constexpr int kThreads = kWarps * 32;
+inline constexpr int kTileHeads = 16;              // query heads per CTA (m16)
+inline constexpr int kMaxRoundBlocks = 64;         // blocks whose pages are looked up at once
+inline constexpr int kMergeStride = kHeadDim + 4;  // padded fp32 row of the warp merge
+inline constexpr float kLazyRescale = 8.0f;        // log2 units; softmax weights stay <= 256
+inline constexpr int kMaxMergeSplits = 64;         // splits a global merge handles
+
+template <bool kFp8>
+struct KvLayout {
+  static constexpr int kRowBytes = kHeadDim * (kFp8 ? 1 : 2);
+  static constexpr int kRowChunks = kRowBytes / 16;
+  static constexpr int kTileBytes = kChunkTokens * kRowBytes;  // one K (or V) chunk
+  static constexpr int kStageBytes = 2 * kTileBytes;
+  // Pipeline depth: 3 stages keep two bf16 CTAs (96 KB each) per SM; fp8 stages are half as big,
+  // so 4 stages (64 KB) keep three CTAs per SM with three chunks in flight each.
+  static constexpr int kStages = kFp8 ? 4 : 3;
+  static constexpr int kPipeBytes = kStages * kStageBytes;
+  static constexpr int kMergeBytes =
+      (kWarps * kTileHeads * kMergeStride + kWarps * kTileHeads * 2) * 4;
+  // The split's partial, published for the cluster merge (after the warp-merge area).
+  static constexpr int kPublishBytes = (kTileHeads * kHeadDim + kTileHeads * 2) * 4;
+  static constexpr int kEpilogueBytes = kMergeBytes + kPublishBytes;
+  static constexpr int kSmemBytes = kPipeBytes > kEpilogueBytes ? kPipeBytes : kEpilogueBytes;
+};
+
+// ---- small device helpers ----
+
+// XOR swizzle of the low 3 bits of a row's 16-byte chunk index: conflict-free for both the K reads
+// (rows r, r+1 at chunks c + 4i) and the V reads (rows 0,2,4,6 / 1,3,5,7 at chunks g, g + 8).
+__device__ __forceinline__ int swizzle(int row) {
+  return (row & 6) ^ ((row & 1) << 2);
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+// Plain C++ shared loads (not asm), so the compiler orders them against __syncthreads.
+__device__ __forceinline__ uint4 lds128(const uint8_t* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// D += A * B, m16n8k16, fp32 accumulators. kF16 selects f16 operands, else bf16.
+template <bool kF16>
+__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  if constexpr (kF16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+// Two e4m3 values (low byte -> low half) to f16x2; exact.
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t pair16) {
+  uint32_t out;
+  const unsigned short in = static_cast<unsigned short>(pair16 & 0xFFFFu);
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(out) : "h"(in));
+  return out;
+}
+
+// (lo, hi) fp32 -> packed pair, lo in the low half.
+template <bool kF16>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  uint32_t out;
+  if constexpr (kF16) {
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(out) : "f"(hi), "f"(lo));
+  }
+  return out;
+}
+
+// The fp32 values of a packed pair (exactly what the tensor core multiplies).
+template <bool kF16>
+__device__ __forceinline__ float2 unpack2(uint32_t v) {
+  if constexpr (kF16) {
+    float lo, hi;
+    asm("{.reg .f16 l, h;\n mov.b32 {l, h}, %2;\n cvt.f32.f16 %0, l;\n cvt.f32.f16 %1, h;}\n"
+        : "=f"(lo), "=f"(hi)
+        : "r"(v));
+    return make_float2(lo, hi);
+  } else {
+    return make_float2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
+  }
+}
+
+// bf16x2 -> f16x2 (exact for the magnitudes a normed query has).
+__device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t v) {
+  return pack2<true>(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
+}
+
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint16_t f32_to_bf16_bits(float f) {
+  uint16_t out;
+  asm("cvt.rn.bf16.f32 %0, %1;\n" : "=h"(out) : "f"(f));
+  return out;
+}
+
+// Output dimension of accumulator column `n` (0..7) of PV n-tile `tile` (0..15).
+template <bool kFp8>
+__device__ __forceinline__ int out_dim(int tile, int n) {
+  if constexpr (kFp8) {
+    return 16 * n + tile;
+  } else {
+    return (tile < 8) ? 8 * n + tile : 64 + 8 * n + (tile - 8);
+  }
+}
+
+// Request and position of `row`; pos < 0 marks a dead row.
+__device__ __forceinline__ void resolve_row(const RowLayoutParams& layout, int64_t row, int& req,
+                                            int64_t& pos) {
+  if (!layout.is_prefill) {
+    req = static_cast<int>(row / layout.q_len);
+    const int j = static_cast<int>(row - int64_t{req} * layout.q_len);
+    const int seq = layout.seq_lens[req];
+    pos = seq > 0 ? int64_t{seq} - layout.q_len + j : -1;
+    return;
+  }
+  // Largest r with cu[r] <= row; cu[num_reqs] > row, so request r owns the row.
+  int lo = 0;
+  int hi = layout.num_reqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (layout.cu_seqlens_q[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  req = lo;
+  pos = int64_t{layout.context_lens[lo]} + (row - layout.cu_seqlens_q[lo]);
+}
+
+// ---- the kernel ----
+
+// kSplitP (bf16 KV only): P = P_hi + P_lo, two bf16 PV mmas, so the softmax weights keep ~16
+// bits (a bf16 P alone has 8, which costs ~2^-9 relative error in the output).
+template <bool kFp8, bool kSplitP>
+__global__ void __launch_bounds__(kThreads, 2)
+    sparse_attention_kernel(const __grid_constant__ SparseAttentionParams p) {
+  static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
+  using L = KvLayout<kFp8>;
+  constexpr bool kF16 = kFp8;  // operand type of both mmas
+  extern __shared__ __align__(128) uint8_t smem[];
+  __shared__ int s_page[kMaxRoundBlocks];
+  __shared__ int s_block[kMaxRoundBlocks];
+  __shared__ int s_last;
+
+  // Programmatic dependent launch: everything this kernel reads may come from the previous kernel
+  // in the stream, so wait for it before the first load (a no-op without a programmatic edge).
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;  // mma group: row (head) g and g + 8, column/token g
+  const int c = lane & 3;   // thread in group
+
+  const int split = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_splits));
+  const int64_t unit = blockIdx.x / static_cast<unsigned>(p.num_splits);  // row * kv_heads + kvh
+  const int kvh = static_cast<int>(unit % p.kv_heads);
+  const int64_t row = unit / p.kv_heads;
+
+  int req = 0;
+  int64_t pos = -1;  // resolved below, after the first loads are issued
+
+  // ---- Q fragments (A operand), loaded straight from global memory ----
+  // k-step s covers, for thread c, whole 16-byte chunks of the head (see the permutation note).
+  uint32_t qa[8][4];
+  {
+    const uint16_t* q_base =
+        p.q + (row * p.q_heads + int64_t{kvh} * p.group) * static_cast<int64_t>(kHeadDim);
+    const bool live0 = g < p.group;
+    const bool live1 = g + 8 < p.group;
+    const uint16_t* q0 = q_base + g * kHeadDim;
+    const uint16_t* q1 = q_base + (g + 8) * kHeadDim;
+    if constexpr (!kFp8) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int chunk = c + 4 * i;  // dims 8*chunk .. 8*chunk + 7
+        const uint4 x =
+            live0 ? *reinterpret_cast<const uint4*>(q0 + 8 * chunk) : make_uint4(0, 0, 0, 0);
+        const uint4 y =
+            live1 ? *reinterpret_cast<const uint4*>(q1 + 8 * chunk) : make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          qa[2 * i + h][0] = word(x, 2 * h);
+          qa[2 * i + h][1] = word(y, 2 * h);
+          qa[2 * i + h][2] = word(x, 2 * h + 1);
+          qa[2 * i + h][3] = word(y, 2 * h + 1);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const int chunk = c + 4 * i;  // dims 16*chunk .. 16*chunk + 15
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint4 x = live0 ? *reinterpret_cast<const uint4*>(q0 + 16 * chunk + 8 * half)
+                                : make_uint4(0, 0, 0, 0);
+          const uint4 y = live1 ? *reinterpret_cast<const uint4*>(q1 + 16 * chunk + 8 * half)
+                                : make_uint4(0, 0, 0, 0);
+#pragma unroll
+          for (int uu = 0; uu < 2; ++uu) {
+            const int s = 4 * i + 2 * half + uu;  // u = 2*half + uu: dims 4u .. 4u + 3
+            qa[s][0] = bf16x2_to_f16x2(word(x, 2 * uu));
+            qa[s][1] = bf16x2_to_f16x2(word(y, 2 * uu));
+            qa[s][2] = bf16x2_to_f16x2(word(x, 2 * uu + 1));
+            qa[s][3] = bf16x2_to_f16x2(word(y, 2 * uu + 1));
+          }
+        }
+      }
+    }
+  }
+
+  // ---- the split's share of the row's block list ----
+  // A selection is split statically (ceil(topk / splits) entries per CTA), so the entries and their
+  // pages are read without waiting for the row's position; entries < 0 are skipped (the valid
+  // entries form a prefix, so exactly the prefix is read). Dense attention splits the row's nb
+  // visible blocks evenly.
+  const int32_t* entries = p.topk_idx != nullptr ? p.topk_idx + unit * p.topk : nullptr;
+  int first = 0;
+  int last = 0;
+  if (entries != nullptr) {
+    const int per_split = (p.topk + p.num_splits - 1) / p.num_splits;
+    first = min(p.topk, split * per_split);
+    last = min(p.topk, first + per_split);
+  }
+  int first_entry = -1;  // entries[first + tid], issued before the position is known
+  if (entries != nullptr && tid < min(kMaxRoundBlocks, last - first)) {
+    first_entry = entries[first + tid];
+  }
+  resolve_row(p.rows_layout, row, req, pos);
+  if (entries == nullptr) {
+    const int count = pos >= 0 ? static_cast<int>(pos / kBlockTokens) + 1 : 0;
+    const int per_split = (count + p.num_splits - 1) / p.num_splits;
+    first = min(count, split * per_split);
+    last = min(count, first + per_split);
+  }
+
+  // ---- per-warp online softmax state ----
+  float o[16][4];
+#pragma unroll
+  for (int t = 0; t < 16; ++t) o[t][0] = o[t][1] = o[t][2] = o[t][3] = 0.0f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // heads g, g + 8 (log2 domain)
+  float l_run[2] = {0.0f, 0.0f};            // this thread's share of the weight sum
+
+  const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
+  const int64_t elem_bytes = kFp8 ? 1 : 2;
+  const int64_t table_base = int64_t{req} * p.table_cols;
+
+  // This thread's 16-byte piece of every copy pass: row tid / kRowChunks, chunk tid % kRowChunks.
+  constexpr int kCopyRowsPerPass = kThreads / L::kRowChunks;
+  static_assert(kCopyRowsPerPass % 8 == 0, "the swizzle must repeat between copy passes");
+  const uint32_t smem_base = smem_addr(smem);
+  const int copy_row = tid / L::kRowChunks;
+  const uint32_t copy_dst =
+      copy_row * L::kRowBytes + (((tid % L::kRowChunks) ^ swizzle(copy_row)) << 4);
+
+  for (int round = first; round < last; round += kMaxRoundBlocks) {
+    const int nblocks = min(kMaxRoundBlocks, last - round);
+    for (int i = tid; i < nblocks; i += kThreads) {
+      const int b = entries == nullptr ? round + i
+                    : round == first   ? first_entry  // i == tid in the first round
+                                       : entries[round + i];
+      int page = -1;
+      // Blocks past pos are dropped by chunk_valid(), so the table read need not wait for pos.
+      if (b >= 0 && b < p.table_cols) {
+        page = p.kv_block_table[table_base + b];
+        if (page < 0 || page >= p.num_pages) page = -1;  // never read outside the cache
+      }
+      s_block[i] = b;
+      s_page[i] = page;
+    }
+    __syncthreads();
+
+    const int nchunks = 2 * nblocks;
+    // Valid tokens of chunk `ch` (0 when it lies wholly after pos or its page is unusable).
+    auto chunk_valid = [&](int ch) -> int {
+      const int e = ch >> 1;
+      if (s_page[e] < 0) return 0;
+      const int64_t lo = int64_t{s_block[e]} * kBlockTokens + (ch & 1) * kChunkTokens;
+      const int64_t n = pos + 1 - lo;
+      return n <= 0 ? 0 : (n >= kChunkTokens ? kChunkTokens : static_cast<int>(n));
+    };
+    auto issue = [&](int ch) {
+      if (ch < nchunks && chunk_valid(ch) > 0) {
+        const int e = ch >> 1;
+        const uint8_t* tile =
+            cache +
+            (int64_t{s_page[e]} * p.page_stride + int64_t{kvh} * p.head_stride) * elem_bytes;
+        const uint8_t* k_src = tile + (ch & 1) * L::kTileBytes;
+        const uint8_t* v_src = tile + 2 * L::kTileBytes + (ch & 1) * L::kTileBytes;
+        const uint32_t stage = smem_base + (ch % L::kStages) * L::kStageBytes + copy_dst;
+#pragma unroll
+        for (int it = 0; it < L::kTileBytes / 16 / kThreads; ++it) {
+          // Rows advance by a multiple of 8 per iteration, so the swizzle stays the same.
+          const int src = (tid + it * kThreads) * 16;
+          const uint32_t dst = stage + it * kCopyRowsPerPass * L::kRowBytes;
+          cp_async16(dst, k_src + src);
+          cp_async16(dst + L::kTileBytes, v_src + src);
+        }
+      }
+      cp_async_commit();
+    };
+
+#pragma unroll
+    for (int s = 0; s < L::kStages - 1; ++s) issue(s);
+
+    for (int ch = 0; ch < nchunks; ++ch) {
+      cp_async_wait<L::kStages - 2>();
+      __syncthreads();
+      issue(ch + L::kStages - 1);
+
+      const int valid = chunk_valid(ch);
+      const int tok0 = warp * 16;   // this warp's first token in the chunk
+      if (valid <= tok0) continue;  // nothing visible for this warp
+      const bool partial = valid < tok0 + 16;
+      const uint8_t* k_tile = smem + (ch % L::kStages) * L::kStageBytes;
+      const uint8_t* v_tile = k_tile + L::kTileBytes;
+
+      // S = Q K^T for tokens tok0 + 8j + g (columns), heads g, g + 8 (rows).
+      float s_acc[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        s_acc[j][0] = s_acc[j][1] = s_acc[j][2] = s_acc[j][3] = 0.0f;
+        const int r = tok0 + 8 * j + g;
+        const uint8_t* k_row = k_tile + r * L::kRowBytes;
+        if constexpr (!kFp8) {
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const uint4 kv = lds128(k_row + (((c + 4 * i) ^ swizzle(r)) << 4));
+            mma16816<false>(s_acc[j], qa[2 * i], kv.x, kv.y);
+            mma16816<false>(s_acc[j], qa[2 * i + 1], kv.z, kv.w);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const uint4 kv = lds128(k_row + (((c + 4 * i) ^ swizzle(r)) << 4));
+#pragma unroll
+            for (int u = 0; u < 4; ++u) {
+              const uint32_t w = word(kv, u);
+              mma16816<true>(s_acc[j], qa[4 * i + u], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+            }
+          }
+        }
+      }
+
+      // Online softmax in the exp2 domain; masked tokens get -inf (never their garbage).
+      float row_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float v = s_acc[j][e] * p.scale_log2;
+          if (partial && tok0 + 8 * j + 2 * c + (e & 1) >= valid) v = -INFINITY;
+          s_acc[j][e] = v;
+          row_max[e >> 1] = fmaxf(row_max[e >> 1], v);
+        }
+      }
+      // Lazy rescale: the reference max moves only when a row's max exceeds it by more than
+      // kLazyRescale (log2 units), so weights stay <= 2^kLazyRescale and the 64 accumulator
+      // multiplies are skipped on most chunks (a warp-uniform vote). Exact either way.
+      float m_next[2];
+      bool grow = false;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xFFFFFFFFu, row_max[h], 1));
+        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xFFFFFFFFu, row_max[h], 2));
+        const bool up = row_max[h] > m_run[h] + kLazyRescale || m_run[h] == -INFINITY;
+        m_next[h] = up ? fmaxf(m_run[h], row_max[h]) : m_run[h];
+        grow |= up;
+      }
+      if (__any_sync(0xFFFFFFFFu, grow)) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          // m_run == m_next gives exactly 1; m_run == -inf gives 0 (nothing accumulated yet).
+          const float alpha = m_next[h] == -INFINITY ? 1.0f : fast_exp2(m_run[h] - m_next[h]);
+          l_run[h] *= alpha;
+#pragma unroll
+          for (int t = 0; t < 16; ++t) {
+            o[t][2 * h] *= alpha;
+            o[t][2 * h + 1] *= alpha;
+          }
+        }
+      }
+      float m_use[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m_run[h] = m_next[h];
+        m_use[h] = m_next[h] == -INFINITY ? 0.0f : m_next[h];
+      }
+      uint32_t pa[4];
+      uint32_t pb[4];  // kSplitP: the low parts
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const float e0 = fast_exp2(s_acc[j][2 * h] - m_use[h]);
+          const float e1 = fast_exp2(s_acc[j][2 * h + 1] - m_use[h]);
+          const uint32_t packed = pack2<kF16>(e0, e1);
+          pa[2 * j + h] = packed;
+          if constexpr (kSplitP) {
+            const float2 w = unpack2<false>(packed);
+            pb[2 * j + h] = pack2<false>(e0 - w.x, e1 - w.y);
+          } else {
+            pb[2 * j + h] = 0;
+          }
+          // The fp32 weights (the f16 / bf16 hi+lo rounding of P is ~2^-11 / ~2^-16 relative).
+          l_run[h] += e0 + e1;
+        }
+      }
+
+      // O += P V. Thread (g, c) reads tokens 2c, 2c+1, 2c+8, 2c+9 of the warp's 16.
+      const int r0 = tok0 + 2 * c;
+      const int rows[4] = {r0, r0 + 1, r0 + 8, r0 + 9};
+      if constexpr (!kFp8) {
+#pragma unroll
+        for (int hc = 0; hc < 2; ++hc) {
+          const int chunk = g + 8 * hc;  // dims 8g + 64hc .. +7
+          uint4 x[4];
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            x[k] = lds128(v_tile + rows[k] * L::kRowBytes + ((chunk ^ swizzle(rows[k])) << 4));
+            if (partial && rows[k] >= valid) x[k] = make_uint4(0, 0, 0, 0);
+          }
+#pragma unroll
+          for (int t = 0; t < 8; ++t) {
+            const uint32_t sel = (t & 1) ? 0x7632u : 0x5410u;
+            const uint32_t b0 = __byte_perm(word(x[0], t >> 1), word(x[1], t >> 1), sel);
+            const uint32_t b1 = __byte_perm(word(x[2], t >> 1), word(x[3], t >> 1), sel);
+            mma16816<false>(o[8 * hc + t], pa, b0, b1);
+            if constexpr (kSplitP) mma16816<false>(o[8 * hc + t], pb, b0, b1);
+          }
+        }
+      } else {
+        uint4 x[4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          x[k] = lds128(v_tile + rows[k] * L::kRowBytes + ((g ^ swizzle(rows[k])) << 4));
+          if (partial && rows[k] >= valid) x[k] = make_uint4(0, 0, 0, 0);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {  // dims 16g + 4u .. +3
+          const uint32_t t01 = __byte_perm(word(x[0], u), word(x[1], u), 0x5140u);
+          const uint32_t t23 = __byte_perm(word(x[0], u), word(x[1], u), 0x7362u);
+          const uint32_t t01b = __byte_perm(word(x[2], u), word(x[3], u), 0x5140u);
+          const uint32_t t23b = __byte_perm(word(x[2], u), word(x[3], u), 0x7362u);
+          mma16816<true>(o[4 * u + 0], pa, e4m3x2_to_f16x2(t01), e4m3x2_to_f16x2(t01b));
+          mma16816<true>(o[4 * u + 1], pa, e4m3x2_to_f16x2(t01 >> 16), e4m3x2_to_f16x2(t01b >> 16));
+          mma16816<true>(o[4 * u + 2], pa, e4m3x2_to_f16x2(t23), e4m3x2_to_f16x2(t23b));
+          mma16816<true>(o[4 * u + 3], pa, e4m3x2_to_f16x2(t23 >> 16), e4m3x2_to_f16x2(t23b >> 16));
+        }
+      }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the next round rewrites s_page / s_block and the stages
+  }
+
+  // The next kernel in the stream may be scheduled now (it waits for this grid to finish).
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
+
+  // ---- merge the 4 warps through shared memory ----
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xFFFFFFFFu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xFFFFFFFFu, l_run[h], 2);
+  }
+  float* s_o = reinterpret_cast<float*>(smem);             // [warps][16][kMergeStride]
+  float* s_ml = s_o + kWarps * kTileHeads * kMergeStride;  // [warps][16][2]
+  {
+    float* my_o = s_o + warp * kTileHeads * kMergeStride;
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int head = g + 8 * (e >> 1);
+        my_o[head * kMergeStride + out_dim<kFp8>(t, 2 * c + (e & 1))] = o[t][e];
+      }
+    }
+    if (c == 0) {
+      s_ml[(warp * kTileHeads + g) * 2 + 0] = m_run[0];
+      s_ml[(warp * kTileHeads + g) * 2 + 1] = l_run[0];
+      s_ml[(warp * kTileHeads + g + 8) * 2 + 0] = m_run[1];
+      s_ml[(warp * kTileHeads + g + 8) * 2 + 1] = l_run[1];
+    }
+  }
+  __syncthreads();
+
+  // Thread t owns head t / 8, dims 16 * (t % 8) .. +15.
+  const int head = tid >> 3;
+  const int d0 = (tid & 7) * 16;
+  float acc[16];
+  float m_cta = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) m_cta = fmaxf(m_cta, s_ml[(w * kTileHeads + head) * 2]);
+  const float m_ref = m_cta == -INFINITY ? 0.0f : m_cta;
+  float l_cta = 0.0f;
+#pragma unroll
+  for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const float wt = fast_exp2(s_ml[(w * kTileHeads + head) * 2] - m_ref);
+    l_cta += s_ml[(w * kTileHeads + head) * 2 + 1] * wt;
+    const float* src = s_o + (w * kTileHeads + head) * kMergeStride + d0;
+#pragma unroll
+    for (int d = 0; d < 16; ++d) acc[d] += src[d] * wt;
+  }
+
+  const bool store_head = head < p.group;
+  uint16_t* out = p.out + (row * p.q_heads + int64_t{kvh} * p.group + head) * kHeadDim + d0;
+  // Stores acc * inv as bf16.
+  auto store_out = [&](float inv) {
+    if (!store_head) return;
+    uint32_t packed[8];
+#pragma unroll
+    for (int d = 0; d < 8; ++d) {
+      packed[d] = static_cast<uint32_t>(f32_to_bf16_bits(acc[2 * d] * inv)) |
+                  (static_cast<uint32_t>(f32_to_bf16_bits(acc[2 * d + 1] * inv)) << 16);
+    }
+    reinterpret_cast<uint4*>(out)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    reinterpret_cast<uint4*>(out)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+  };
+
+  auto write_out = [&](float l_total) { store_out(l_total > 0.0f ? p.v_scale / l_total : 0.0f); };
+  if (p.num_splits == 1) {
+    write_out(l_cta);
+    return;
+  }
+
+  if (p.cluster_merge) {
+    // ---- the unit's splits form one thread-block cluster: merge through distributed shared
+    // memory, in rank (= split) order, on rank 0 ----
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    float* pub_o = reinterpret_cast<float*>(smem + L::kMergeBytes);  // [16][128]
+    float* pub_ml = pub_o + kTileHeads * kHeadDim;                   // [16][2]
+#pragma unroll
+    for (int d = 0; d < 16; ++d) pub_o[head * kHeadDim + d0 + d] = acc[d];
+    if ((tid & 7) == 0) {
+      pub_ml[head * 2] = m_cta;
+      pub_ml[head * 2 + 1] = l_cta;
+    }
+    cluster.sync();
+    if (cluster.block_rank() == 0) {
+      float m_all = -INFINITY;
+      for (int r = 0; r < p.num_splits; ++r) {
+        m_all = fmaxf(m_all, cluster.map_shared_rank(pub_ml, r)[head * 2]);
+      }
+      const float m_all_ref = m_all == -INFINITY ? 0.0f : m_all;
+      float l_all = 0.0f;
+#pragma unroll
+      for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
+      for (int r = 0; r < p.num_splits; ++r) {
+        const float* ml = cluster.map_shared_rank(pub_ml, r) + head * 2;
+        const float wt = fast_exp2(ml[0] - m_all_ref);
+        l_all += ml[1] * wt;
+        const float4* src = reinterpret_cast<const float4*>(cluster.map_shared_rank(pub_o, r) +
+                                                            head * kHeadDim + d0);
+#pragma unroll
+        for (int d = 0; d < 4; ++d) {
+          const float4 v = src[d];
+          acc[4 * d] += v.x * wt;
+          acc[4 * d + 1] += v.y * wt;
+          acc[4 * d + 2] += v.z * wt;
+          acc[4 * d + 3] += v.w * wt;
+        }
+      }
+      write_out(l_all);
+    }
+    cluster.sync();  // every CTA's shared memory stays alive until rank 0 has read it
+    return;
+  }
+
+  // ---- split-K: publish this split's partial; the last CTA of the unit merges ----
+  const int64_t slot = blockIdx.x;
+  {
+    float4* dst =
+        reinterpret_cast<float4*>(p.partial_o + (slot * kTileHeads + head) * kHeadDim + d0);
+#pragma unroll
+    for (int d = 0; d < 4; ++d) {
+      dst[d] = make_float4(acc[4 * d], acc[4 * d + 1], acc[4 * d + 2], acc[4 * d + 3]);
+    }
+    if ((tid & 7) == 0) {
+      p.partial_ml[(slot * kTileHeads + head) * 2 + 0] = m_cta;
+      p.partial_ml[(slot * kTileHeads + head) * 2 + 1] = l_cta;
+    }
+  }
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const unsigned prev = atomicAdd(&p.counters[unit], 1u);
+    s_last = prev == static_cast<unsigned>(p.num_splits - 1);
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+
+  // Every (split, head) max and sum in one round of loads; the per-split weights, with the
+  // normalization and v_scale folded in, in shared memory; then the partial outputs with
+  // independent loads, four splits at a time, summed in split order (deterministic).
+  const int64_t slot0 = unit * p.num_splits;
+  float* s_weight = reinterpret_cast<float*>(smem);        // [splits][16]: max, then weight
+  float* s_sum = s_weight + kMaxMergeSplits * kTileHeads;  // [splits][16]
+  for (int i = tid; i < p.num_splits * kTileHeads; i += kThreads) {
+    const float2 ml =
+        __ldcg(reinterpret_cast<const float2*>(p.partial_ml) + slot0 * kTileHeads + i);
+    s_weight[i] = ml.x;
+    s_sum[i] = ml.y;
+  }
+  __syncthreads();
+  if (tid < kTileHeads) {
+    float m_all = -INFINITY;
+    for (int sp = 0; sp < p.num_splits; ++sp) m_all = fmaxf(m_all, s_weight[sp * kTileHeads + tid]);
+    const float ref = m_all == -INFINITY ? 0.0f : m_all;
+    float l_all = 0.0f;
+    for (int sp = 0; sp < p.num_splits; ++sp) {
+      l_all += s_sum[sp * kTileHeads + tid] * fast_exp2(s_weight[sp * kTileHeads + tid] - ref);
+    }
+    const float scale = l_all > 0.0f ? p.v_scale / l_all : 0.0f;
+    for (int sp = 0; sp < p.num_splits; ++sp) {
+      s_weight[sp * kTileHeads + tid] = fast_exp2(s_weight[sp * kTileHeads + tid] - ref) * scale;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
+  constexpr int kSplitStride4 = kTileHeads * kHeadDim / 4;  // float4s per split
+  const float4* src =
+      reinterpret_cast<const float4*>(p.partial_o + (slot0 * kTileHeads + head) * kHeadDim + d0);
+  auto accumulate = [&](const float4(&v)[4], float wt) {
+#pragma unroll
+    for (int d = 0; d < 4; ++d) {
+      acc[4 * d] += v[d].x * wt;
+      acc[4 * d + 1] += v[d].y * wt;
+      acc[4 * d + 2] += v[d].z * wt;
+      acc[4 * d + 3] += v[d].w * wt;
+    }
+  };
+  int sp = 0;
+  for (; sp + 4 <= p.num_splits; sp += 4) {
+    float4 v[4][4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+#pragma unroll
+      for (int d = 0; d < 4; ++d) v[u][d] = __ldcg(src + (sp + u) * kSplitStride4 + d);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) accumulate(v[u], s_weight[(sp + u) * kTileHeads + head]);
+  }
+  for (; sp < p.num_splits; ++sp) {
+    float4 v[4];
+#pragma unroll
+    for (int d = 0; d < 4; ++d) v[d] = __ldcg(src + sp * kSplitStride4 + d);
+    accumulate(v, s_weight[sp * kTileHeads + head]);
+  }
+  store_out(1.0f);
+  if (tid == 0) p.counters[unit] = 0;  // ready for the next launch (stream order)
+}
+
+}  // namespace m3msa::cuda::attn

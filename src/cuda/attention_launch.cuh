@@ -1,0 +1,51 @@
+// Internal entry points of the sparse-attention launcher for tests and benchmarks: the tuning knobs
+// and the plan they lead to. The public launcher (attention.h) uses default_attention_tuning().
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "m3msa/ops.h"
+
+namespace m3msa::cuda {
+
+struct AttentionTuning {
+  // bf16 KV: P as hi + lo bf16 (two PV mmas, ~16-bit weights); false: one bf16 P per weight
+  // (FlashAttention's numerics, ~2^-9 relative output error: benchmarks only, not tested).
+  bool split_p = true;
+  // The largest split count whose CTAs merge through one thread-block cluster (distributed shared
+  // memory); more splits (or 0 / 1 here) merge through the workspace with an arrival counter.
+  // Measured on H200: 2 splits through a cluster beat the workspace merge by 4-6 % (batch 32);
+  // 4-16 split clusters were slower than the workspace merge (cluster placement limits).
+  int max_cluster = 2;
+  // Programmatic dependent launch: the kernel may be scheduled while the previous kernel in the
+  // stream finishes (it waits for it before its first load). Off by default: measured on H200 it
+  // saves ~0.5 us for bf16 but costs 2-3 us for fp8 at batch 4-32 (the early CTAs are placed on
+  // the SMs that happen to be free, which unbalances one-wave grids).
+  bool pdl = false;
+
+  std::string name() const;  // "splitp1-cluster2-pdl1"
+  // Parses "splitp=1,cluster=2,pdl=0" (any subset; the rest default); throws naming the text.
+  static AttentionTuning parse(const std::string& text);
+};
+
+// The tuning launch_sparse_attention uses.
+AttentionTuning default_attention_tuning();
+
+// The plan launch_sparse_attention uses for these host shapes.
+struct AttentionPlanInfo {
+  int splits = 1;        // CTAs per (row, kv head)
+  bool cluster = false;  // splits merged through a thread-block cluster (else global memory)
+  int64_t ctas = 0;
+};
+AttentionPlanInfo sparse_attention_plan_info(const SparseConfig& config, int64_t rows, bool dense,
+                                             bool fp8_kv, const AttentionTuning& tuning);
+
+void launch_sparse_attention_tuned(const SparseConfig& config, const AttentionArgs& args,
+                                   void* workspace, size_t workspace_bytes, cudaStream_t stream,
+                                   const AttentionTuning& tuning);
+
+}  // namespace m3msa::cuda

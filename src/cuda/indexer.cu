@@ -1,0 +1,362 @@
+// Host launchers of the indexer kernels (indexer.cuh): planning, validation and dispatch.
+#include "cuda/indexer.h"
+
+#include <algorithm>
+#include <string>
+#include <utility>
+
+#include "cuda/common.cuh"
+#include "cuda/indexer.cuh"
+#include "cuda/params.h"
+#include "m3msa/error.h"
+
+namespace m3msa::cuda {
+
+namespace idx {
+
+// ---------------------------------------------------------------------------------------------
+// Unfused baseline, second kernel: one warp per (row, head) selects from the score tensor.
+// Grid: ceil(rows * H / 8) CTAs of 256 threads. Decode only.
+__global__ void __launch_bounds__(kThreads)
+    topk_from_scores_kernel(const __grid_constant__ IndexerParams p) {
+  __shared__ __align__(16) uint64_t s_scratch[kWarps][kScratch];
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  if (item >= p.num_rows * p.heads) return;
+  const int64_t row = item / p.heads;
+  const int req = static_cast<int>(row / p.q_len);
+  const int j = static_cast<int>(row % p.q_len);
+  const int seq_len = p.seq_lens[req];
+  const int pos = seq_len > 0 ? seq_len - p.q_len + j : -1;
+  int blocks = row_blocks(pos);
+  if (blocks > p.score_cols || blocks > p.table_cols) blocks = 0;  // flagged by the scorer
+  const float* scores = p.scores + item * p.score_cols;
+  auto get = [&](int b) -> uint64_t {
+    const uint32_t block = static_cast<uint32_t>(b);
+    return is_forced_block(b, blocks, p.init_blocks, p.local_blocks) ? forced_key(block)
+                                                                     : scored_key(scores[b], block);
+  };
+  const uint64_t top = warp_top_keys(get, blocks, p.topk, &s_scratch[warp][0]);
+  write_topk_row(p.topk_idx + item * p.topk, top, p.topk);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill preparation: split each request's rows into units of <= kPrefillUnitRows.
+// Grid: 1 CTA of 1024 threads.
+__global__ void __launch_bounds__(1024)
+    prefill_units_kernel(const __grid_constant__ IndexerParams p) {
+  __shared__ int s_warp_sum[32];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int per = (p.num_reqs + 1023) / 1024;
+  const int r_begin = min(p.num_reqs, tid * per);
+  const int r_end = min(p.num_reqs, r_begin + per);
+  auto groups = [&](int r) {
+    const int len = max(0, p.cu_seqlens_q[r + 1] - p.cu_seqlens_q[r]);
+    return (len + kPrefillUnitRows - 1) / kPrefillUnitRows;
+  };
+  int local = 0;
+  for (int r = r_begin; r < r_end; ++r) local += groups(r);
+  int inclusive = local;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, off);
+    if (lane >= off) inclusive += v;
+  }
+  if (lane == 31) s_warp_sum[warp] = inclusive;
+  __syncthreads();
+  int unit = inclusive - local;
+  for (int w = 0; w < warp; ++w) unit += s_warp_sum[w];
+  for (int r = r_begin; r < r_end; ++r) {
+    const int first = p.cu_seqlens_q[r];
+    const int len = max(0, p.cu_seqlens_q[r + 1] - first);
+    const int context = p.context_lens[r];
+    for (int i = 0; i < len; i += kPrefillUnitRows, ++unit) {
+      if (unit < p.max_units) {
+        p.units[unit] = make_int4(r, first + i, min(kPrefillUnitRows, len - i), context + i);
+      }
+    }
+  }
+  if (tid == 1023) {
+    if (unit > p.max_units) atomicOr(p.status, kStatusTooManyUnits);
+    *p.num_units = min(unit, p.max_units);
+  }
+}
+
+}  // namespace idx
+
+namespace {
+
+using KernelFn = void (*)(const IndexerParams);
+
+template <int kMode>
+KernelFn scoring_kernel(bool fp8, int n_tiles) {
+  switch (n_tiles) {
+    case 1: return fp8 ? idx::indexer_kernel<true, 1, kMode> : idx::indexer_kernel<false, 1, kMode>;
+    case 2: return fp8 ? idx::indexer_kernel<true, 2, kMode> : idx::indexer_kernel<false, 2, kMode>;
+    case 4: return fp8 ? idx::indexer_kernel<true, 4, kMode> : idx::indexer_kernel<false, 4, kMode>;
+    default: M3MSA_THROW(ErrorCode::kInternal, "indexer: no kernel for ", n_tiles, " n-tiles");
+  }
+}
+
+KernelFn pick_scoring_kernel(bool fp8, int n_tiles, bool scores_only) {
+  return scores_only ? scoring_kernel<idx::kModeScores>(fp8, n_tiles)
+                     : scoring_kernel<idx::kModeTopk>(fp8, n_tiles);
+}
+
+// n8 tiles for `vectors` query vectors (1, 2 or 4).
+int n_tiles_for(int vectors) {
+  const int tiles = (vectors + 7) / 8;
+  return tiles <= 1 ? 1 : tiles <= 2 ? 2 : 4;
+}
+
+std::size_t align_up(std::size_t value, std::size_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+// The cp.async ring (the same size for both dtypes) and the units' prefix sums.
+std::size_t dynamic_smem_bytes(int max_units) {
+  static_assert(idx::Tile<false>::kRingBytes == idx::Tile<true>::kRingBytes);
+  return idx::Tile<false>::kRingBytes + static_cast<std::size_t>(max_units + 1) * sizeof(int32_t);
+}
+
+}  // namespace
+
+void check_indexer_supported(const SparseConfig& config) {
+  M3MSA_CHECK_SUPPORTED(config.index_dim == idx::kDim, "CUDA indexer: config.index_dim must be ",
+                        idx::kDim, ", got ", config.index_dim);
+  M3MSA_CHECK_SUPPORTED(config.block_size == idx::kBlockTokens,
+                        "CUDA indexer: config.block_size must be ", idx::kBlockTokens, ", got ",
+                        config.block_size);
+  M3MSA_CHECK_SUPPORTED(config.topk <= idx::kMaxTopk,
+                        "CUDA indexer: config.topk must be <= ", idx::kMaxTopk, ", got ",
+                        config.topk);
+  M3MSA_CHECK_SUPPORTED(config.index_heads <= idx::kMaxVectors,
+                        "CUDA indexer: config.index_heads must be <= ", idx::kMaxVectors, ", got ",
+                        config.index_heads);
+}
+
+IndexerPlan plan_indexer(const SparseConfig& config, const PlanLimits& limits, int device) {
+  config.validate();
+  check_indexer_supported(config);
+  M3MSA_CHECK_ARG(limits.max_reqs >= 1, "limits.max_reqs must be >= 1, got ", limits.max_reqs);
+  M3MSA_CHECK_ARG(limits.max_q_len >= 1 && limits.max_q_len <= kMaxQueryLen,
+                  "limits.max_q_len must be in [1, ", kMaxQueryLen, "], got ", limits.max_q_len);
+  M3MSA_CHECK_ARG(limits.max_rows >= 0, "limits.max_rows must be >= 0, got ", limits.max_rows);
+  M3MSA_CHECK_ARG(limits.max_context >= 0, "limits.max_context must be >= 0, got ",
+                  limits.max_context);
+  const int H = config.index_heads;
+  M3MSA_CHECK_SUPPORTED(limits.max_q_len * H <= idx::kMaxVectors,
+                        "CUDA indexer: limits.max_q_len (", limits.max_q_len, ") * index_heads (",
+                        H, ") must be <= ", idx::kMaxVectors);
+
+  IndexerPlan plan;
+  plan.config = config;
+  plan.limits = limits;
+  plan.device = device;
+  const int64_t decode_max_rows = int64_t{limits.max_reqs} * limits.max_q_len;
+  if (plan.limits.max_rows == 0) plan.limits.max_rows = decode_max_rows;
+  // Prefill capacity (row groups of 8) costs little, so every plan has it where supported.
+  const bool prefill = H * idx::kPrefillUnitRows <= idx::kMaxVectors;
+  const int64_t max_units =
+      int64_t{limits.max_reqs} +
+      (plan.limits.max_rows + idx::kPrefillUnitRows - 1) / idx::kPrefillUnitRows;
+  plan.max_units = narrow_int(max_units, "indexer plan: units (max_reqs + max_rows / 8)");
+  plan.unit_vectors =
+      H * (prefill ? std::max(limits.max_q_len, idx::kPrefillUnitRows) : limits.max_q_len);
+  plan.unit_vectors = std::min(plan.unit_vectors, idx::kMaxVectors);
+
+  DeviceGuard guard(device);
+  int sm_count = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
+  plan.grid = 2 * sm_count;
+
+  const std::size_t smem = dynamic_smem_bytes(plan.max_units);
+  int smem_optin = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  M3MSA_CHECK_SUPPORTED(smem + 28 * 1024 <= static_cast<std::size_t>(smem_optin),
+                        "CUDA indexer: ", plan.max_units,
+                        " units (limits.max_reqs + max_rows / 8) need more shared memory than "
+                        "the device has");
+  for (bool fp8 : {false, true}) {
+    for (int tiles : {1, 2, 4}) {
+      for (bool scores_only : {false, true}) {
+        CUDA_CHECK(cudaFuncSetAttribute(pick_scoring_kernel(fp8, tiles, scores_only),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+      }
+    }
+  }
+
+  if (limits.max_context > 0) {
+    plan.score_cols = (limits.max_context + config.block_size - 1) / config.block_size;
+  }
+  const int k = config.topk;
+  std::size_t offset = 0;
+  plan.off_status = offset;
+  offset += 16;
+  plan.off_num_units = offset;
+  offset += 16;
+  plan.off_counters = offset;
+  offset = align_up(offset + sizeof(uint32_t) * plan.max_units, 16);
+  plan.off_units = offset;
+  offset = align_up(offset + sizeof(int4) * (prefill ? plan.max_units : 0), 16);
+  plan.off_cand = offset;
+  offset =
+      align_up(offset + sizeof(uint64_t) * (static_cast<std::size_t>(plan.grid) + plan.max_units) *
+                            k * plan.unit_vectors,
+               16);
+  plan.off_scores = offset;
+  offset = align_up(
+      offset + sizeof(float) * static_cast<std::size_t>(plan.limits.max_rows) * H * plan.score_cols,
+      256);
+  plan.workspace_bytes = offset;
+  return plan;
+}
+
+void init_indexer_workspace(const IndexerPlan& plan, void* workspace, cudaStream_t stream) {
+  M3MSA_CHECK_ARG(workspace != nullptr, "indexer workspace is null");
+  DeviceGuard guard(plan.device);
+  // Status, unit count and counters are contiguous at the front.
+  CUDA_CHECK(cudaMemsetAsync(workspace, 0, plan.off_units, stream));
+}
+
+bool indexer_fits_plan(const IndexerPlan& plan, const SparseConfig& config, const IndexerArgs& args,
+                       IndexerVariant variant, std::string* why) {
+  auto fail = [&](const std::string& reason) {
+    if (why) *why = reason;
+    return false;
+  };
+  const BatchMeta& batch = args.batch;
+  if (config.index_heads != plan.config.index_heads || config.topk != plan.config.topk) {
+    return fail("the config's index_heads / topk differ from the plan's");
+  }
+  if (batch.num_reqs > plan.limits.max_reqs) {
+    return fail("batch.num_reqs = " + std::to_string(batch.num_reqs) +
+                " > limits.max_reqs = " + std::to_string(plan.limits.max_reqs));
+  }
+  if (batch.num_rows() > plan.limits.max_rows) {
+    return fail("batch rows = " + std::to_string(batch.num_rows()) +
+                " > limits.max_rows = " + std::to_string(plan.limits.max_rows));
+  }
+  if (batch.kind == BatchKind::kDecode) {
+    if (batch.q_len * config.index_heads > plan.unit_vectors) {
+      return fail("batch.q_len = " + std::to_string(batch.q_len) +
+                  " > limits.max_q_len = " + std::to_string(plan.limits.max_q_len));
+    }
+  } else {
+    if (config.index_heads * idx::kPrefillUnitRows > plan.unit_vectors ||
+        plan.off_cand == plan.off_units) {
+      return fail("prefill needs index_heads <= 4 (row groups of 8 rows)");
+    }
+  }
+  if (variant == IndexerVariant::kUnfused) {
+    if (batch.kind != BatchKind::kDecode) return fail("the unfused baseline is decode only");
+    if (plan.score_cols == 0) return fail("the unfused baseline needs limits.max_context > 0");
+    if (batch.index_block_table.defined() && batch.index_block_table.shape[1] > plan.score_cols) {
+      return fail("batch.index_block_table has more columns than limits.max_context allows");
+    }
+  }
+  return true;
+}
+
+void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const IndexerArgs& args,
+                    IndexerVariant variant, void* workspace, cudaStream_t stream) {
+  check_indexer_supported(config);
+  const Device device = Device::cuda(plan.device);
+  validate(config, args, device);
+  const BatchMeta& batch = args.batch;
+  M3MSA_CHECK_ARG(batch.index_block_table.defined(), "batch.index_block_table is required");
+  if (batch.kind == BatchKind::kDecode) {
+    M3MSA_CHECK_SUPPORTED(batch.q_len * config.index_heads <= idx::kMaxVectors,
+                          "CUDA indexer: batch.q_len (", batch.q_len, ") * index_heads (",
+                          config.index_heads, ") must be <= ", idx::kMaxVectors);
+  } else {
+    M3MSA_CHECK_SUPPORTED(config.index_heads * idx::kPrefillUnitRows <= idx::kMaxVectors,
+                          "CUDA prefill indexer: index_heads must be <= ",
+                          idx::kMaxVectors / idx::kPrefillUnitRows, ", got ", config.index_heads);
+  }
+  // 16-byte vector loads and cp.async need 16-byte aligned rows.
+  for (const auto& [view, name] :
+       {std::pair{args.index_q, "index_q"}, std::pair{args.index_cache.data, "index_cache"}}) {
+    M3MSA_CHECK_ARG(reinterpret_cast<uintptr_t>(view.data) % 16 == 0, name,
+                    ": the CUDA indexer needs 16-byte aligned data, got address ", view.data);
+  }
+  std::string why;
+  M3MSA_CHECK_ARG(indexer_fits_plan(plan, config, args, variant, &why),
+                  "indexer call outside its plan: ", why);
+  M3MSA_CHECK_ARG(workspace != nullptr, "indexer workspace is null");
+  const int64_t rows = batch.num_rows();
+  if (batch.num_reqs == 0 || rows == 0) return;
+
+  IndexerParams p;
+  p.index_q = args.index_q.ptr<const uint16_t>();
+  p.index_cache = args.index_cache.data.data;
+  p.block_table = batch.index_block_table.ptr<const int32_t>();
+  p.topk_idx = args.topk_idx.ptr<int32_t>();
+  auto* ws = static_cast<uint8_t*>(workspace);
+  p.status = reinterpret_cast<uint32_t*>(ws + plan.off_status);
+  p.num_units = reinterpret_cast<int32_t*>(ws + plan.off_num_units);
+  p.counters = reinterpret_cast<uint32_t*>(ws + plan.off_counters);
+  p.units = reinterpret_cast<int4*>(ws + plan.off_units);
+  p.cand = reinterpret_cast<uint64_t*>(ws + plan.off_cand);
+  p.scores = reinterpret_cast<float*>(ws + plan.off_scores);
+  p.num_pages = args.index_cache.pages();
+  p.table_cols = batch.index_block_table.shape[1];
+  p.num_rows = rows;
+  p.score_cols = plan.score_cols;
+  p.num_reqs = batch.num_reqs;
+  p.q_len = batch.kind == BatchKind::kDecode ? batch.q_len : 1;
+  p.heads = config.index_heads;
+  p.topk = config.topk;
+  p.init_blocks = config.init_blocks;
+  p.local_blocks = config.local_blocks;
+  p.max_units = plan.max_units;
+  p.is_prefill = batch.kind == BatchKind::kPrefill ? 1 : 0;
+  const bool fp8 = args.index_cache.data.dtype == DType::kFP8E4M3;
+
+  DeviceGuard guard(plan.device);
+  const std::size_t smem = dynamic_smem_bytes(plan.max_units);
+  if (batch.kind == BatchKind::kDecode) {
+    p.seq_lens = batch.seq_lens.ptr<const int32_t>();
+    p.unit_vectors = batch.q_len * config.index_heads;
+    const int tiles = n_tiles_for(p.unit_vectors);
+    const bool unfused = variant == IndexerVariant::kUnfused;
+    pick_scoring_kernel(fp8, tiles, unfused)<<<plan.grid, idx::kThreads, smem, stream>>>(p);
+    CUDA_CHECK_LAUNCH();
+    if (unfused) {
+      const int64_t items = rows * config.index_heads;
+      const int64_t ctas = (items + idx::kWarps - 1) / idx::kWarps;
+      idx::topk_from_scores_kernel<<<narrow_int(ctas, "unfused top-k CTAs"), idx::kThreads, 0,
+                                     stream>>>(p);
+      CUDA_CHECK_LAUNCH();
+    }
+  } else {
+    p.cu_seqlens_q = batch.cu_seqlens_q.ptr<const int32_t>();
+    p.context_lens = batch.context_lens.ptr<const int32_t>();
+    p.unit_vectors = idx::kPrefillUnitRows * config.index_heads;
+    idx::prefill_units_kernel<<<1, 1024, 0, stream>>>(p);
+    CUDA_CHECK_LAUNCH();
+    const int tiles = n_tiles_for(p.unit_vectors);
+    pick_scoring_kernel(fp8, tiles, false)<<<plan.grid, idx::kThreads, smem, stream>>>(p);
+    CUDA_CHECK_LAUNCH();
+  }
+}
+
+uint32_t read_indexer_status(const IndexerPlan& plan, const void* workspace, cudaStream_t stream,
+                             bool clear) {
+  DeviceGuard guard(plan.device);
+  uint32_t status = 0;
+  const auto* ws = static_cast<const uint8_t*>(workspace);
+  CUDA_CHECK(cudaMemcpyAsync(&status, ws + plan.off_status, sizeof(status), cudaMemcpyDeviceToHost,
+                             stream));
+  if (clear) {
+    CUDA_CHECK(
+        cudaMemsetAsync(const_cast<uint8_t*>(ws) + plan.off_status, 0, sizeof(uint32_t), stream));
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  return status;
+}
+
+}  // namespace m3msa::cuda

@@ -1,0 +1,736 @@
+// Decode / prefill indexer kernels (spec.md section 4): block scores of the index-K cache against
+// the index queries, and the exact top-k block selection. Framework-free: raw pointers, one params
+// struct (params.h), launched by indexer.cu.
+//
+// Scoring. A CTA of 8 warps walks a contiguous span of the batch's blocks (all units' blocks laid
+// end to end, split evenly over the grid, so the grid depends only on the plan). Each warp owns 16
+// tokens of every block: it reads each 256-byte (bf16) or 128-byte (fp8) token row once, with
+// 16-byte loads held in registers a few blocks ahead, and scores the tokens against every query
+// vector of the unit (q_len x H <= 32) with mma.sync m16n8k16 (tokens are the m16 side, query
+// vectors the n8 side, fp32 accumulation). fp8 e4m3 is widened to bf16 exactly in registers
+// (e4m3 -> f16 -> f32 -> bf16; NaN stays NaN). The reduction axis is permuted so that each thread
+// consumes whole 16-byte chunks; A and B use the same permutation, fixed per dtype, so the dot
+// product of a token is computed in the same order wherever it is scored: block scores do not
+// depend on the span split (the context-parallel path relies on it). Tokens after a row's position
+// are masked before the max, which propagates NaN like the CPU reference.
+//
+// Selection (fused). After each block the 8 warps' partial maxima meet in shared memory; the owner
+// lane of each query vector turns the block score into its sort key (forced blocks, NaN, -0.0 per
+// spec.md) and appends it to a per-vector buffer if it beats the vector's current k-th key; a full
+// buffer is cut back to its top k. When a unit's segment ends, a unit covered by one CTA writes
+// its answer directly; otherwise each CTA writes its best min(k, blocks) keys per vector to the
+// workspace, and the last CTA to arrive (atomic counter, reset by that CTA for the next launch or
+// graph replay) selects the exact top k from them. Keys are unique, so the answer is unique.
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+
+#include "cuda/params.h"
+#include "m3msa/sort_key.h"
+
+namespace m3msa::cuda::idx {
+
+inline constexpr int kDim = 128;          // index_dim
+inline constexpr int kBlockTokens = 128;  // block_size
+inline constexpr int kWarps = 8;
+inline constexpr int kThreads = kWarps * 32;
+inline constexpr int kTokensPerWarp = kBlockTokens / kWarps;  // 16: one m16 tile
+inline constexpr int kMaxVectors = 32;                        // query vectors per unit
+inline constexpr int kMaxTopk = 32;
+inline constexpr int kCap = 64;                             // per-vector key buffer
+inline constexpr int kSlotsPerWarp = kMaxVectors / kWarps;  // 4 vectors owned per warp
+inline constexpr int kScratch = kSlotsPerWarp * kCap;       // 256 keys of scratch per warp
+inline constexpr int kPrefillUnitRows = 8;
+inline constexpr int kModeTopk = 0;    // fused scoring + selection
+inline constexpr int kModeScores = 1;  // scoring only: block scores to memory (unfused baseline)
+
+// ---------------------------------------------------------------------------------------------
+// Small device helpers
+
+__device__ __forceinline__ float nan_max(float a, float b) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+
+__device__ __forceinline__ int64_t i64_min(int64_t a, int64_t b) {
+  return a < b ? a : b;
+}
+__device__ __forceinline__ int64_t i64_max(int64_t a, int64_t b) {
+  return a > b ? a : b;
+}
+__device__ __forceinline__ uint64_t u64_max(uint64_t a, uint64_t b) {
+  return a > b ? a : b;
+}
+__device__ __forceinline__ uint64_t u64_min(uint64_t a, uint64_t b) {
+  return a < b ? a : b;
+}
+
+// Two e4m3 values (low byte = lower element) -> bf16x2, exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t two_bytes) {
+  uint32_t h2;
+  asm("{\n\t.reg .b16 t;\n\tcvt.u16.u32 t, %1;\n\tcvt.rn.f16x2.e4m3x2 %0, t;\n\t}"
+      : "=r"(h2)
+      : "r"(two_bytes));
+  const float lo = __half2float(__ushort_as_half(static_cast<unsigned short>(h2 & 0xFFFFu)));
+  const float hi = __half2float(__ushort_as_half(static_cast<unsigned short>(h2 >> 16)));
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
+// D += A * B, m16n8k16, bf16 inputs, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// First physical dimension of the 4 dims that thread t feeds into k-step s (see the file
+// comment): logical k (2t, 2t+1) <- dims base+0..1, logical k (2t+8, 2t+9) <- dims base+2..3.
+template <bool kFp8>
+__host__ __device__ constexpr int dim_base(int step, int t) {
+  return kFp8 ? 64 * (step >> 2) + 16 * t + 4 * (step & 3)
+              : 32 * (step >> 1) + 8 * t + 4 * (step & 1);
+}
+
+__device__ __forceinline__ unsigned lane_id() {
+  return threadIdx.x & 31u;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Warp-level exact top-k of unique 64-bit keys (0 = no candidate)
+
+// Bitonic sort, descending, of 32*E keys; element i = lane * E + e.
+template <int E>
+__device__ __forceinline__ void warp_sort_desc(uint64_t (&v)[E]) {
+  const int lane = static_cast<int>(lane_id());
+#pragma unroll
+  for (int size = 2; size <= 32 * E; size <<= 1) {
+#pragma unroll
+    for (int j = size >> 1; j > 0; j >>= 1) {
+      uint64_t next[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const int i = lane * E + e;
+        const uint64_t other =
+            j < E ? v[e ^ (j < E ? j : 0)] : __shfl_xor_sync(0xFFFFFFFFu, v[e], j / E);
+        const bool descending_block = (i & size) == 0;
+        const bool low = (i & j) == 0;
+        next[e] = (low == descending_block) ? u64_max(v[e], other) : u64_min(v[e], other);
+      }
+#pragma unroll
+      for (int e = 0; e < E; ++e) v[e] = next[e];
+    }
+  }
+}
+
+// Top of <= 64 keys: lane i returns the i-th largest (0 past the end).
+template <typename Get>
+__device__ __forceinline__ uint64_t warp_top64(Get get, int count) {
+  const int lane = static_cast<int>(lane_id());
+  uint64_t v[2];
+  v[0] = 2 * lane < count ? get(2 * lane) : 0;
+  v[1] = 2 * lane + 1 < count ? get(2 * lane + 1) : 0;
+  warp_sort_desc<2>(v);
+  const uint64_t a = __shfl_sync(0xFFFFFFFFu, v[0], lane >> 1);
+  const uint64_t b = __shfl_sync(0xFFFFFFFFu, v[1], lane >> 1);
+  return (lane & 1) ? b : a;
+}
+
+// The k-th largest of one value per lane (k <= 32), broadcast.
+__device__ __forceinline__ uint64_t warp_kth_of_lanes(uint64_t value, int k) {
+  uint64_t v[1] = {value};
+  warp_sort_desc<1>(v);
+  return __shfl_sync(0xFFFFFFFFu, v[0], k - 1);
+}
+
+// Exact fallback with bounded memory: streams 32 keys at a time through a running top-32.
+template <typename Get>
+__device__ uint64_t warp_top_stream(Get get, int count, int k) {
+  const int lane = static_cast<int>(lane_id());
+  uint64_t run = 0;  // lane i: the i-th largest so far
+  uint64_t kth = 0;
+  for (int base = 0; base < count; base += 32) {
+    uint64_t x = base + lane < count ? get(base + lane) : 0;
+    if (x <= kth) x = 0;
+    if (__ballot_sync(0xFFFFFFFFu, x != 0) == 0) continue;
+    uint64_t v[2] = {run, x};
+    warp_sort_desc<2>(v);
+    const uint64_t a = __shfl_sync(0xFFFFFFFFu, v[0], lane >> 1);
+    const uint64_t b = __shfl_sync(0xFFFFFFFFu, v[1], lane >> 1);
+    run = (lane & 1) ? b : a;
+    kth = __shfl_sync(0xFFFFFFFFu, run, k - 1);
+  }
+  return run;
+}
+
+// Exact top-k (k <= 32) of `count` unique keys read through get(i): lane i returns the i-th
+// largest key (0 when fewer exist). The k-th largest of the 32 lane maxima is a lower bound of the
+// answer's k-th key, so only keys at or above it are kept (in `scratch`, kScratch keys,
+// warp-private) and the filter is repeated there until <= 64 are left. Keys are read kBatch per
+// lane at a time, all loads in flight together (one round trip per 32 * kBatch keys; when the
+// keys fit one batch they are read once). Concentrated inputs that overflow the scratch take the
+// streaming path. Every lane of the warp must call it.
+template <typename Get>
+__device__ uint64_t warp_top_keys(Get get, int count, int k, uint64_t* scratch) {
+  constexpr int kBatch = 8;
+  if (count <= 64) return warp_top64(get, count);
+  const unsigned lane = lane_id();
+  const unsigned lanes_below = (1u << lane) - 1u;
+  const bool one_batch = count <= 32 * kBatch;
+  uint64_t v[kBatch];
+  uint64_t lane_max = 0;
+  for (int base = 0; base < count; base += 32 * kBatch) {
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int i = base + 32 * j + static_cast<int>(lane);
+      v[j] = i < count ? get(i) : 0;
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) lane_max = u64_max(lane_max, v[j]);
+  }
+  uint64_t floor_key = warp_kth_of_lanes(lane_max, k);
+  if (floor_key == 0) floor_key = 1;  // never keep "no candidate"
+  int kept = 0;
+  for (int base = 0; base < count; base += 32 * kBatch) {
+    if (!one_batch) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = base + 32 * j + static_cast<int>(lane);
+        v[j] = i < count ? get(i) : 0;
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const bool keep = v[j] >= floor_key;
+      const unsigned mask = __ballot_sync(0xFFFFFFFFu, keep);
+      if (kept + __popc(mask) > kScratch) return warp_top_stream(get, count, k);
+      if (keep) scratch[kept + __popc(mask & lanes_below)] = v[j];
+      kept += __popc(mask);
+    }
+  }
+  __syncwarp();
+  while (kept > 64) {  // each round drops every key of the 32 - k lanes with the smallest maxima
+    lane_max = 0;
+    for (int i = static_cast<int>(lane); i < kept; i += 32)
+      lane_max = u64_max(lane_max, scratch[i]);
+    floor_key = warp_kth_of_lanes(lane_max, k);
+    int out = 0;
+    for (int base = 0; base < kept; base += 32) {
+      const int i = base + static_cast<int>(lane);
+      const uint64_t x = i < kept ? scratch[i] : 0;
+      __syncwarp();
+      const bool keep = x != 0 && x >= floor_key;
+      const unsigned mask = __ballot_sync(0xFFFFFFFFu, keep);
+      if (keep) scratch[out + __popc(mask & lanes_below)] = x;  // out <= base: never ahead
+      out += __popc(mask);
+      __syncwarp();
+    }
+    kept = out;
+  }
+  return warp_top64([&](int i) { return scratch[i]; }, kept);
+}
+
+// Writes one (row, head) output row from the keys held by the warp (lane i: i-th largest).
+__device__ __forceinline__ void write_topk_row(int32_t* out, uint64_t key, int k) {
+  const int lane = static_cast<int>(lane_id());
+  if (lane < k) out[lane] = key != kNoCandidate ? key_block(key) : -1;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Units: the decode request / prefill row group a set of query fragments covers
+
+struct Unit {
+  int req = 0;
+  int row0 = 0;    // first row
+  int rows = 0;    // rows of the unit (written even when dead)
+  int pos0 = 0;    // position of the first row (rows have consecutive positions)
+  int blocks = 0;  // visible blocks of the last row (0: dead unit, nothing to score)
+};
+
+__device__ __forceinline__ Unit load_unit(const IndexerParams& p, int u) {
+  Unit unit;
+  if (p.is_prefill) {
+    const int4 d = p.units[u];
+    unit.req = d.x;
+    unit.row0 = d.y;
+    unit.rows = d.z;
+    unit.pos0 = d.w;
+  } else {
+    const int seq_len = p.seq_lens[u];
+    unit.req = u;
+    unit.row0 = u * p.q_len;
+    unit.rows = p.q_len;
+    unit.pos0 = seq_len > 0 ? seq_len - p.q_len : -1 - p.q_len;
+  }
+  const int last = unit.pos0 + unit.rows - 1;
+  int blocks = last >= 0 ? last / kBlockTokens + 1 : 0;
+  if (blocks > p.table_cols || blocks - 1 > static_cast<int>(kMaxBlockId) ||
+      (blocks > 0 && p.num_pages == 0)) {
+    blocks = 0;  // rows of an unreadable unit are written as -1
+    atomicOr(p.status, kStatusBadLength);
+  }
+  unit.blocks = blocks;
+  return unit;
+}
+
+// Visible blocks of a row at `pos` (0 for a dead row).
+__device__ __forceinline__ int row_blocks(int pos) {
+  return pos >= 0 ? pos / kBlockTokens + 1 : 0;
+}
+
+// The CTA that owns block x when T blocks are split evenly over `ctas` (every span non-empty).
+__device__ __forceinline__ int block_owner(int64_t x, int64_t total, int ctas) {
+  return static_cast<int>(((x + 1) * ctas - 1) / total);
+}
+__device__ __forceinline__ int64_t span_begin(int c, int64_t total, int ctas) {
+  return static_cast<int64_t>(c) * total / ctas;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-block token tile of one warp, held in registers
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* global) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(addr), "l"(global));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;");
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
+}
+
+// One warp's 16 tokens of one block. Each thread copies its own 16-byte chunks global -> shared
+// with cp.async into a ring slot of its own (so no barrier guards the ring: a thread only reads
+// what it copied, after cp.async.wait_group), then into registers for the mma fragments.
+template <bool kFp8>
+struct Tile {
+  static constexpr int kRowBytes = kFp8 ? kDim : 2 * kDim;
+  static constexpr int kPageBytes = kBlockTokens * kRowBytes;
+  static constexpr int kLoads = kFp8 ? 4 : 8;  // 16-byte chunks per thread per block
+  static constexpr int kDepth = kFp8 ? 4 : 2;  // blocks in flight per CTA (ring slots)
+  static constexpr int kSlotBytes = kWarps * kLoads * 32 * 16;
+  static constexpr int kRingBytes = kDepth * kSlotBytes;  // 64 KB for both dtypes
+  uint4 r[kLoads];                                        // [row half][chunk t + 4i]
+
+  // This thread's chunk j of ring slot `slot`: consecutive lanes, consecutive 16 bytes.
+  static __device__ __forceinline__ uint4* chunk(uint4* ring, int slot, int warp, int j) {
+    return ring + ((slot * kWarps + warp) * kLoads + j) * 32 + lane_id();
+  }
+
+  static __device__ __forceinline__ void issue(uint4* ring, int slot, const uint8_t* cache,
+                                               int page, int warp, int g, int t) {
+    const uint8_t* base = cache + static_cast<int64_t>(page) * kPageBytes +
+                          (kTokensPerWarp * warp + g) * kRowBytes + 16 * t;
+    constexpr int kChunks = kLoads / 2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        cp_async16(chunk(ring, slot, warp, half * kChunks + i),
+                   base + half * 8 * kRowBytes + 64 * i);
+      }
+    }
+  }
+
+  __device__ __forceinline__ void fetch(uint4* ring, int slot, int warp) {
+#pragma unroll
+    for (int j = 0; j < kLoads; ++j) r[j] = *chunk(ring, slot, warp, j);
+  }
+
+  // A fragment of k-step s: {row g k(2t..), row g+8 k(2t..), row g k(2t+8..), row g+8 k(2t+8..)}.
+  __device__ __forceinline__ void fragment(int s, uint32_t (&a)[4]) const {
+    if constexpr (kFp8) {
+      const int i = s >> 2;
+      const int q = s & 3;
+      const uint32_t w0 = q == 0 ? r[i].x : q == 1 ? r[i].y : q == 2 ? r[i].z : r[i].w;
+      const uint32_t w1 = q == 0   ? r[2 + i].x
+                          : q == 1 ? r[2 + i].y
+                          : q == 2 ? r[2 + i].z
+                                   : r[2 + i].w;
+      a[0] = e4m3x2_to_bf16x2(w0 & 0xFFFFu);
+      a[1] = e4m3x2_to_bf16x2(w1 & 0xFFFFu);
+      a[2] = e4m3x2_to_bf16x2(w0 >> 16);
+      a[3] = e4m3x2_to_bf16x2(w1 >> 16);
+    } else {
+      const int i = s >> 1;
+      const bool upper = (s & 1) != 0;
+      a[0] = upper ? r[i].z : r[i].x;
+      a[1] = upper ? r[4 + i].z : r[4 + i].x;
+      a[2] = upper ? r[i].w : r[i].y;
+      a[3] = upper ? r[4 + i].w : r[4 + i].y;
+    }
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// The scoring / fused-selection kernel
+//
+// Purpose: decode or prefill indexer; kMode selects fused top-k or scores-only (unfused baseline).
+// Grid: any number of CTAs (the plan uses 2 per SM); 256 threads; dynamic shared memory holds the
+// units' block prefix sums ((max_units + 1) ints).
+// Requires: index_dim = block_size = 128, unit_vectors <= 8 * kNT, topk <= 32, counters zero
+// before the launch (left zero after it), prefill units prepared by prefill_units_kernel.
+template <bool kFp8, int kNT, int kMode>
+__global__ void __launch_bounds__(kThreads, 2)
+    indexer_kernel(const __grid_constant__ IndexerParams p) {
+  using TileT = Tile<kFp8>;
+  constexpr int kDepth = TileT::kDepth;
+  // Dynamic: the cp.async ring, then [units + 1] first block of each unit and the total.
+  extern __shared__ __align__(16) uint8_t s_dynamic[];
+  uint4* const ring = reinterpret_cast<uint4*>(s_dynamic);
+  int32_t* const s_prefix = reinterpret_cast<int32_t*>(s_dynamic + TileT::kRingBytes);
+  __shared__ uint2 s_bfrag[kNT][8][32];  // B fragments of the unit's query vectors
+  __shared__ __align__(16) float s_red[2][kWarps][kNT * 8];    // per-warp partial block maxima
+  __shared__ __align__(16) uint64_t s_keys[kWarps][kScratch];  // per-vector buffers / scratch
+  __shared__ int s_warp_sum[kWarps];
+  __shared__ int s_last;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int H = p.heads;
+  const int k = p.topk;
+  const uint8_t* cache = static_cast<const uint8_t*>(p.index_cache);
+
+  // ---- Prologue: block prefix sums over units (every CTA computes them; units are few) ----
+  int num_units = p.is_prefill ? min(*p.num_units, p.max_units) : p.num_reqs;
+  {
+    const int per = (num_units + kThreads - 1) / kThreads;
+    const int u_begin = min(num_units, tid * per);
+    const int u_end = min(num_units, u_begin + per);
+    int local = 0;
+    for (int u = u_begin; u < u_end; ++u) local += load_unit(p, u).blocks;
+    int inclusive = local;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, off);
+      if (lane >= off) inclusive += v;
+    }
+    if (lane == 31) s_warp_sum[warp] = inclusive;
+    __syncthreads();
+    int running = inclusive - local;
+    for (int w = 0; w < warp; ++w) running += s_warp_sum[w];
+    for (int u = u_begin; u < u_end; ++u) {
+      s_prefix[u] = running;
+      running += load_unit(p, u).blocks;
+    }
+    if (tid == kThreads - 1) s_prefix[num_units] = running;
+    __syncthreads();
+  }
+  const int64_t total = s_prefix[num_units];
+
+  // Rows of dead units (padding requests) are all -1; unit u belongs to CTA u % gridDim.x.
+  if constexpr (kMode == kModeTopk) {
+    for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
+      if (s_prefix[u + 1] != s_prefix[u]) continue;
+      const Unit unit = load_unit(p, u);
+      int32_t* out = p.topk_idx + static_cast<int64_t>(unit.row0) * H * k;
+      for (int i = tid; i < unit.rows * H * k; i += kThreads) out[i] = -1;
+    }
+  }
+  if (total == 0) return;
+  const int ctas = static_cast<int>(i64_min(gridDim.x, total));
+  const int cta = blockIdx.x;
+  if (cta >= ctas) return;
+  const int64_t span_lo = span_begin(cta, total, ctas);
+  const int64_t span_hi = span_begin(cta + 1, total, ctas);
+
+  // The unit holding span_lo: the last u with prefix[u] <= span_lo.
+  int u;
+  {
+    int lo = 0, hi = num_units - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) >> 1;
+      if (s_prefix[mid] <= span_lo) {
+        lo = mid;
+      } else {
+        hi = mid - 1;
+      }
+    }
+    u = lo;
+  }
+
+  for (int64_t x = span_lo; x < span_hi;) {
+    while (s_prefix[u + 1] <= x) ++u;
+    const Unit unit = load_unit(p, u);
+    const int64_t unit_lo = s_prefix[u];
+    const int64_t unit_hi = s_prefix[u + 1];
+    const int seg_end = static_cast<int>(i64_min(span_hi, unit_hi) - unit_lo);
+    const int lb_begin = static_cast<int>(x - unit_lo);
+    const int nblk = seg_end - lb_begin;
+    x = i64_min(span_hi, unit_hi);
+    const int nvec = unit.rows * H;
+
+    // ---- Segment setup: page windows (first: their loads overlap the rest), query
+    // fragments, masks, owner state ----
+    const int32_t* table_row = p.block_table + static_cast<int64_t>(unit.req) * p.table_cols;
+    auto load_window = [&](int w) -> int {
+      const int i = 32 * w + lane;
+      int page = 0;
+      if (i < nblk) {
+        page = table_row[lb_begin + i];
+        if (page < 0 || page >= p.num_pages) {
+          atomicOr(p.status, kStatusBadPage);
+          page = 0;
+        }
+      }
+      return page;
+    };
+    int window0 = load_window(0);
+    int window1 = nblk > 32 ? load_window(1) : 0;
+    auto page_of = [&](int i) {
+      const int src = ((i >> 5) & 1) ? window1 : window0;
+      return __shfl_sync(0xFFFFFFFFu, src, i & 31);
+    };
+    // The unit's queries are contiguous ([rows, H, 128]); stage them with coalesced 16-byte loads
+    // (every CTA of a unit reads them, so fewer, wider requests matter at small batch), then
+    // scatter them into B fragments. s_keys is free here and only used after the next barrier.
+    {
+      uint4* staged = reinterpret_cast<uint4*>(&s_keys[0][0]);
+      const uint4* src =
+          reinterpret_cast<const uint4*>(p.index_q + static_cast<int64_t>(unit.row0) * H * kDim);
+      for (int i = tid; i < nvec * (kDim / 8); i += kThreads) staged[i] = src[i];
+      __syncthreads();
+      const uint16_t* q_all = reinterpret_cast<const uint16_t*>(staged);
+      for (int i = tid; i < kNT * 8 * 32; i += kThreads) {
+        const int nt = i >> 8;
+        const int s = (i >> 5) & 7;
+        const int ln = i & 31;
+        const int n = nt * 8 + (ln >> 2);
+        uint2 frag = make_uint2(0u, 0u);
+        if (n < nvec) {
+          frag = *reinterpret_cast<const uint2*>(q_all + n * kDim + dim_base<kFp8>(s, ln & 3));
+        }
+        s_bfrag[nt][s][ln] = frag;
+      }
+    }
+    // Accumulator column e of n-tile nt is vector nt*8 + 2t + e; token row g (and g + 8).
+    int limit[kNT][2];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int n = nt * 8 + 2 * t + e;
+        limit[nt][e] = n < nvec ? unit.pos0 + n / H - kTokensPerWarp * warp - g : INT_MIN;
+      }
+    }
+    // Owner lane `lane` (< 4) of warp `warp` keeps vector warp + 8 * lane.
+    const int own_n = warp + kWarps * lane;
+    const bool owner = lane < kSlotsPerWarp && own_n < nvec;
+    int own_blocks = 0;
+    int own_row = 0;
+    int own_head = 0;
+    if (owner) {
+      own_row = unit.row0 + own_n / H;
+      own_head = own_n % H;
+      own_blocks = row_blocks(unit.pos0 + own_n / H);
+    }
+    int count = 0;     // keys in the owner's buffer
+    uint64_t kth = 0;  // keys <= kth can no longer make the top k
+    uint64_t* my_keys = &s_keys[warp][(lane & (kSlotsPerWarp - 1)) * kCap];
+
+    __syncthreads();  // fragments ready
+
+    // Ring prologue: the first kDepth blocks in flight (one commit group per block, empty or not,
+    // so that "all but the newest kDepth - 1 groups" always means "block i has landed").
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d) {
+      if (d < nblk) TileT::issue(ring, d, cache, page_of(d), warp, g, t);
+      cp_async_commit();
+    }
+
+#pragma unroll 1
+    for (int i = 0; i < nblk; ++i) {
+      {
+        cp_async_wait<kDepth - 1>();
+        const int slot = i & (kDepth - 1);
+        TileT tile;
+        tile.fetch(ring, slot, warp);
+        // Refill the slot with block i + kDepth.
+        const int ahead = i + kDepth;
+        if (ahead < nblk) {
+          // Entering page window W = ahead / 32: fetch window W + 1 into the slot of W - 1.
+          if ((ahead & 31) == 0 && ahead >= 32) {
+            const int w = (ahead >> 5) + 1;
+            if (32 * w < nblk) {
+              const int page = load_window(w);
+              if (w & 1) {
+                window1 = page;
+              } else {
+                window0 = page;
+              }
+            }
+          }
+          TileT::issue(ring, slot, cache, page_of(ahead), warp, g, t);
+        }
+        cp_async_commit();
+        const int lb = lb_begin + i;
+
+        // Scores of the warp's 16 tokens against every query vector.
+        float acc[kNT][4];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          uint32_t a[4];
+          tile.fragment(s, a);
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) {
+            const uint2 b = s_bfrag[nt][s][lane];
+            mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
+          }
+        }
+        // Mask tokens after each vector's position, then max over the warp's 16 tokens.
+        const int parity = i & 1;
+        const int block_first = kBlockTokens * lb;
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          const float neg_inf = -__int_as_float(0x7F800000);
+          // Token row g is visible when block_first + g <= pos (limit = pos - 16 * warp - g).
+          const int l0 = limit[nt][0];
+          const int l1 = limit[nt][1];
+          float v0 = nan_max(l0 >= block_first ? acc[nt][0] : neg_inf,
+                             l0 >= block_first + 8 ? acc[nt][2] : neg_inf);
+          float v1 = nan_max(l1 >= block_first ? acc[nt][1] : neg_inf,
+                             l1 >= block_first + 8 ? acc[nt][3] : neg_inf);
+#pragma unroll
+          for (int off = 4; off < 32; off <<= 1) {
+            v0 = nan_max(v0, __shfl_xor_sync(0xFFFFFFFFu, v0, off));
+            v1 = nan_max(v1, __shfl_xor_sync(0xFFFFFFFFu, v1, off));
+          }
+          if (g == 0) {
+            *reinterpret_cast<float2*>(&s_red[parity][warp][nt * 8 + 2 * t]) = make_float2(v0, v1);
+          }
+        }
+        __syncthreads();
+
+        // Owners: block score -> sort key -> buffer (or -> score tensor).
+        if (owner && lb < own_blocks) {
+          float score = s_red[parity][0][own_n];
+#pragma unroll
+          for (int w = 1; w < kWarps; ++w) score = nan_max(score, s_red[parity][w][own_n]);
+          if constexpr (kMode == kModeScores) {
+            if (lb < p.score_cols) {
+              p.scores[(static_cast<int64_t>(own_row) * H + own_head) * p.score_cols + lb] = score;
+            } else {
+              atomicOr(p.status, kStatusBadLength);
+            }
+          } else {
+            const uint32_t block = static_cast<uint32_t>(lb);
+            const uint64_t key = is_forced_block(lb, own_blocks, p.init_blocks, p.local_blocks)
+                                     ? forced_key(block)
+                                     : scored_key(score, block);
+            if (key > kth) my_keys[count++] = key;
+          }
+        }
+        if constexpr (kMode == kModeTopk) {
+          __syncwarp();  // the owners' appends are read by the whole warp below
+          unsigned full = __ballot_sync(0xFFFFFFFFu, owner && count == kCap);
+          while (full) {
+            const int slot = __ffs(full) - 1;
+            full &= full - 1;
+            uint64_t* keys = &s_keys[warp][slot * kCap];
+            const uint64_t top = warp_top64([&](int j) { return keys[j]; }, kCap);
+            __syncwarp();
+            if (lane < k) keys[lane] = top;
+            const uint64_t new_kth = __shfl_sync(0xFFFFFFFFu, top, k - 1);
+            if (lane == slot) {
+              count = k;
+              kth = new_kth;
+            }
+            __syncwarp();
+          }
+        }
+      }
+    }
+
+    // ---- Segment end ----
+    if constexpr (kMode == kModeTopk) {
+      __syncwarp();  // owners' buffers are read by their whole warp
+      const int c_lo = block_owner(unit_lo, total, ctas);
+      const int c_hi = block_owner(unit_hi - 1, total, ctas);
+      const int segs = c_hi - c_lo + 1;
+      if (segs == 1) {
+        // The whole unit is in this CTA: answer directly.
+        for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
+          const int n = warp + kWarps * slot;
+          if (n >= nvec) break;
+          const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
+          const uint64_t* keys = &s_keys[warp][slot * kCap];
+          const uint64_t top = warp_top64([&](int j) { return keys[j]; }, cnt);
+          const int row = unit.row0 + n / H;
+          write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * H + n % H) * k, top, k);
+        }
+      } else {
+        // Slots of every segment of the unit: min(k, its blocks); this CTA's offset and the total.
+        int my_offset = 0;
+        int unit_slots = 0;
+        for (int sidx = lane; sidx < segs; sidx += 32) {
+          const int c = c_lo + sidx;
+          const int64_t lo = i64_max(span_begin(c, total, ctas), unit_lo);
+          const int64_t hi = i64_min(span_begin(c + 1, total, ctas), unit_hi);
+          const int slots = static_cast<int>(i64_min(k, hi - lo));
+          unit_slots += slots;
+          if (c < cta) my_offset += slots;
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+          unit_slots += __shfl_xor_sync(0xFFFFFFFFu, unit_slots, off);
+          my_offset += __shfl_xor_sync(0xFFFFFFFFu, my_offset, off);
+        }
+        const int64_t region = (static_cast<int64_t>(c_lo) + u) * k * p.unit_vectors;
+        const int64_t vec_stride = static_cast<int64_t>(segs) * k;
+        const int my_slots = min(k, nblk);
+        for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
+          const int n = warp + kWarps * slot;
+          if (n >= nvec) break;
+          const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
+          const uint64_t* keys = &s_keys[warp][slot * kCap];
+          uint64_t value;
+          if (cnt > my_slots) {
+            value = warp_top64([&](int j) { return keys[j]; }, cnt);
+          } else {
+            value = lane < cnt ? keys[lane] : 0;
+          }
+          if (lane < my_slots) p.cand[region + n * vec_stride + my_offset + lane] = value;
+        }
+        __syncthreads();
+        if (tid == 0) {
+          __threadfence();
+          const uint32_t arrived = atomicAdd(&p.counters[u], 1u);
+          s_last = arrived == static_cast<uint32_t>(segs - 1);
+          if (s_last) p.counters[u] = 0;  // everyone arrived: ready for the next launch
+        }
+        __syncthreads();
+        if (s_last) {
+          __threadfence();
+          for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
+            const int n = warp + kWarps * slot;
+            if (n >= nvec) break;
+            const uint64_t* src = p.cand + region + n * vec_stride;
+            const uint64_t top = warp_top_keys([&](int j) { return __ldcg(src + j); }, unit_slots,
+                                               k, &s_keys[warp][0]);
+            const int row = unit.row0 + n / H;
+            write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * H + n % H) * k, top, k);
+            __syncwarp();
+          }
+        }
+      }
+    }
+    __syncthreads();  // buffers and fragments are rebuilt for the next segment
+  }
+}
+
+}  // namespace m3msa::cuda::idx

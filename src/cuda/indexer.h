@@ -1,0 +1,67 @@
+// Host side of the CUDA indexer: plan (workspace layout from the limits) and run (launch on a
+// stream). Used by the CUDA backend, the tests and the benchmarks.
+//
+// Plan/run contract:
+//  - plan_indexer() sizes one caller-owned workspace for every batch within `limits`;
+//    init_indexer_workspace() zeroes it once (counters start at zero, and every launch leaves them
+//    at zero again).
+//  - launch_indexer() validates shapes and dtypes on the host (it reads no device memory),
+//    allocates nothing, never synchronizes the host and is CUDA-graph capturable. Its grids depend
+//    only on the plan and the host-side shapes (num_reqs, q_len, num_tokens), never on seq_lens or
+//    table contents, so one captured graph replays any metadata within the plan.
+//  - Deterministic: the same inputs give bit-identical outputs, and block scores (hence
+//    selections) do not depend on the batch composition or on how blocks are split among CTAs.
+// Support: index_dim = block_size = 128, topk <= 32, q_len * index_heads <= 32 (decode),
+// index_heads <= 4 (prefill); kUnsupported names the value otherwise.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "m3msa/cuda_backend.h"
+#include "m3msa/ops.h"
+
+namespace m3msa::cuda {
+
+struct IndexerPlan {
+  SparseConfig config;
+  PlanLimits limits;  // as given, with max_rows filled in
+  int device = 0;
+  int grid = 0;            // CTAs of the scoring kernel (2 per SM)
+  int max_units = 0;       // decode requests or prefill row groups
+  int unit_vectors = 0;    // query vectors per unit the candidate buffer is laid out for
+  int64_t score_cols = 0;  // unfused baseline: blocks per score row (0: baseline not planned)
+  std::size_t off_status = 0;
+  std::size_t off_num_units = 0;
+  std::size_t off_counters = 0;
+  std::size_t off_units = 0;
+  std::size_t off_cand = 0;
+  std::size_t off_scores = 0;
+  std::size_t workspace_bytes = 0;
+};
+
+// Throws Error(kUnsupported) naming the first configuration value the CUDA indexer cannot run.
+void check_indexer_supported(const SparseConfig& config);
+
+// limits.max_context > 0 also plans the unfused baseline's score tensor.
+IndexerPlan plan_indexer(const SparseConfig& config, const PlanLimits& limits, int device);
+
+// Zeroes the counters and the status word (asynchronous on `stream`).
+void init_indexer_workspace(const IndexerPlan& plan, void* workspace, cudaStream_t stream);
+
+// Whether a call with these host-side shapes fits the plan (and why not, if `why` is given).
+bool indexer_fits_plan(const IndexerPlan& plan, const SparseConfig& config, const IndexerArgs& args,
+                       IndexerVariant variant, std::string* why);
+
+// Runs the indexer on `stream` (see the contract above). The tensors must live on plan.device.
+void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const IndexerArgs& args,
+                    IndexerVariant variant, void* workspace, cudaStream_t stream);
+
+// The sticky kStatus* bits (params.h) of the device-side guards; synchronizes `stream`.
+uint32_t read_indexer_status(const IndexerPlan& plan, const void* workspace, cudaStream_t stream,
+                             bool clear);
+
+}  // namespace m3msa::cuda

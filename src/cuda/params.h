@@ -1,0 +1,51 @@
+// Kernel parameter structs of the indexer kernels (the attention and preprocessing kernels keep
+// theirs in attention_params.h). Plain data, passed by value as __grid_constant__; every pointer
+// carries its shape; derived scalars are computed on the host by the launcher (indexer.cu).
+#pragma once
+
+#include <vector_types.h>
+
+#include <cstdint>
+
+namespace m3msa::cuda {
+
+// Sticky device-side guard bits, OR-ed into IndexerParams::status. The host validates contents
+// before launching when asked to; these catch what it could not see (graph replays with new
+// metadata) without ever reading or writing out of bounds.
+inline constexpr uint32_t kStatusBadPage = 1u;  // a table entry outside [0, num_pages): page 0 read
+inline constexpr uint32_t kStatusBadLength = 2u;  // a request needs more blocks than the table has
+                                                  // (or past the block id cap): its rows get -1
+inline constexpr uint32_t kStatusTooManyUnits = 4u;  // prefill: more row groups than planned
+
+// A "unit" is what one set of query fragments covers: the rows of one decode request, or up to
+// kPrefillUnitRows consecutive rows of one prefill request (consecutive positions either way).
+struct IndexerParams {
+  const uint16_t* index_q = nullptr;      // [rows, heads, 128] bf16
+  const void* index_cache = nullptr;      // [num_pages, 128, 128] bf16 | fp8 e4m3
+  const int32_t* block_table = nullptr;   // [num_reqs, table_cols] i32 -> index-cache page
+  const int32_t* seq_lens = nullptr;      // decode:  [num_reqs] i32 (0 = padding request)
+  const int32_t* cu_seqlens_q = nullptr;  // prefill: [num_reqs + 1] i32
+  const int32_t* context_lens = nullptr;  // prefill: [num_reqs] i32
+  int32_t* topk_idx = nullptr;            // [rows, heads, topk] i32 out (fused / top-k kernels)
+  float* scores = nullptr;                // unfused: [rows, heads, score_cols] f32 block scores
+  uint64_t* cand = nullptr;      // [(grid + max_units) * topk * unit_vectors] u64 per-CTA keys
+  uint32_t* counters = nullptr;  // [max_units] arrival counters, zero between launches
+  uint32_t* status = nullptr;    // [1] kStatus* bits (sticky until the host clears them)
+  int4* units = nullptr;         // prefill: [max_units] (req, first row, rows, first pos)
+  int32_t* num_units = nullptr;  // prefill: [1] units written by the prep kernel
+  int64_t num_pages = 0;
+  int64_t table_cols = 0;
+  int64_t num_rows = 0;
+  int64_t score_cols = 0;  // unfused: blocks per score row (>= every row's visible blocks)
+  int num_reqs = 0;
+  int q_len = 1;  // decode rows per request
+  int heads = 0;  // index heads H (<= 4 per unit of 8 rows; q_len * H <= 32)
+  int topk = 0;   // <= 32
+  int init_blocks = 0;
+  int local_blocks = 0;
+  int unit_vectors = 0;  // query vectors per unit: q_len * H (decode), 8 * H (prefill)
+  int max_units = 0;     // capacity of counters / units (decode: >= num_reqs)
+  int is_prefill = 0;
+};
+
+}  // namespace m3msa::cuda

@@ -1,0 +1,215 @@
+// Runs the built `m3msa` binary: help, info, a tiny checked demo, demo --save + replay --check,
+// and bad flags (non-zero exit, the flag named on stderr).
+#include <gtest/gtest.h>
+
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "m3msa/backend.h"
+#include "m3msa/npy.h"
+
+namespace m3msa {
+namespace {
+
+namespace fs = std::filesystem;
+
+#ifdef M3MSA_CLI_PATH
+constexpr const char* kCli = M3MSA_CLI_PATH;
+#else
+constexpr const char* kCli = "";  // not built: every test skips
+#endif
+
+struct Result {
+  int code = -1;
+  std::string out;
+  std::string err;
+};
+
+class CliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (kCli[0] == '\0' || !fs::exists(kCli)) {
+      GTEST_SKIP() << "the m3msa binary is not built (M3MSA_BUILD_CLI=OFF)";
+    }
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::path(::testing::TempDir()) / (std::string("m3msa_cli_") + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  static std::string slurp(const std::string& file) {
+    std::ifstream in(file);
+    return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  }
+
+  // Runs `m3msa ARGS` with stdout and stderr captured separately.
+  Result run(const std::string& args) const {
+    const std::string out_file = path("stdout.txt");
+    const std::string err_file = path("stderr.txt");
+    const std::string command =
+        std::string("'") + kCli + "' " + args + " >'" + out_file + "' 2>'" + err_file + "'";
+    const int status = std::system(command.c_str());
+    Result r;
+    r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    r.out = slurp(out_file);
+    r.err = slurp(err_file);
+    return r;
+  }
+
+  fs::path dir_;
+};
+
+bool contains(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST_F(CliTest, HelpListsSubcommandsAndEveryFlagWithItsDefault) {
+  Result r = run("--help");
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const char* sub : {"demo", "info", "replay", "bench", "Exit codes"}) {
+    EXPECT_TRUE(contains(r.out, sub)) << sub << "\n" << r.out;
+  }
+  r = run("demo --help");
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const char* flag :
+       {"--batch INT:INT in [1 - 4096]=4", "--context INT:INT in [0 - 1073741824]=8192",
+        "--q-len INT:INT in [1 - 8]=1", "--layers INT:INT in [1 - 57]=2", "--steps", "=2",
+        "--ranks", "--index-dtype TEXT:{bf16,fp8}=bf16", "--kv-dtype TEXT:{bf16,fp8}=bf16",
+        "--backend TEXT:{auto,cpu,cuda}=auto", "--check", "--threads", "--seed UINT=1", "--save",
+        "--json", "--quiet"}) {
+    EXPECT_TRUE(contains(r.out, flag)) << flag << "\n" << r.out;
+  }
+  r = run("replay --help");
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const char* flag : {"--out", "--backend", "--check", "--threads", "--json", "uint16"}) {
+    EXPECT_TRUE(contains(r.out, flag)) << flag << "\n" << r.out;
+  }
+  r = run("--version");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_TRUE(contains(r.out, "m3msa ")) << r.out;
+}
+
+TEST_F(CliTest, Info) {
+  Result r = run("info");
+  EXPECT_EQ(r.code, 0) << r.err;
+  for (const char* part : {"m3msa ", "build:", "backends:", "cpu", "cuda", "devices:", "topk=16"}) {
+    EXPECT_TRUE(contains(r.out, part)) << part << "\n" << r.out;
+  }
+  r = run("info --json");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "\"cuda_devices\"")) << r.out;
+}
+
+TEST_F(CliTest, TinyDemoPassesItsChecks) {
+  // 2100 tokens: 17 blocks > topk, so the table has a dense "check" layer too.
+  Result r = run("demo --batch 2 --context 2100 --layers 1 --steps 2 --threads 2 -q --json " +
+                 path("demo.json"));
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "PASS")) << r.out;
+  EXPECT_TRUE(contains(r.out, "== dense")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[ok] selections well-formed")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[ok] selections are exactly the top-k")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[ok] sparse attention == dense")) << r.out;
+  EXPECT_FALSE(contains(r.out, "FAIL")) << r.out;
+  EXPECT_TRUE(r.err.empty()) << "--quiet must keep stderr empty: " << r.err;
+  EXPECT_TRUE(contains(slurp(path("demo.json")), "\"passed\": true"));
+}
+
+TEST_F(CliTest, DemoSpeculativeFp8ContextParallelAndReferenceMode) {
+  Result r =
+      run("demo --batch 2 --context 700 --q-len 3 --layers 1 --steps 2 --index-dtype fp8 "
+          "--kv-dtype fp8 --ranks 2 --threads 2 -q");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[ok] CP selection bit-identical")) << r.out;
+  r = run("demo --batch 1 --context 300 --layers 1 --steps 1 --check reference -q");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[ok] sparse attention vs the CPU reference")) << r.out;
+}
+
+TEST_F(CliTest, DemoSaveThenReplayMatches) {
+  const std::string dir = path("case");
+  Result r = run("demo --batch 2 --context 400 --q-len 2 --layers 2 --steps 2 -q --save " + dir);
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  for (const char* file : {"case.json", "index_q.npy", "q.npy", "index_cache.npy", "kv_cache.npy",
+                           "seq_lens.npy", "index_block_table.npy", "kv_block_table.npy",
+                           "expected_topk_idx.npy", "expected_out.npy"}) {
+    EXPECT_TRUE(fs::exists(fs::path(dir) / file)) << file;
+  }
+  r = run("replay " + dir + " --check --out " + path("outputs"));
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[ok] topk_idx == expected_topk_idx recorded by cpu-reference"))
+      << r.out;
+  EXPECT_TRUE(contains(r.out, "[ok] out == expected_out recorded by cpu-reference")) << r.out;
+  EXPECT_TRUE(contains(r.out, "PASS")) << r.out;
+  const HostTensor topk = load_npy(path("outputs/topk_idx.npy"), DType::kI32, {4, 4, 16});
+  const HostTensor out = load_npy(path("outputs/out.npy"), DType::kBF16, {4, 64, 128});
+  const HostTensor expected = load_npy(dir + "/expected_topk_idx.npy", DType::kI32);
+  EXPECT_EQ(std::memcmp(topk.data(), expected.data(), topk.nbytes()), 0);
+
+  // Without --out the outputs land in the case directory.
+  r = run("replay " + dir);
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "topk_idx.npy"));
+  EXPECT_TRUE(fs::exists(fs::path(dir) / "out.npy"));
+
+  // A recorded output that disagrees makes --check fail with exit code 1.
+  HostTensor wrong = load_npy(dir + "/expected_out.npy", DType::kBF16);
+  wrong.ptr<uint16_t>()[5] ^= 0x0100;
+  save_npy(dir + "/expected_out.npy", wrong.view());
+  r = run("replay " + dir + " --check");
+  EXPECT_EQ(r.code, 1) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "[FAIL] out == expected_out")) << r.out;
+
+  // A malformed tensor file is an error naming it.
+  std::ofstream(fs::path(dir) / "q.npy") << "not an npy file";
+  r = run("replay " + dir);
+  EXPECT_EQ(r.code, 3) << r.out << r.err;
+  EXPECT_TRUE(contains(r.err, "q.npy")) << r.err;
+}
+
+TEST_F(CliTest, BadFlagsExitNonZeroNamingTheFlag) {
+  struct Bad {
+    const char* args;
+    const char* named;
+  };
+  for (const Bad& bad :
+       {Bad{"demo --q-len 0", "--q-len"}, Bad{"demo --q-len 9", "--q-len"},
+        Bad{"demo --batch 0", "--batch"}, Bad{"demo --bogus-flag", "--bogus-flag"},
+        Bad{"demo --context -5", "--context"}, Bad{"demo --index-dtype fp16", "--index-dtype"},
+        Bad{"demo --kv-dtype e5m2", "--kv-dtype"}, Bad{"demo --backend tpu", "--backend"},
+        Bad{"demo --ranks 3", "--ranks"}, Bad{"demo --steps abc", "--steps"}, Bad{"replay", "dir"},
+        Bad{"frobnicate", "frobnicate"}}) {
+    SCOPED_TRACE(bad.args);
+    const Result r = run(bad.args);
+    EXPECT_EQ(r.code, 2) << r.out << r.err;
+    EXPECT_TRUE(contains(r.err, bad.named)) << r.err;
+    EXPECT_TRUE(contains(r.err, "error")) << r.err;
+  }
+}
+
+TEST_F(CliTest, BenchWithoutCudaSaysSo) {
+  if (built_with_cuda()) GTEST_SKIP() << "built with CUDA: benchmarks may be registered";
+  Result r = run("bench");
+  EXPECT_NE(r.code, 0);
+  EXPECT_TRUE(contains(r.err, "not built: needs the CUDA backend")) << r.err;
+  r = run("bench attention --iters 3");
+  EXPECT_NE(r.code, 0);
+  EXPECT_TRUE(contains(r.err, "needs the CUDA backend")) << r.err;
+  r = run("bench --help");
+  EXPECT_EQ(r.code, 0);
+  EXPECT_TRUE(contains(r.out, "needs the CUDA backend")) << r.out;
+}
+
+}  // namespace
+}  // namespace m3msa

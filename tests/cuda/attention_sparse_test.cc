@@ -1,0 +1,336 @@
+// The CUDA block-sparse attention against the CPU reference (spec.md section 5): randomized decode
+// shapes (batch 1..64, q_len 1..8, contexts 1..256K, padding requests, partly filled own blocks,
+// bf16 and fp8 KV with scales != 1), prefill rows, dense causal attention, nb <= k == dense, rows
+// without keys, graph capture + replay with new metadata == eager, and run-to-run bit identity.
+// Every output is poisoned first. Every test skips without a GPU.
+//
+// M3MSA_TEST_ATTENTION_TUNING (e.g. "splitp=1,cluster=0,pdl=1") runs the suite with other launcher
+// knobs (attention_launch.cuh); unset, the default tuning of launch_sparse_attention is tested.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "attention_test_util.h"
+#include "cuda/attention.h"
+#include "cuda/attention_launch.cuh"
+#include "cuda/common.cuh"
+#include "m3msa/cpu_reference.h"
+#include "m3msa/error.h"
+#include "m3msa/synthetic.h"
+
+namespace m3msa {
+namespace {
+
+using attntest::compare_bf16;
+using attntest::DevAttention;
+using attntest::DevTensor;
+using attntest::poisoned;
+using attntest::random_selection;
+using attntest::to_dev;
+using attntest::to_host;
+
+const cuda::AttentionTuning& test_tuning() {
+  static const cuda::AttentionTuning tuning = [] {
+    const char* text = std::getenv("M3MSA_TEST_ATTENTION_TUNING");
+    return text != nullptr ? cuda::AttentionTuning::parse(text) : cuda::default_attention_tuning();
+  }();
+  return tuning;
+}
+
+void launch(const SparseConfig& cfg, const AttentionArgs& args, const cuda::DeviceBuffer& ws,
+            cudaStream_t stream) {
+  cuda::launch_sparse_attention_tuned(cfg, args, ws.data(), ws.bytes(), stream, test_tuning());
+}
+
+// A workspace for one device, zeroed once (the launcher's contract).
+struct Workspace {
+  cuda::DeviceBuffer buffer;
+  explicit Workspace(const SparseConfig& config) {
+    PlanLimits limits;
+    limits.max_reqs = 64;
+    limits.max_q_len = kMaxQueryLen;
+    const size_t bytes = cuda::sparse_attention_workspace_size(config, limits);
+    buffer = cuda::DeviceBuffer(bytes);
+    CUDA_CHECK(cudaMemset(buffer.data(), 0, bytes));
+  }
+};
+
+struct RunOut {
+  HostTensor gpu;
+  HostTensor ref;
+};
+
+// Runs the GPU kernel (eager, default stream) and the CPU reference on one case.
+RunOut run_case(const SyntheticCase& c, const HostTensor* topk, bool dense_ref = false) {
+  const SparseConfig& cfg = c.config;
+  const int64_t rows = c.num_rows();
+  DevAttention dev(c);
+  DevTensor topk_dev;
+  if (topk != nullptr) topk_dev = to_dev(*topk);
+  DevTensor out = poisoned(DType::kBF16, {rows, cfg.q_heads, cfg.head_dim});
+  Workspace ws(cfg);
+  launch(cfg, dev.args(topk_dev.view, out.view), ws.buffer, nullptr);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  RunOut result;
+  result.gpu = to_host(out.view);
+  result.ref = HostTensor(DType::kBF16, {rows, cfg.q_heads, cfg.head_dim});
+  result.ref.fill_bytes(0xFF);
+  const AttentionArgs args =
+      c.attention_args(topk != nullptr ? topk->view() : TensorView{}, result.ref.view());
+  if (dense_ref) {
+    cpu::dense_attention(cfg, args);
+  } else {
+    cpu::sparse_attention(cfg, args);
+  }
+  return result;
+}
+
+struct DecodeShape {
+  int reqs;
+  int q_len;
+  int64_t min_context;
+  int64_t max_context;
+  int padding;
+  DType kv;
+  float k_scale;
+  float v_scale;
+  uint64_t seed;
+};
+
+std::string describe(const DecodeShape& s) {
+  char buf[200];
+  std::snprintf(buf, sizeof(buf),
+                "reqs %d q_len %d context [%lld, %lld] padding %d kv %s "
+                "k_scale %g v_scale %g seed %llu",
+                s.reqs, s.q_len, static_cast<long long>(s.min_context),
+                static_cast<long long>(s.max_context), s.padding, dtype_name(s.kv), s.k_scale,
+                s.v_scale, static_cast<unsigned long long>(s.seed));
+  return buf;
+}
+
+SyntheticCase decode_case(const DecodeShape& s, SparseConfig cfg = {}) {
+  SyntheticSpec spec;
+  spec.config = cfg;
+  spec.num_reqs = s.reqs;
+  spec.q_len = s.q_len;
+  spec.min_context = s.min_context;
+  spec.max_context = s.max_context;
+  spec.padding_reqs = s.padding;
+  spec.kv_dtype = s.kv;
+  spec.k_scale = s.k_scale;
+  spec.v_scale = s.v_scale;
+  spec.make_index_cache = false;
+  spec.seed = s.seed;
+  return make_synthetic_case(spec);
+}
+
+void expect_close(const RunOut& r, const std::string& what) {
+  const attntest::CompareResult cmp = compare_bf16(r.gpu, r.ref);
+  EXPECT_TRUE(cmp.ok) << what << ": " << cmp.bad << " elements out of tolerance; worst "
+                      << cmp.worst << " (" << cmp.worst_ratio << " x tol)";
+  std::printf("[ info ] %s: worst %.3f x tol (%s)\n", what.c_str(), cmp.worst_ratio,
+              cmp.worst.c_str());
+}
+
+TEST(CudaSparseAttention, RandomizedDecodeMatchesCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  std::printf("[ info ] attention tuning under test: %s\n", test_tuning().name().c_str());
+  const DType bf16 = DType::kBF16;
+  const DType fp8 = DType::kFP8E4M3;
+  const std::vector<DecodeShape> shapes = {
+      {1, 1, 1, 1, 0, bf16, 1.0f, 1.0f, 1},            // one token: pos 0
+      {1, 1, 262144, 262144, 0, fp8, 0.5f, 2.0f, 2},   // 256K, fp8, scales != 1
+      {1, 4, 100000, 100000, 0, bf16, 1.0f, 1.0f, 3},  // long bf16, speculative rows
+      {3, 8, 1, 300, 0, bf16, 1.0f, 1.0f, 4},          // q_len 8 across block edges
+      {5, 1, 127, 130, 0, fp8, 1.0f, 1.0f, 5},         // own block partly filled at 128
+      {8, 3, 1, 65536, 2, bf16, 1.0f, 1.0f, 6},        // padding requests
+      {17, 2, 1, 20000, 0, fp8, 2.0f, 0.25f, 7},
+      {64, 1, 1, 4096, 5, fp8, 0.75f, 1.5f, 8},  // one split per unit
+      {64, 4, 100, 2000, 7, bf16, 1.0f, 1.0f, 9},
+      {32, 1, 4000, 9000, 0, bf16, 1.0f, 1.0f, 10},
+  };
+  for (const DecodeShape& s : shapes) {
+    const SyntheticCase c = decode_case(s);
+    const HostTensor topk = random_selection(c, s.seed * 31 + 1);
+    expect_close(run_case(c, &topk), describe(s));
+  }
+}
+
+// TP = 8 leaves 8 query heads on one KV head: a partly used m16 tile.
+TEST(CudaSparseAttention, SmallGroupMatchesCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  SparseConfig cfg;
+  cfg.q_heads = 8;
+  cfg.kv_heads = 1;
+  cfg.index_heads = 1;
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    const DecodeShape s{6, 2, 1, 5000, 1, kv, 1.25f, 0.5f, 21};
+    const SyntheticCase c = decode_case(s, cfg);
+    const HostTensor topk = random_selection(c, 77);
+    expect_close(run_case(c, &topk), "group 8: " + describe(s));
+  }
+}
+
+TEST(CudaSparseAttention, DenseMatchesCpuDense) {
+  M3MSA_REQUIRE_GPU();
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    const DecodeShape s{4, 2, 1, 20000, 1, kv, 1.0f, 2.0f, 31};
+    const SyntheticCase c = decode_case(s);
+    expect_close(run_case(c, nullptr, /*dense_ref=*/true), "dense: " + describe(s));
+  }
+}
+
+// With nb <= k every visible block is selected: the sparse result must match dense attention,
+// on the GPU (both paths) and against the CPU's dense oracle.
+TEST(CudaSparseAttention, FullSelectionEqualsDense) {
+  M3MSA_REQUIRE_GPU();
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    const DecodeShape s{6, 3, 1, 2048, 1, kv, 1.0f, 1.0f, 41};
+    const SyntheticCase c = decode_case(s);
+    const HostTensor topk = random_selection(c, 5);  // nb <= 16 = k: all blocks, shuffled
+    RunOut sparse = run_case(c, &topk, /*dense_ref=*/true);
+    expect_close(sparse, "sparse vs CPU dense: " + describe(s));
+    RunOut dense = run_case(c, nullptr, /*dense_ref=*/true);
+    RunOut cross{sparse.gpu, dense.gpu};
+    expect_close(cross, "GPU sparse vs GPU dense: " + describe(s));
+  }
+}
+
+// Rows with no keys (padding requests, and live rows whose selection is empty) output zeros.
+TEST(CudaSparseAttention, RowsWithoutKeysGiveZeros) {
+  M3MSA_REQUIRE_GPU();
+  const DecodeShape s{4, 2, 200, 900, 2, DType::kBF16, 1.0f, 1.0f, 51};
+  const SyntheticCase c = decode_case(s);
+  HostTensor topk = random_selection(c, 9);
+  // Empty selection for the first row's second KV head (a -1 prefix of length 0).
+  int32_t* e = topk.ptr<int32_t>() + (0 * c.config.kv_heads + 1) * c.config.topk;
+  std::fill(e, e + c.config.topk, -1);
+  const RunOut r = run_case(c, &topk);
+  expect_close(r, "rows without keys");
+  const uint16_t* out = r.gpu.ptr<uint16_t>();
+  const int64_t group_elems = int64_t{c.config.group_size()} * c.config.head_dim;
+  for (int64_t i = 0; i < group_elems; ++i) {
+    ASSERT_EQ(out[group_elems + i], 0) << "row 0 kv head 1 element " << i;
+  }
+  const int64_t row_elems = int64_t{c.config.q_heads} * c.config.head_dim;
+  for (int64_t row = c.num_rows() - 2 * s.q_len; row < c.num_rows(); ++row) {
+    for (int64_t i = 0; i < row_elems; ++i) {
+      ASSERT_EQ(out[row * row_elems + i], 0) << "padding row " << row << " element " << i;
+    }
+  }
+}
+
+TEST(CudaSparseAttention, PrefillMatchesCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    SyntheticSpec spec;
+    spec.kind = BatchKind::kPrefill;
+    spec.num_reqs = 4;
+    spec.chunk_lens = {37, 0, 130, 5};
+    spec.context_lens = {0, 500, 3000, 127};
+    spec.kv_dtype = kv;
+    spec.k_scale = 1.5f;
+    spec.v_scale = 0.75f;
+    spec.make_index_cache = false;
+    spec.seed = 61;
+    const SyntheticCase c = make_synthetic_case(spec);
+    const HostTensor topk = random_selection(c, 13);
+    expect_close(run_case(c, &topk), std::string("prefill ") + dtype_name(kv));
+    expect_close(run_case(c, nullptr, true), std::string("prefill dense ") + dtype_name(kv));
+  }
+}
+
+TEST(CudaSparseAttention, TwoRunsBitIdentical) {
+  M3MSA_REQUIRE_GPU();
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    const DecodeShape s{2, 1, 30000, 60000, 0, kv, 1.0f, 1.0f, 71};  // split over many CTAs
+    const SyntheticCase c = decode_case(s);
+    const HostTensor topk = random_selection(c, 3);
+    const RunOut a = run_case(c, &topk);
+    const RunOut b = run_case(c, &topk);
+    EXPECT_TRUE(attntest::bitwise_equal(a.gpu, b.gpu)) << describe(s);
+    const RunOut da = run_case(c, nullptr, true);
+    const RunOut db = run_case(c, nullptr, true);
+    EXPECT_TRUE(attntest::bitwise_equal(da.gpu, db.gpu)) << "dense " << describe(s);
+  }
+}
+
+// One graph captured on case A's buffers, replayed after case B's metadata and contents were
+// copied into the same buffers, must equal an eager launch on B (bit for bit) and the reference.
+TEST(CudaSparseAttention, GraphReplayWithNewMetadataEqualsEager) {
+  M3MSA_REQUIRE_GPU();
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    for (int reqs : {1, 24}) {
+      DecodeShape sa{reqs, 2, 1, 30000, 0, kv, 1.0f, 1.0f, 81};
+      SyntheticCase a = decode_case(sa);
+      // B: the same lengths permuted (same page count and table width), new everything else.
+      std::vector<int64_t> lens;
+      for (int r = 0; r < reqs; ++r) lens.push_back(a.seq_lens.ptr<int32_t>()[r]);
+      std::reverse(lens.begin(), lens.end());
+      SyntheticSpec spec_b;
+      spec_b.num_reqs = reqs;
+      spec_b.q_len = sa.q_len;
+      spec_b.seq_lens = lens;
+      spec_b.kv_dtype = kv;
+      spec_b.make_index_cache = false;
+      spec_b.seed = 82;
+      const SyntheticCase b = make_synthetic_case(spec_b);
+      ASSERT_EQ(a.kv_cache.nbytes(), b.kv_cache.nbytes());
+      ASSERT_EQ(a.kv_block_table.nbytes(), b.kv_block_table.nbytes());
+
+      const HostTensor topk_a = random_selection(a, 1);
+      const HostTensor topk_b = random_selection(b, 2);
+      DevAttention dev(a);
+      DevTensor topk_dev = to_dev(topk_a);
+      const SparseConfig& cfg = a.config;
+      const int64_t rows = a.num_rows();
+      DevTensor out_graph = poisoned(DType::kBF16, {rows, cfg.q_heads, cfg.head_dim});
+      DevTensor out_eager = poisoned(DType::kBF16, {rows, cfg.q_heads, cfg.head_dim});
+      Workspace ws(cfg);
+      cuda::Stream stream;
+      cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
+        launch(cfg, dev.args(topk_dev.view, out_graph.view), ws.buffer, stream.get());
+      });
+      graph.launch(stream.get());  // on A
+      stream.synchronize();
+      // New metadata and contents, same buffers.
+      attntest::copy_into(b.seq_lens, dev.seq_lens);
+      attntest::copy_into(b.kv_block_table, dev.kv_table);
+      attntest::copy_into(b.q, dev.q);
+      attntest::copy_into(b.kv_cache, dev.kv_cache);
+      attntest::copy_into(topk_b, topk_dev);
+      CUDA_CHECK(cudaMemset(out_graph.view.data, 0xFF, out_graph.view.nbytes()));
+      graph.launch(stream.get());
+      launch(cfg, dev.args(topk_dev.view, out_eager.view), ws.buffer, stream.get());
+      stream.synchronize();
+      const HostTensor g = to_host(out_graph.view);
+      const HostTensor e = to_host(out_eager.view);
+      EXPECT_TRUE(attntest::bitwise_equal(g, e))
+          << "graph replay differs from eager: reqs " << reqs << " " << dtype_name(kv);
+      RunOut check;
+      check.gpu = g;
+      check.ref = HostTensor(DType::kBF16, {rows, cfg.q_heads, cfg.head_dim});
+      cpu::sparse_attention(cfg, b.attention_args(topk_b.view(), check.ref.view()));
+      expect_close(check, "graph replay on B, reqs " + std::to_string(reqs) + " " + dtype_name(kv));
+    }
+  }
+}
+
+TEST(CudaSparseAttention, RefusesUnsupportedShapes) {
+  M3MSA_REQUIRE_GPU();
+  SparseConfig cfg;
+  cfg.head_dim = 64;
+  PlanLimits limits;
+  try {
+    cuda::sparse_attention_workspace_size(cfg, limits);
+    FAIL() << "head_dim 64 accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace m3msa

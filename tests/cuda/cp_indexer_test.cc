@@ -1,0 +1,438 @@
+// The CUDA CP indexer (cp_cuda.h) against the one-GPU indexer: selections must be bit-identical
+// for every transport (cp.md "Exactness"), also under CUDA-graph replay with changing metadata;
+// a rank that skips a call makes its peer report kTimeout naming it within the spin budget; a
+// mismatched configuration is caught by the host agreement at setup. Ranks are threads, one GPU
+// each; tests that need two GPUs skip (with the reason) on fewer.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "cuda/common.cuh"
+#include "indexer_test_util.h"
+#include "m3msa/comm.h"
+#include "m3msa/cp_cuda.h"
+
+namespace m3msa::idxtest {
+namespace {
+
+#define M3MSA_REQUIRE_GPUS(n)                                          \
+  do {                                                                 \
+    const int visible_ = ::m3msa::cuda_device_count();                 \
+    if (visible_ < (n)) {                                              \
+      GTEST_SKIP() << "needs " << (n) << " CUDA devices, " << visible_ \
+                   << " visible: multi-GPU CP test skipped";           \
+    }                                                                  \
+  } while (0)
+
+// Rank r runs on device r % visible devices: on one GPU the ranks of the peer and replicated
+// transports share it (NCCL needs one device per rank, so its tests need P GPUs).
+int device_of(int r) {
+  return r % std::max(1, ::m3msa::cuda_device_count());
+}
+
+bool needs_nccl(CpTransport t) {
+  return t == CpTransport::kNccl || t == CpTransport::kAllReduceMax;
+}
+
+// Communicators of P in-process ranks (NCCL for the NCCL transports, threads otherwise).
+struct World {
+  std::vector<std::unique_ptr<Communicator>> comms;
+  World(int P, bool nccl) {
+    if (nccl) {
+      std::vector<int> devices;
+      for (int r = 0; r < P; ++r) devices.push_back(r);
+      for (auto& c : make_nccl_communicators_in_process(devices)) comms.push_back(std::move(c));
+    } else {
+      auto group = ThreadGroup::create(P, std::chrono::milliseconds(20000));
+      for (int r = 0; r < P; ++r) comms.push_back(group->communicator(r));
+    }
+  }
+  // Runs body(rank) on one thread per rank (device = rank); rethrows the first error.
+  void run(const std::function<void(int)>& body) {
+    const int P = static_cast<int>(comms.size());
+    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(P));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < P; ++r) {
+      threads.emplace_back([&, r] {
+        try {
+          CUDA_CHECK(cudaSetDevice(device_of(r)));
+          body(r);
+        } catch (...) {
+          errors[static_cast<std::size_t>(r)] = std::current_exception();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    for (auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+  }
+};
+
+struct Case {
+  int reqs;
+  int q_len;
+  int64_t min_ctx;
+  int64_t max_ctx;
+  DType dtype;
+  int padding;
+  std::vector<int64_t> seq_lens;
+};
+
+SyntheticCase make_case(const Case& cs, uint64_t seed) {
+  SyntheticSpec spec =
+      decode_spec(cs.reqs, cs.q_len, cs.min_ctx, cs.max_ctx, cs.dtype, cs.padding, seed);
+  spec.seq_lens = cs.seq_lens;
+  return make_synthetic_case(spec);
+}
+
+// The heads [head0, head0 + merged) of a full selection [rows, H, k] equal `part`?
+int64_t count_mismatches(const HostTensor& full, const HostTensor& part, int H, int head0,
+                         int merged, int k) {
+  const int64_t rows = full.shape()[0];
+  int64_t bad = 0;
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int lh = 0; lh < merged; ++lh) {
+      const int32_t* a = full.ptr<int32_t>() + (row * H + head0 + lh) * k;
+      const int32_t* b = part.ptr<int32_t>() + (row * merged + lh) * k;
+      if (std::memcmp(a, b, sizeof(int32_t) * k) != 0) {
+        if (bad == 0) {
+          std::printf(
+              "    first mismatch: row %ld head %d: one GPU [%d %d %d ...], CP [%d %d %d ...]\n",
+              static_cast<long>(row), head0 + lh, a[0], a[1], a[2], b[0], b[1], b[2]);
+        }
+        ++bad;
+      }
+    }
+  }
+  return bad;
+}
+
+CudaCpConfig cp_config(int P, CpTransport t, int max_reqs, int max_q_len, int64_t max_context) {
+  CudaCpConfig cp;
+  cp.world_size = P;
+  cp.max_reqs = max_reqs;
+  cp.max_q_len = max_q_len;
+  cp.max_context = max_context;
+  cp.transport = t;
+  cp.spin_budget = std::chrono::milliseconds(300);
+  return cp;
+}
+
+void check_transport(CpTransport transport, int P) {
+  const std::vector<Case> cases = {
+      {1, 1, 1, 1, DType::kBF16, 0, {}},                  // one token: fewer blocks than ranks
+      {3, 1, 0, 0, DType::kFP8E4M3, 0, {100, 129, 257}},  // < P, = P, > P blocks
+      {2, 4, 0, 0, DType::kBF16, 0, {16 * 128, 16 * 128 + 1}},  // exactly k blocks, k + 1
+      {8, 1, 1, 40000, DType::kFP8E4M3, 2, {}},                 // padding rows
+      {16, 4, 1, 70000, DType::kBF16, 3, {}},                   // q_len 4, padding
+      {32, 1, 100000, 131072, DType::kFP8E4M3, 0, {}},          // batch 32, 128K
+      {5, 4, 1, 9000, DType::kFP8E4M3, 0, {}},
+      {1, 1, 1 << 20, 1 << 20, DType::kFP8E4M3, 0, {}},  // 1M
+      {2, 4, 500000, 1 << 20, DType::kBF16, 1, {}},
+  };
+  const int max_reqs = 32;
+  const int max_q_len = 4;
+  const int64_t max_context = (1 << 20) + 128;
+  World world(P, needs_nccl(transport));
+  std::vector<std::unique_ptr<CudaCpIndexer>> indexers(static_cast<std::size_t>(P));
+  world.run([&](int r) {
+    indexers[static_cast<std::size_t>(r)] = std::make_unique<CudaCpIndexer>(
+        *world.comms[static_cast<std::size_t>(r)], device_of(r), SparseConfig{},
+        cp_config(P, transport, max_reqs, max_q_len, max_context));
+  });
+  uint64_t seed = 101;
+  for (const Case& cs : cases) {
+    const SyntheticCase c = make_case(cs, seed++);
+    const HostTensor reference = run_gpu(c);  // one GPU, fused, device 0
+    const int H = c.config.index_heads;
+    const int k = c.config.topk;
+    std::vector<int64_t> bad(static_cast<std::size_t>(P), 0);
+    world.run([&](int r) {
+      CudaCpIndexer& ind = *indexers[static_cast<std::size_t>(r)];
+      DeviceCase d = upload(c, device_of(r));
+      const int merged = static_cast<int>(ind.merged_heads().size());
+      DeviceTensor out(DType::kI32, {c.num_rows(), merged, k}, device_of(r));
+      fill_device_bytes(out.view(), kPoisonByte);
+      cuda::Stream stream;
+      // Twice: the second call uses the other parity and the next tag.
+      for (int call = 0; call < 2; ++call) {
+        ind.select(call, d.indexer_args(out.view()), stream.get());
+        ind.check(stream.get());
+      }
+      HostTensor host;
+      copy_to_host(out.view(), host);
+      bad[static_cast<std::size_t>(r)] =
+          count_mismatches(reference, host, H, ind.merged_heads().front(), merged, k);
+    });
+    for (int r = 0; r < P; ++r) {
+      EXPECT_EQ(bad[static_cast<std::size_t>(r)], 0)
+          << cp_transport_name(transport) << " P " << P << " rank " << r << ": reqs " << cs.reqs
+          << " q_len " << cs.q_len << " ctx [" << cs.min_ctx << ", " << cs.max_ctx << "] "
+          << dtype_name(cs.dtype);
+    }
+  }
+}
+
+TEST(CudaCp, PeerOneRankMatchesOneGpu) {
+  M3MSA_REQUIRE_GPUS(1);
+  check_transport(CpTransport::kPeer, 1);
+}
+
+TEST(CudaCp, PeerTwoRanksBitIdentical) {
+  M3MSA_REQUIRE_GPUS(1);
+  check_transport(CpTransport::kPeer, 2);
+}
+
+// P > H: one index head, both ranks merge it (each consumer merges for itself).
+TEST(CudaCp, PeerMoreRanksThanHeads) {
+  M3MSA_REQUIRE_GPUS(1);
+  SyntheticSpec spec = decode_spec(12, 4, 1, 50000, DType::kFP8E4M3, 2, 808);
+  spec.config.index_heads = 1;
+  spec.config.kv_heads = 1;
+  spec.config.q_heads = 16;
+  const SyntheticCase c = make_synthetic_case(spec);
+  const HostTensor reference = run_gpu(c);
+  World world(2, false);
+  std::vector<int64_t> bad(2, -1);
+  world.run([&](int r) {
+    CudaCpIndexer ind(*world.comms[static_cast<std::size_t>(r)], device_of(r), c.config,
+                      cp_config(2, CpTransport::kPeer, 12, 4, 50000 + 128));
+    EXPECT_EQ(ind.merged_heads(), std::vector<int>{0});
+    DeviceCase d = upload(c, device_of(r));
+    DeviceTensor out(DType::kI32, {c.num_rows(), 1, c.config.topk}, device_of(r));
+    fill_device_bytes(out.view(), kPoisonByte);
+    cuda::Stream stream;
+    for (int call = 0; call < 3; ++call) {
+      ind.select(call, d.indexer_args(out.view()), stream.get());
+      ind.check(stream.get());
+    }
+    HostTensor host;
+    copy_to_host(out.view(), host);
+    bad[static_cast<std::size_t>(r)] = count_mismatches(reference, host, 1, 0, 1, c.config.topk);
+  });
+  EXPECT_EQ(bad[0], 0);
+  EXPECT_EQ(bad[1], 0);
+}
+
+TEST(CudaCp, NcclTwoRanksBitIdentical) {
+  M3MSA_REQUIRE_GPUS(2);
+  check_transport(CpTransport::kNccl, 2);
+}
+
+TEST(CudaCp, ReplicatedTwoRanksBitIdentical) {
+  M3MSA_REQUIRE_GPUS(1);
+  check_transport(CpTransport::kReplicated, 2);
+}
+
+TEST(CudaCp, AllReduceMaxTwoRanksBitIdentical) {
+  M3MSA_REQUIRE_GPUS(2);
+  check_transport(CpTransport::kAllReduceMax, 2);
+}
+
+// One graph per rank, captured once, replayed 1000 times while seq_lens change underneath.
+void check_graph_replay(CpTransport transport) {
+  const int P = 2;
+  Case cs{24, 4, 2000, 60000, DType::kFP8E4M3, 0, {}};
+  const SyntheticCase base = make_case(cs, 4242);
+  const int H = base.config.index_heads;
+  const int k = base.config.topk;
+  // Metadata variants: shorter lengths (tables stay valid) and padding requests.
+  constexpr int kVariants = 5;
+  std::vector<HostTensor> seqs;
+  std::vector<HostTensor> refs;
+  Rng rng(99);
+  for (int v = 0; v < kVariants; ++v) {
+    SyntheticCase c = base;
+    HostTensor s(DType::kI32, {cs.reqs});
+    for (int i = 0; i < cs.reqs; ++i) {
+      const int32_t orig = base.seq_lens.ptr<int32_t>()[i];
+      int32_t len = static_cast<int32_t>(rng.range(cs.q_len, orig));
+      if (v > 0 && rng.range(0, 5) == 0) len = 0;  // padding request
+      s.ptr<int32_t>()[i] = v == 0 ? orig : len;
+    }
+    c.seq_lens = s;
+    c.batch.seq_lens = c.seq_lens.view();
+    refs.push_back(run_gpu(c));
+    seqs.push_back(s);
+  }
+  World world(P, needs_nccl(transport));
+  constexpr int kReplays = 1000;
+  std::vector<int64_t> bad(P, 0);
+  world.run([&](int r) {
+    CudaCpIndexer ind(*world.comms[static_cast<std::size_t>(r)], device_of(r), base.config,
+                      cp_config(P, transport, cs.reqs, cs.q_len, 60000 + 256));
+    DeviceCase d = upload(base, device_of(r));
+    const int merged = static_cast<int>(ind.merged_heads().size());
+    DeviceTensor out(DType::kI32, {base.num_rows(), merged, k}, device_of(r));
+    cuda::Stream stream;
+    const IndexerArgs args = d.indexer_args(out.view());
+    cuda::Graph graph =
+        cuda::Graph::capture(stream.get(), [&] { ind.select(7, args, stream.get()); });
+    HostTensor host(DType::kI32, {base.num_rows(), merged, k});
+    for (int i = 0; i < kReplays; ++i) {
+      const int v = i % kVariants;
+      CUDA_CHECK(cudaMemcpyAsync(d.seq_lens.data(), seqs[v].data(), seqs[v].nbytes(),
+                                 cudaMemcpyHostToDevice, stream.get()));
+      CUDA_CHECK(cudaMemsetAsync(out.data(), kPoisonByte, out.nbytes(), stream.get()));
+      graph.launch(stream.get());
+      CUDA_CHECK(cudaMemcpyAsync(host.data(), out.data(), out.nbytes(), cudaMemcpyDeviceToHost,
+                                 stream.get()));
+      ind.check(stream.get());
+      bad[static_cast<std::size_t>(r)] +=
+          count_mismatches(refs[v], host, H, ind.merged_heads().front(), merged, k);
+    }
+    if (transport == CpTransport::kPeer || transport == CpTransport::kNccl) {
+      EXPECT_EQ(ind.generation(), static_cast<uint32_t>(kReplays));
+    }
+  });
+  for (int r = 0; r < P; ++r) {
+    EXPECT_EQ(bad[static_cast<std::size_t>(r)], 0)
+        << cp_transport_name(transport) << " rank " << r << " graph replays";
+  }
+}
+
+TEST(CudaCp, PeerGraphReplayedThousandTimes) {
+  M3MSA_REQUIRE_GPUS(1);
+  check_graph_replay(CpTransport::kPeer);
+}
+
+TEST(CudaCp, NcclAndAllReduceGraphReplays) {
+  M3MSA_REQUIRE_GPUS(2);
+  check_graph_replay(CpTransport::kNccl);
+  check_graph_replay(CpTransport::kAllReduceMax);
+}
+
+TEST(CudaCp, SkippedCallTimesOutNamingTheRank) {
+  M3MSA_REQUIRE_GPUS(1);
+  const int P = 2;
+  const SyntheticCase c = make_case({4, 1, 1000, 20000, DType::kBF16, 0, {}}, 7);
+  World world(P, false);
+  CudaCpConfig cp = cp_config(P, CpTransport::kPeer, 4, 1, 20000 + 128);
+  cp.spin_budget = std::chrono::milliseconds(100);
+  std::vector<std::string> messages(P);
+  double waited_ms = 0.0;
+  world.run([&](int r) {
+    CudaCpIndexer ind(*world.comms[static_cast<std::size_t>(r)], device_of(r), c.config, cp);
+    DeviceCase d = upload(c, device_of(r));
+    DeviceTensor out(DType::kI32, {c.num_rows(), 2, c.config.topk}, device_of(r));
+    cuda::Stream stream;
+    ind.select(0, d.indexer_args(out.view()), stream.get());
+    ind.check(stream.get());
+    world.comms[static_cast<std::size_t>(r)]->all_gather({}, "test/after-first-call");
+    // Rank 1 skips the second call; it keeps its buffers alive until rank 0 is done, since
+    // rank 0's nominations still land in them.
+    if (r == 1) {
+      world.comms[1]->all_gather({}, "test/done");
+      return;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      ind.select(3, d.indexer_args(out.view()), stream.get());
+      ind.check(stream.get());
+      messages[0] = "no error";
+    } catch (const Error& e) {
+      waited_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start)
+              .count();
+      messages[0] = e.what();
+      EXPECT_EQ(e.code(), ErrorCode::kTimeout) << e.what();
+      EXPECT_EQ(e.rank(), 0);
+      ASSERT_TRUE(ind.last_timeout().has_value());
+      EXPECT_EQ(ind.last_timeout()->source, 1);
+      EXPECT_EQ(ind.last_timeout()->layer, 3);
+      EXPECT_EQ(ind.last_timeout()->seen_tag, 0u);  // parity 0 was never written
+    }
+    // The rank is out of lockstep now: a further call is refused, not hung.
+    expect_error([&] { ind.select(4, d.indexer_args(out.view()), stream.get()); },
+                 ErrorCode::kInvalidArgument, "out of lockstep");
+    world.comms[0]->all_gather({}, "test/done");
+  });
+  std::printf("  timeout after %.1f ms: %s\n", waited_ms, messages[0].c_str());
+  EXPECT_NE(messages[0].find("rank 1 never delivered layer 3"), std::string::npos) << messages[0];
+  EXPECT_LT(waited_ms, 2000.0);
+}
+
+TEST(CudaCp, MismatchedConfigsCaughtAtSetup) {
+  M3MSA_REQUIRE_GPUS(1);
+  World world(2, false);
+  std::vector<std::string> messages(2);
+  std::vector<ErrorCode> codes(2, ErrorCode::kInternal);
+  world.run([&](int r) {
+    try {
+      CudaCpConfig cp = cp_config(2, CpTransport::kPeer, r == 0 ? 8 : 16, 1, 100000);
+      CudaCpIndexer ind(*world.comms[static_cast<std::size_t>(r)], device_of(r), SparseConfig{},
+                        cp);
+      messages[static_cast<std::size_t>(r)] = "no error";
+    } catch (const Error& e) {
+      messages[static_cast<std::size_t>(r)] = e.what();
+      codes[static_cast<std::size_t>(r)] = e.code();
+    }
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(codes[r], ErrorCode::kInvalidArgument) << messages[r];
+    EXPECT_NE(messages[r].find("max_reqs="), std::string::npos) << messages[r];
+  }
+}
+
+TEST(CudaCp, LayersShareOneBufferSet) {
+  M3MSA_REQUIRE_GPUS(1);
+  World world(2, false);
+  world.run([&](int r) {
+    const CudaCpConfig cp = cp_config(2, CpTransport::kPeer, 4, 1, 10000);
+    CudaCpIndexer a(*world.comms[static_cast<std::size_t>(r)], device_of(r), SparseConfig{}, cp);
+    CudaCpIndexer b(*world.comms[static_cast<std::size_t>(r)], device_of(r), SparseConfig{}, cp);
+    EXPECT_EQ(a.info().buffer_sets, 1);
+    EXPECT_EQ(a.info().buffer_bytes_per_rank, a.info().key.bytes_per_rank());
+  });
+}
+
+// Ranks as processes: run as `m3msa launch -n 2 -- m3msa_cuda_tests
+// --gtest_filter=CudaCpMultiProcess.*`; the peer buffers are mapped through CUDA IPC handles.
+TEST(CudaCpMultiProcess, PeerViaIpcBitIdentical) {
+  if (std::getenv("WORLD_SIZE") == nullptr) {
+    GTEST_SKIP() << "not started by `m3msa launch` (WORLD_SIZE unset): multi-process test skipped";
+  }
+  // Unbuffered, so a rank killed by the launcher still leaves its last words in the log.
+  std::setvbuf(stdout, nullptr, _IONBF, 0);
+  std::unique_ptr<NcclCommunicator> comm =
+      make_nccl_communicator_from_env(std::chrono::milliseconds(10000));
+  const int P = comm->world_size();
+  const int r = comm->rank();
+  for (CpTransport transport : {CpTransport::kPeer, CpTransport::kNccl}) {
+    const SyntheticCase c = make_case({16, 4, 1, 70000, DType::kFP8E4M3, 2, {}}, 555);
+    const HostTensor reference = run_gpu(c);
+    CUDA_CHECK(cudaSetDevice(comm->device()));
+    CudaCpIndexer ind(*comm, comm->device(), c.config, cp_config(P, transport, 16, 4, 70000 + 128));
+    if (transport == CpTransport::kPeer && P > 1) {
+      EXPECT_TRUE(ind.info().peer_mapped_by_ipc);
+    }
+    DeviceCase d = upload(c, comm->device());
+    const int merged = static_cast<int>(ind.merged_heads().size());
+    DeviceTensor out(DType::kI32, {c.num_rows(), merged, c.config.topk}, comm->device());
+    fill_device_bytes(out.view(), kPoisonByte);
+    cuda::Stream stream;
+    for (int call = 0; call < 3; ++call) {
+      std::printf("  rank %d %s call %d\n", r, cp_transport_name(transport), call);
+      ind.select(call, d.indexer_args(out.view()), stream.get());
+      ind.check(stream.get());
+    }
+    HostTensor host;
+    copy_to_host(out.view(), host);
+    EXPECT_EQ(count_mismatches(reference, host, c.config.index_heads, ind.merged_heads().front(),
+                               merged, c.config.topk),
+              0)
+        << cp_transport_name(transport) << " rank " << r << " of " << P;
+    comm->all_gather({}, "test/done");  // peers stop storing before buffers go
+  }
+}
+
+}  // namespace
+}  // namespace m3msa::idxtest

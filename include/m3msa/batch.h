@@ -19,12 +19,12 @@ struct BatchMeta {
   int q_len = 1;           // decode: rows per request, rows are request-major (row = req*q_len + j)
   int64_t num_tokens = 0;  // prefill: total new tokens (== cu_seqlens_q[num_reqs]); decode: ignored
 
-  TensorView seq_lens;            // decode:  [num_reqs] i32, counts the q_len new tokens; 0 = padding
-  TensorView cu_seqlens_q;        // prefill: [num_reqs + 1] i32, row offsets of each request
-  TensorView context_lens;        // prefill: [num_reqs] i32, tokens cached before this chunk
-  TensorView index_block_table;   // [num_reqs, max_index_blocks] i32 -> index-K cache page
-  TensorView kv_block_table;      // [num_reqs, max_kv_blocks] i32 -> main KV cache page
-  TensorView slot_mapping;        // [rows] i64, main KV cache slot (page*block_size + offset), <0 skip
+  TensorView seq_lens;      // decode:  [num_reqs] i32, counts the q_len new tokens; 0 = padding
+  TensorView cu_seqlens_q;  // prefill: [num_reqs + 1] i32, row offsets of each request
+  TensorView context_lens;  // prefill: [num_reqs] i32, tokens cached before this chunk
+  TensorView index_block_table;  // [num_reqs, max_index_blocks] i32 -> index-K cache page
+  TensorView kv_block_table;     // [num_reqs, max_kv_blocks] i32 -> main KV cache page
+  TensorView slot_mapping;  // [rows] i64, main KV cache slot (page*block_size + offset), <0 skip
   TensorView index_slot_mapping;  // [rows] i64, index-K cache slot, <0 skip
 
   int64_t num_rows() const {

@@ -14,7 +14,7 @@ struct IndexCache {
 
 // Main KV cache: K tile then V tile of one head of one page, each contiguous.
 struct KVCache {
-  TensorView data;  // [pages, kv_heads, 2, block_size, head_dim] bf16 | fp8_e4m3
+  TensorView data;       // [pages, kv_heads, 2, block_size, head_dim] bf16 | fp8_e4m3
   float k_scale = 1.0f;  // stored = value / scale, read = stored * scale (fp8 only)
   float v_scale = 1.0f;
   int64_t pages() const { return data.shape[0]; }

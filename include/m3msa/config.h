@@ -9,16 +9,16 @@ namespace m3msa {
 
 // What one sparse layer's kernels need, with head counts *local to one rank*.
 struct SparseConfig {
-  int q_heads = 64;       // query heads on this rank
-  int kv_heads = 4;       // KV heads on this rank (== index heads that select for them)
+  int q_heads = 64;  // query heads on this rank
+  int kv_heads = 4;  // KV heads on this rank (== index heads that select for them)
   int head_dim = 128;
-  int index_heads = 4;    // index heads scored on this rank
+  int index_heads = 4;  // index heads scored on this rank
   int index_dim = 128;
-  int block_size = 128;   // tokens per sparse block == tokens per cache page
-  int topk = 16;          // blocks selected per (row, kv head)
-  int init_blocks = 0;    // forced leading blocks
-  int local_blocks = 1;   // forced trailing blocks (the own block for 1)
-  int rope_dim = 64;      // NeoX RoPE on dims [0, rope_dim) of every head
+  int block_size = 128;  // tokens per sparse block == tokens per cache page
+  int topk = 16;         // blocks selected per (row, kv head)
+  int init_blocks = 0;   // forced leading blocks
+  int local_blocks = 1;  // forced trailing blocks (the own block for 1)
+  int rope_dim = 64;     // NeoX RoPE on dims [0, rope_dim) of every head
   double rope_theta = 5e6;
   float rms_eps = 1e-6f;
 

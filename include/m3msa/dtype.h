@@ -43,7 +43,9 @@ M3MSA_HD float bits_float(uint32_t u) {
 #endif
 }
 
-M3MSA_HD float bf16_to_float(uint16_t b) { return bits_float(static_cast<uint32_t>(b) << 16); }
+M3MSA_HD float bf16_to_float(uint16_t b) {
+  return bits_float(static_cast<uint32_t>(b) << 16);
+}
 
 M3MSA_HD uint16_t float_to_bf16(float f) {
   uint32_t u = float_bits(f);
@@ -52,7 +54,9 @@ M3MSA_HD uint16_t float_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-M3MSA_HD float round_to_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+M3MSA_HD float round_to_bf16(float f) {
+  return bf16_to_float(float_to_bf16(f));
+}
 
 M3MSA_HD float fp8e4m3_to_float(uint8_t v) {
   const uint32_t sign = (v & 0x80u) ? 0x80000000u : 0u;

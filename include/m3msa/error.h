@@ -52,16 +52,17 @@ std::string concat(const Args&... args) {
 #define M3MSA_THROW(code, ...) \
   throw ::m3msa::Error((code), ::m3msa::detail::concat(__VA_ARGS__), __FILE__, __LINE__)
 
-#define M3MSA_CHECK(cond, code, ...)   \
-  do {                                 \
-    if (!(cond)) {                     \
+#define M3MSA_CHECK(cond, code, ...)    \
+  do {                                  \
+    if (!(cond)) {                      \
       M3MSA_THROW((code), __VA_ARGS__); \
-    }                                  \
+    }                                   \
   } while (0)
 
-#define M3MSA_CHECK_ARG(cond, ...) M3MSA_CHECK(cond, ::m3msa::ErrorCode::kInvalidArgument, __VA_ARGS__)
+#define M3MSA_CHECK_ARG(cond, ...) \
+  M3MSA_CHECK(cond, ::m3msa::ErrorCode::kInvalidArgument, __VA_ARGS__)
 #define M3MSA_CHECK_SUPPORTED(cond, ...) \
   M3MSA_CHECK(cond, ::m3msa::ErrorCode::kUnsupported, __VA_ARGS__)
-#define M3MSA_CHECK_INTERNAL(cond, ...)                                                     \
+#define M3MSA_CHECK_INTERNAL(cond, ...)                                                  \
   M3MSA_CHECK(cond, ::m3msa::ErrorCode::kInternal, "internal check failed: " #cond ": ", \
               __VA_ARGS__)

@@ -30,13 +30,13 @@ struct IndexerArgs {
   TensorView index_q;      // [rows, H, D] bf16
   IndexCache index_cache;  // read through batch.index_block_table
   BatchMeta batch;
-  TensorView topk_idx;     // [rows, H, k] i32 out: logical block ids, descending key, -1 padded
+  TensorView topk_idx;  // [rows, H, k] i32 out: logical block ids, descending key, -1 padded
 };
 
 // Block-sparse GQA attention over the selected blocks (spec.md section 5).
 struct AttentionArgs {
-  TensorView q;         // [rows, QH, HD] bf16
-  KVCache kv_cache;     // read through batch.kv_block_table
+  TensorView q;      // [rows, QH, HD] bf16
+  KVCache kv_cache;  // read through batch.kv_block_table
   BatchMeta batch;
   TensorView topk_idx;  // [rows, kv_heads, k] i32; not given (ndim 0) = dense causal attention
   TensorView out;       // [rows, QH, HD] bf16 out

@@ -32,21 +32,27 @@ M3MSA_HD uint64_t scored_key(float score, uint32_t block) {
   return make_key(ordered_score(score), block);
 }
 
-M3MSA_HD uint64_t forced_key(uint32_t block) { return make_key(kForcedImage, block); }
+M3MSA_HD uint64_t forced_key(uint32_t block) {
+  return make_key(kForcedImage, block);
+}
 
 // Block id of a non-empty key (tag bits ignored).
 M3MSA_HD int32_t key_block(uint64_t key) {
   return static_cast<int32_t>(0xFFFFFFu - static_cast<uint32_t>(key & 0xFFFFFFull));
 }
 
-M3MSA_HD uint32_t key_tag(uint64_t key) { return static_cast<uint32_t>((key >> 24) & 0xFFu); }
+M3MSA_HD uint32_t key_tag(uint64_t key) {
+  return static_cast<uint32_t>((key >> 24) & 0xFFu);
+}
 
 M3MSA_HD uint64_t with_tag(uint64_t key, uint32_t tag) {
   return (key & ~kTagMask) | (static_cast<uint64_t>(tag & 0xFFu) << 24);
 }
 
 // The wire tag of generation g: never 0, so a zeroed slot never looks like an arrival.
-M3MSA_HD uint32_t generation_tag(uint32_t generation) { return generation % 255u + 1u; }
+M3MSA_HD uint32_t generation_tag(uint32_t generation) {
+  return generation % 255u + 1u;
+}
 
 // Whether block b of a row with nb visible blocks is forced (spec.md section 4).
 M3MSA_HD bool is_forced_block(int64_t block, int64_t nb, int init_blocks, int local_blocks) {

@@ -18,20 +18,20 @@ struct SyntheticSpec {
   SparseConfig config;
   BatchKind kind = BatchKind::kDecode;
   int num_reqs = 4;
-  int q_len = 1;                     // decode rows per request
-  std::vector<int64_t> seq_lens;     // decode: per request (0 = padding); empty: drawn at random
-  int64_t min_context = 1;           // range for drawn lengths (decode seq_len / prefill context)
+  int q_len = 1;                  // decode rows per request
+  std::vector<int64_t> seq_lens;  // decode: per request (0 = padding); empty: drawn at random
+  int64_t min_context = 1;        // range for drawn lengths (decode seq_len / prefill context)
   int64_t max_context = 4096;
-  std::vector<int64_t> chunk_lens;   // prefill: new tokens per request; empty: drawn in [1, 64]
-  std::vector<int64_t> context_lens; // prefill: cached tokens per request; empty: drawn
-  int padding_reqs = 0;              // decode: this many trailing requests get seq_len 0
-  DType index_dtype = DType::kBF16;  // index-K cache dtype
-  DType kv_dtype = DType::kBF16;     // main KV cache dtype
+  std::vector<int64_t> chunk_lens;    // prefill: new tokens per request; empty: drawn in [1, 64]
+  std::vector<int64_t> context_lens;  // prefill: cached tokens per request; empty: drawn
+  int padding_reqs = 0;               // decode: this many trailing requests get seq_len 0
+  DType index_dtype = DType::kBF16;   // index-K cache dtype
+  DType kv_dtype = DType::kBF16;      // main KV cache dtype
   float k_scale = 1.0f;
   float v_scale = 1.0f;
-  int extra_pages = 3;               // unused pages in each cache (tables must not touch them)
-  float query_scale = 1.0f;          // std-dev of the random queries
-  bool make_index_cache = true;      // skip a cache a test does not need (long contexts are big)
+  int extra_pages = 3;           // unused pages in each cache (tables must not touch them)
+  float query_scale = 1.0f;      // std-dev of the random queries
+  bool make_index_cache = true;  // skip a cache a test does not need (long contexts are big)
   bool make_kv_cache = true;
   uint64_t seed = 1;
 };

@@ -14,8 +14,7 @@ void validate_batch_shapes(const BatchMeta& batch, Device device) {
     check_tensor(batch.seq_lens, "batch.seq_lens", DType::kI32, {reqs});
     check_device(batch.seq_lens, "batch.seq_lens", device);
   } else if (batch.kind == BatchKind::kPrefill) {
-    M3MSA_CHECK_ARG(batch.num_tokens >= 0, "batch.num_tokens must be >= 0, got ",
-                    batch.num_tokens);
+    M3MSA_CHECK_ARG(batch.num_tokens >= 0, "batch.num_tokens must be >= 0, got ", batch.num_tokens);
     check_tensor(batch.cu_seqlens_q, "batch.cu_seqlens_q", DType::kI32, {reqs + 1});
     check_tensor(batch.context_lens, "batch.context_lens", DType::kI32, {reqs});
     check_device(batch.cu_seqlens_q, "batch.cu_seqlens_q", device);
@@ -84,8 +83,8 @@ void validate_batch_contents(const BatchMeta& batch, const SparseConfig& config,
     int64_t end = 0;  // one past the last position of the request
     if (batch.kind == BatchKind::kDecode) {
       const int32_t seq_len = batch.seq_lens.ptr<int32_t>()[req];
-      M3MSA_CHECK_ARG(seq_len == 0 || seq_len >= batch.q_len, "batch.seq_lens[", req, "] = ",
-                      seq_len, " must be 0 (padding) or >= q_len (", batch.q_len, ")");
+      M3MSA_CHECK_ARG(seq_len == 0 || seq_len >= batch.q_len, "batch.seq_lens[", req,
+                      "] = ", seq_len, " must be 0 (padding) or >= q_len (", batch.q_len, ")");
       end = seq_len;
     } else {
       const int32_t* cu = batch.cu_seqlens_q.ptr<int32_t>();
@@ -110,12 +109,11 @@ void validate_batch_contents(const BatchMeta& batch, const SparseConfig& config,
   if (batch.kind == BatchKind::kPrefill) {
     const int32_t* cu = batch.cu_seqlens_q.ptr<int32_t>();
     M3MSA_CHECK_ARG(cu[batch.num_reqs] == batch.num_tokens, "batch.cu_seqlens_q[", batch.num_reqs,
-                    "] = ", cu[batch.num_reqs], " must equal batch.num_tokens (",
-                    batch.num_tokens, ")");
+                    "] = ", cu[batch.num_reqs], " must equal batch.num_tokens (", batch.num_tokens,
+                    ")");
   }
   check_slots(batch.slot_mapping, "batch.slot_mapping", kv_pages, config.block_size);
-  check_slots(batch.index_slot_mapping, "batch.index_slot_mapping", index_pages,
-              config.block_size);
+  check_slots(batch.index_slot_mapping, "batch.index_slot_mapping", index_pages, config.block_size);
 }
 
 std::vector<RowPosition> row_positions(const BatchMeta& batch) {

@@ -37,9 +37,9 @@ void SparseConfig::validate() const {
   const int64_t forced = int64_t{init_blocks} + local_blocks;
   M3MSA_CHECK_ARG(forced <= topk, "config.init_blocks + config.local_blocks (", forced,
                   ") must be <= config.topk (", topk, ")");
-  M3MSA_CHECK_ARG(rope_dim >= 0 && rope_dim % 2 == 0 && rope_dim <= head_dim &&
-                      rope_dim <= index_dim,
-                  "config.rope_dim must be even and <= head_dim and index_dim, got ", rope_dim);
+  M3MSA_CHECK_ARG(
+      rope_dim >= 0 && rope_dim % 2 == 0 && rope_dim <= head_dim && rope_dim <= index_dim,
+      "config.rope_dim must be even and <= head_dim and index_dim, got ", rope_dim);
   M3MSA_CHECK_ARG(std::isfinite(rope_theta) && rope_theta > 0,
                   "config.rope_theta must be finite and > 0, got ", rope_theta);
   M3MSA_CHECK_ARG(std::isfinite(rms_eps) && rms_eps > 0,
@@ -67,8 +67,8 @@ void ModelConfig::validate() const {
 
 SparseConfig ModelConfig::sparse(int tp_size) const {
   M3MSA_CHECK_ARG(tp_size > 0, "tp_size must be > 0, got ", tp_size);
-  M3MSA_CHECK_ARG(q_heads % tp_size == 0, "tp_size (", tp_size, ") must divide q_heads (",
-                  q_heads, ")");
+  M3MSA_CHECK_ARG(q_heads % tp_size == 0, "tp_size (", tp_size, ") must divide q_heads (", q_heads,
+                  ")");
   M3MSA_CHECK_ARG(kv_heads % tp_size == 0 || tp_size % kv_heads == 0, "tp_size (", tp_size,
                   ") must divide kv_heads (", kv_heads, ") or be a multiple of it");
   SparseConfig s;

@@ -37,12 +37,16 @@ void validate(const SparseConfig& config, const PreprocessArgs& args, Device dev
   check_tensor(args.q_out, "q_out", DType::kBF16, {rows, config.q_heads, config.head_dim});
   check_tensor(args.index_q_out, "index_q_out", DType::kBF16,
                {rows, config.index_heads, config.index_dim});
-  for (const auto& [view, name] :
-       {std::pair{args.qkv, "qkv"}, {args.q_norm, "q_norm"}, {args.k_norm, "k_norm"},
-        {args.index_q_norm, "index_q_norm"}, {args.index_k_norm, "index_k_norm"},
-        {args.positions, "positions"}, {args.kv_cache.data, "kv_cache"},
-        {args.index_cache.data, "index_cache"}, {args.q_out, "q_out"},
-        {args.index_q_out, "index_q_out"}}) {
+  for (const auto& [view, name] : {std::pair{args.qkv, "qkv"},
+                                   {args.q_norm, "q_norm"},
+                                   {args.k_norm, "k_norm"},
+                                   {args.index_q_norm, "index_q_norm"},
+                                   {args.index_k_norm, "index_k_norm"},
+                                   {args.positions, "positions"},
+                                   {args.kv_cache.data, "kv_cache"},
+                                   {args.index_cache.data, "index_cache"},
+                                   {args.q_out, "q_out"},
+                                   {args.index_q_out, "index_q_out"}}) {
     check_device(view, name, device);
   }
 }

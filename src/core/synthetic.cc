@@ -30,7 +30,9 @@ struct Rng {
   float unit() { return static_cast<float>((uniform() * 2.0 - 1.0) * 1.7320508075688772); }
 };
 
-uint64_t mix(uint64_t seed, uint64_t stream) { return Rng(seed ^ (stream * 0xD1B54A32D192ED03ull)).next(); }
+uint64_t mix(uint64_t seed, uint64_t stream) {
+  return Rng(seed ^ (stream * 0xD1B54A32D192ED03ull)).next();
+}
 
 // Fills `count` elements of bf16 or fp8 with unit-variance values times `scale`, in parallel
 // chunks each seeded by its index.
@@ -113,8 +115,7 @@ SyntheticCase make_synthetic_case(const SyntheticSpec& spec) {
     M3MSA_CHECK_ARG(spec.q_len >= 1 && spec.q_len <= kMaxQueryLen, "spec.q_len must be in [1, ",
                     kMaxQueryLen, "], got ", spec.q_len);
     M3MSA_CHECK_ARG(spec.seq_lens.empty() || static_cast<int>(spec.seq_lens.size()) == reqs,
-                    "spec.seq_lens has ", spec.seq_lens.size(), " entries for ", reqs,
-                    " requests");
+                    "spec.seq_lens has ", spec.seq_lens.size(), " entries for ", reqs, " requests");
     M3MSA_CHECK_ARG(spec.padding_reqs >= 0 && spec.padding_reqs <= reqs,
                     "spec.padding_reqs must be in [0, num_reqs], got ", spec.padding_reqs);
     c.seq_lens = HostTensor(DType::kI32, {reqs});
@@ -204,8 +205,8 @@ SyntheticCase make_synthetic_case(const SyntheticSpec& spec) {
   c.q = HostTensor(DType::kBF16, {rows, cfg.q_heads, cfg.head_dim});
   fill_random(c.q.data(), DType::kBF16, c.q.numel(), spec.query_scale, mix(spec.seed, 2));
   // Caches: every slot random, including the garbage after each sequence's end.
-  c.index_cache = HostTensor(spec.index_dtype,
-                             {spec.make_index_cache ? pages : 0, bs, cfg.index_dim});
+  c.index_cache =
+      HostTensor(spec.index_dtype, {spec.make_index_cache ? pages : 0, bs, cfg.index_dim});
   fill_random(c.index_cache.data(), spec.index_dtype, c.index_cache.numel(), 1.0f,
               mix(spec.seed, 3));
   c.kv_cache = HostTensor(spec.kv_dtype,

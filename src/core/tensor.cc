@@ -148,8 +148,8 @@ void check_shape_and_layout(const TensorView& view, const char* name,
                   " dimensions is outside [0, ", kMaxDims, "] (expected shape ",
                   expected_shape_string(expected_shape), ")");
   for (int d = 0; d < view.ndim; ++d) {
-    M3MSA_CHECK_ARG(view.shape[d] >= 0, name, ": negative extent ", view.shape[d],
-                    " in dimension ", d, " of ", describe(view));
+    M3MSA_CHECK_ARG(view.shape[d] >= 0, name, ": negative extent ", view.shape[d], " in dimension ",
+                    d, " of ", describe(view));
   }
   const int64_t product = checked_extent_product(view.shape.data(), view.ndim);
   M3MSA_CHECK_ARG(product >= 0 && static_cast<uint64_t>(product) <=

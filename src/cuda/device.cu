@@ -5,7 +5,9 @@
 
 namespace m3msa {
 
-bool built_with_cuda() { return true; }
+bool built_with_cuda() {
+  return true;
+}
 
 int cuda_device_count() {
   int count = 0;

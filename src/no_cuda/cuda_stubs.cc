@@ -2,6 +2,10 @@
 #include "m3msa/backend.h"
 
 namespace m3msa {
-bool built_with_cuda() { return false; }
-int cuda_device_count() { return 0; }
+bool built_with_cuda() {
+  return false;
+}
+int cuda_device_count() {
+  return 0;
+}
 }  // namespace m3msa

@@ -6,6 +6,7 @@
 #   scripts/fuzz.sh [seconds-per-target]   default 20 (the CI smoke run)
 #   FUZZ_TARGETS="fuzz_batch fuzz_npy"     run only these
 #   JOBS=N                                 build parallelism (default: nproc)
+#   M3MSA_FUZZ_SEED=S                      libFuzzer seed (default 1: CI explores the same inputs each run)
 # Reproduce a crash: build-fuzz/fuzz/<target> build-fuzz/artifacts/<target>/crash-...
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +39,7 @@ for target in $targets; do
   dict=()
   [ -f "fuzz/$target.dict" ] && dict=(-dict="fuzz/$target.dict")
   set +e
-  "$build/fuzz/$target" -max_total_time="$seconds" -print_final_stats=1 -timeout=10 \
+  "$build/fuzz/$target" -max_total_time="$seconds" -seed="${M3MSA_FUZZ_SEED:-1}" -print_final_stats=1 -timeout=10 \
     -rss_limit_mb=2048 -malloc_limit_mb=1024 -max_len=4096 -artifact_prefix="$artifacts/" \
     "${dict[@]}" "$corpus" "$seeds" >"$log" 2>&1
   rc=$?

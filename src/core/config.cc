@@ -8,6 +8,12 @@
 
 namespace m3msa {
 
+namespace {
+constexpr int kMaxHeads = 1 << 16;
+constexpr int kMaxHeadDim = 1 << 16;
+constexpr int kMaxBlockSize = 1 << 20;
+}  // namespace
+
 float SparseConfig::softmax_scale() const {
   return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
 }
@@ -18,18 +24,25 @@ int64_t SparseConfig::qkv_width() const {
 }
 
 void SparseConfig::validate() const {
-  M3MSA_CHECK_ARG(q_heads > 0, "config.q_heads must be > 0, got ", q_heads);
-  M3MSA_CHECK_ARG(kv_heads > 0, "config.kv_heads must be > 0, got ", kv_heads);
+  // Upper bounds keep every derived size (qkv_width, strides) far from int64 overflow; they are
+  // orders of magnitude above any real model.
+  M3MSA_CHECK_ARG(q_heads > 0 && q_heads <= kMaxHeads, "config.q_heads must be in [1, ", kMaxHeads,
+                  "], got ", q_heads);
+  M3MSA_CHECK_ARG(kv_heads > 0 && kv_heads <= kMaxHeads, "config.kv_heads must be in [1, ",
+                  kMaxHeads, "], got ", kv_heads);
   M3MSA_CHECK_ARG(q_heads % kv_heads == 0, "config.q_heads (", q_heads,
                   ") must be a multiple of config.kv_heads (", kv_heads, ")");
   M3MSA_CHECK_ARG(index_heads == kv_heads, "config.index_heads (", index_heads,
                   ") must equal config.kv_heads (", kv_heads,
                   "): index head h selects for KV head h");
-  M3MSA_CHECK_ARG(head_dim > 0 && head_dim % 8 == 0,
-                  "config.head_dim must be a positive multiple of 8, got ", head_dim);
-  M3MSA_CHECK_ARG(index_dim > 0 && index_dim % 8 == 0,
-                  "config.index_dim must be a positive multiple of 8, got ", index_dim);
-  M3MSA_CHECK_ARG(block_size > 0, "config.block_size must be > 0, got ", block_size);
+  M3MSA_CHECK_ARG(head_dim > 0 && head_dim % 8 == 0 && head_dim <= kMaxHeadDim,
+                  "config.head_dim must be a positive multiple of 8 and <= ", kMaxHeadDim, ", got ",
+                  head_dim);
+  M3MSA_CHECK_ARG(index_dim > 0 && index_dim % 8 == 0 && index_dim <= kMaxHeadDim,
+                  "config.index_dim must be a positive multiple of 8 and <= ", kMaxHeadDim,
+                  ", got ", index_dim);
+  M3MSA_CHECK_ARG(block_size > 0 && block_size <= kMaxBlockSize,
+                  "config.block_size must be in [1, ", kMaxBlockSize, "], got ", block_size);
   M3MSA_CHECK_ARG(topk > 0 && topk <= 1024, "config.topk must be in [1, 1024], got ", topk);
   M3MSA_CHECK_ARG(init_blocks >= 0, "config.init_blocks must be >= 0, got ", init_blocks);
   M3MSA_CHECK_ARG(local_blocks >= 0, "config.local_blocks must be >= 0, got ", local_blocks);

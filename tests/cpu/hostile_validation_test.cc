@@ -263,5 +263,36 @@ TEST(HostileCache, NonFiniteScalesAreRejected) {
   }
 }
 
+// Regression (fuzz_config): huge head counts and dims used to pass validate() and overflow int64 in
+// qkv_width(); they are now rejected naming the field, and the largest accepted values are safe.
+TEST(HostileConfig, HugeHeadCountsAndDimsAreRejectedNamingTheField) {
+  const auto expect_rejected = [](SparseConfig config, const std::string& field) {
+    try {
+      config.validate();
+      ADD_FAILURE() << field << " accepted";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  SparseConfig config;
+  config.q_heads = 1 << 30;
+  expect_rejected(config, "config.q_heads");
+  config = SparseConfig{};
+  config.head_dim = 1 << 30;
+  expect_rejected(config, "config.head_dim");
+  config = SparseConfig{};
+  config.index_dim = 1 << 30;
+  expect_rejected(config, "config.index_dim");
+  config = SparseConfig{};
+  config.block_size = 1 << 30;
+  expect_rejected(config, "config.block_size");
+  config = SparseConfig{};
+  config.q_heads = config.kv_heads = config.index_heads = 1 << 16;
+  config.head_dim = config.index_dim = 1 << 16;
+  EXPECT_NO_THROW(config.validate());
+  EXPECT_GT(config.qkv_width(), 0);
+}
+
 }  // namespace
 }  // namespace m3msa

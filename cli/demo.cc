@@ -23,6 +23,7 @@
 #include "checks.h"
 #include "commands.h"
 #include "common.h"
+#include "json_out.h"
 #include "m3msa/case_io.h"
 #include "m3msa/cp.h"
 #include "m3msa/cpu_reference.h"
@@ -165,14 +166,6 @@ std::string format_bytes(double bytes) {
   if (bytes >= 1024.0 * 1024 * 1024)
     return fmt::format("{:.1f} GiB", bytes / (1024.0 * 1024 * 1024));
   return fmt::format("{:.0f} MiB", bytes / (1024.0 * 1024));
-}
-
-json check_json(const CheckResult& r) {
-  return json{{"name", r.name},
-              {"passed", r.passed()},
-              {"checked", r.checked},
-              {"failed", r.failed},
-              {"detail", r.detail}};
 }
 
 int run_demo(const DemoOptions& o) {
@@ -573,9 +566,7 @@ int run_demo(const DemoOptions& o) {
     j["checks"] = jc;
     j["passed"] = passed;
     j["wall_s"] = wall;
-    std::ofstream file(o.json_path);
-    file << j.dump(2) << "\n";
-    M3MSA_CHECK_ARG(file.good(), "--json: cannot write ", o.json_path);
+    write_json_file(o.json_path, j);
   }
   return passed ? kExitOk : kExitCheckFailed;
 }

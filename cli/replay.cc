@@ -14,6 +14,7 @@
 #include "checks.h"
 #include "commands.h"
 #include "common.h"
+#include "json_out.h"
 #include "m3msa/case_io.h"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
@@ -234,17 +235,9 @@ int run_replay(const ReplayOptions& o) {
          {(fs::path(out_dir) / "topk_idx.npy").string(), (fs::path(out_dir) / "out.npy").string()}},
         {"passed", passed}};
     nlohmann::ordered_json jc = nlohmann::ordered_json::array();
-    for (const CheckResult& r : checks) {
-      jc.push_back({{"name", r.name},
-                    {"passed", r.passed()},
-                    {"checked", r.checked},
-                    {"failed", r.failed},
-                    {"detail", r.detail}});
-    }
+    for (const CheckResult& r : checks) jc.push_back(check_json(r));
     j["checks"] = jc;
-    std::ofstream file(o.json_path);
-    file << j.dump(2) << "\n";
-    M3MSA_CHECK_ARG(file.good(), "--json: cannot write ", o.json_path);
+    write_json_file(o.json_path, j);
   }
   return passed ? kExitOk : kExitCheckFailed;
 }

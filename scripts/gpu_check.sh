@@ -131,4 +131,15 @@ if has sanitize-attention; then
   step_result "sanitize attention memcheck+racecheck ($((SECONDS - start)) s)" $rc
 fi
 
+# Step files: scripts/gpu_steps/<name>.sh, each run when <name> is in STEPS. They see OUT, BUILD,
+# TESTS, CLI, QUICK_FLAG and the helpers has / note / step_result, and record their own result.
+for step_file in "$(dirname "$0")"/gpu_steps/*.sh; do
+  [[ -e "$step_file" ]] || continue
+  step_name=$(basename "$step_file" .sh)
+  if has "$step_name"; then
+    # shellcheck source=/dev/null
+    source "$step_file"
+  fi
+done
+
 exit $failed

@@ -2,6 +2,8 @@
 #include "cuda/indexer.h"
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
 #include <utility>
 
@@ -115,10 +117,30 @@ std::size_t align_up(std::size_t value, std::size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
-// The cp.async ring (the same size for both dtypes) and the units' prefix sums.
+// The units' prefix sums (the kernels' only dynamic shared memory).
 std::size_t dynamic_smem_bytes(int max_units) {
-  static_assert(idx::Tile<false>::kRingBytes == idx::Tile<true>::kRingBytes);
-  return idx::Tile<false>::kRingBytes + static_cast<std::size_t>(max_units + 1) * sizeof(int32_t);
+  return static_cast<std::size_t>(max_units + 1) * sizeof(int32_t);
+}
+
+// The dynamic shared-memory limit set on the scoring kernels of each device. Plans of different
+// sizes coexist (and run on any stream), so the attribute is only ever raised, never lowered.
+std::mutex g_smem_mutex;
+std::map<int, std::size_t> g_smem_limit;
+
+void raise_scoring_smem_limit(int device, std::size_t smem) {
+  std::lock_guard<std::mutex> lock(g_smem_mutex);
+  std::size_t& limit = g_smem_limit[device];
+  if (smem <= limit) return;
+  for (bool fp8 : {false, true}) {
+    for (int tiles : {1, 2, 4}) {
+      for (bool scores_only : {false, true}) {
+        CUDA_CHECK(cudaFuncSetAttribute(pick_scoring_kernel(fp8, tiles, scores_only),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+      }
+    }
+  }
+  limit = smem;
 }
 
 }  // namespace
@@ -179,15 +201,7 @@ IndexerPlan plan_indexer(const SparseConfig& config, const PlanLimits& limits, i
                         "CUDA indexer: ", plan.max_units,
                         " units (limits.max_reqs + max_rows / 8) need more shared memory than "
                         "the device has");
-  for (bool fp8 : {false, true}) {
-    for (int tiles : {1, 2, 4}) {
-      for (bool scores_only : {false, true}) {
-        CUDA_CHECK(cudaFuncSetAttribute(pick_scoring_kernel(fp8, tiles, scores_only),
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem)));
-      }
-    }
-  }
+  raise_scoring_smem_limit(device, smem);
 
   if (limits.max_context > 0) {
     plan.score_cols = (limits.max_context + config.block_size - 1) / config.block_size;

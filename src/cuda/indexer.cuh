@@ -187,10 +187,18 @@ __device__ uint64_t warp_top_keys(Get get, int count, int k, uint64_t* scratch) 
   const bool one_batch = count <= 32 * kBatch;
   uint64_t v[kBatch];
   uint64_t lane_max = 0;
+  // Row m of 32 keys is read rotated by m lanes. Inputs are often lists of k keys sorted
+  // descending laid end to end (one per CTA); unrotated, lane l would always hold rank l % k and
+  // the k-th lane maximum would be a weak floor (most keys pass, the scratch overflows and the
+  // serial streaming path runs). Rotated, every lane sees every rank.
+  auto index_of = [&](int base, int j) {
+    const int row = base / 32 + j;
+    return 32 * row + ((static_cast<int>(lane) + row) & 31);
+  };
   for (int base = 0; base < count; base += 32 * kBatch) {
 #pragma unroll
     for (int j = 0; j < kBatch; ++j) {
-      const int i = base + 32 * j + static_cast<int>(lane);
+      const int i = index_of(base, j);
       v[j] = i < count ? get(i) : 0;
     }
 #pragma unroll
@@ -203,7 +211,7 @@ __device__ uint64_t warp_top_keys(Get get, int count, int k, uint64_t* scratch) 
     if (!one_batch) {
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        const int i = base + 32 * j + static_cast<int>(lane);
+        const int i = index_of(base, j);
         v[j] = i < count ? get(i) : 0;
       }
     }
@@ -297,38 +305,31 @@ __device__ __forceinline__ int64_t span_begin(int c, int64_t total, int ctas) {
 // ---------------------------------------------------------------------------------------------
 // Per-block token tile of one warp, held in registers
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* global) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(addr), "l"(global));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;");
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(kPending));
+// 16-byte read-only load that skips L1 (each token row is read once) and asks L2 for the whole
+// 256-byte sector pair, so the row's other half arrives with it.
+__device__ __forceinline__ uint4 load_stream16(const void* global) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(global));
+  return v;
 }
 
-// One warp's 16 tokens of one block. Each thread copies its own 16-byte chunks global -> shared
-// with cp.async into a ring slot of its own (so no barrier guards the ring: a thread only reads
-// what it copied, after cp.async.wait_group), then into registers for the mma fragments.
+// One warp's 16 tokens of one block, held in registers. The main loop keeps kDepth of them in
+// flight (loads issued kDepth blocks ahead, consumed in order), so no shared-memory staging and
+// no barrier guards the prefetch: a thread only ever reads the registers its own loads filled.
 template <bool kFp8>
 struct Tile {
   static constexpr int kRowBytes = kFp8 ? kDim : 2 * kDim;
   static constexpr int kPageBytes = kBlockTokens * kRowBytes;
   static constexpr int kLoads = kFp8 ? 4 : 8;  // 16-byte chunks per thread per block
-  static constexpr int kDepth = kFp8 ? 4 : 2;  // blocks in flight per CTA (ring slots)
-  static constexpr int kSlotBytes = kWarps * kLoads * 32 * 16;
-  static constexpr int kRingBytes = kDepth * kSlotBytes;  // 64 KB for both dtypes
-  uint4 r[kLoads];                                        // [row half][chunk t + 4i]
+  // Blocks in flight per warp: 64 registers of prefetch per thread for both dtypes, i.e. 32 KB
+  // (bf16) or 16 KB (fp8) per block and CTA, 64 KB per CTA in flight.
+  static constexpr int kDepth = kFp8 ? 4 : 2;
+  uint4 r[kLoads];  // [row half][chunk t + 4i]
 
-  // This thread's chunk j of ring slot `slot`: consecutive lanes, consecutive 16 bytes.
-  static __device__ __forceinline__ uint4* chunk(uint4* ring, int slot, int warp, int j) {
-    return ring + ((slot * kWarps + warp) * kLoads + j) * 32 + lane_id();
-  }
-
-  static __device__ __forceinline__ void issue(uint4* ring, int slot, const uint8_t* cache,
-                                               int page, int warp, int g, int t) {
+  // Thread (g, t) of `warp` loads token rows 16 * warp + g and + 8, chunks t, t + 4, ...
+  __device__ __forceinline__ void load(const uint8_t* cache, int page, int warp, int g, int t) {
     const uint8_t* base = cache + static_cast<int64_t>(page) * kPageBytes +
                           (kTokensPerWarp * warp + g) * kRowBytes + 16 * t;
     constexpr int kChunks = kLoads / 2;
@@ -336,15 +337,9 @@ struct Tile {
     for (int half = 0; half < 2; ++half) {
 #pragma unroll
       for (int i = 0; i < kChunks; ++i) {
-        cp_async16(chunk(ring, slot, warp, half * kChunks + i),
-                   base + half * 8 * kRowBytes + 64 * i);
+        r[half * kChunks + i] = load_stream16(base + half * 8 * kRowBytes + 64 * i);
       }
     }
-  }
-
-  __device__ __forceinline__ void fetch(uint4* ring, int slot, int warp) {
-#pragma unroll
-    for (int j = 0; j < kLoads; ++j) r[j] = *chunk(ring, slot, warp, j);
   }
 
   // A fragment of k-step s: {row g k(2t..), row g+8 k(2t..), row g k(2t+8..), row g+8 k(2t+8..)}.
@@ -385,10 +380,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     indexer_kernel(const __grid_constant__ IndexerParams p) {
   using TileT = Tile<kFp8>;
   constexpr int kDepth = TileT::kDepth;
-  // Dynamic: the cp.async ring, then [units + 1] first block of each unit and the total.
-  extern __shared__ __align__(16) uint8_t s_dynamic[];
-  uint4* const ring = reinterpret_cast<uint4*>(s_dynamic);
-  int32_t* const s_prefix = reinterpret_cast<int32_t*>(s_dynamic + TileT::kRingBytes);
+  // Dynamic: [units + 1] first block of each unit and the total.
+  extern __shared__ __align__(16) int32_t s_prefix[];
   __shared__ uint2 s_bfrag[kNT][8][32];  // B fragments of the unit's query vectors
   __shared__ __align__(16) float s_red[2][kWarps][kNT * 8];    // per-warp partial block maxima
   __shared__ __align__(16) uint64_t s_keys[kWarps][kScratch];  // per-vector buffers / scratch
@@ -543,22 +536,38 @@ __global__ void __launch_bounds__(kThreads, 2)
 
     __syncthreads();  // fragments ready
 
-    // Ring prologue: the first kDepth blocks in flight (one commit group per block, empty or not,
-    // so that "all but the newest kDepth - 1 groups" always means "block i has landed").
+    // Prologue: the first kDepth blocks in flight.
+    TileT pipe[kDepth];
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) {
-      if (d < nblk) TileT::issue(ring, d, cache, page_of(d), warp, g, t);
-      cp_async_commit();
+      if (d < nblk) pipe[d].load(cache, page_of(d), warp, g, t);
     }
 
+    // The loop is unrolled by kDepth so that every pipe slot is a fixed set of registers.
 #pragma unroll 1
-    for (int i = 0; i < nblk; ++i) {
-      {
-        cp_async_wait<kDepth - 1>();
-        const int slot = i & (kDepth - 1);
-        TileT tile;
-        tile.fetch(ring, slot, warp);
-        // Refill the slot with block i + kDepth.
+    for (int i0 = 0; i0 < nblk; i0 += kDepth) {
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d) {
+        const int i = i0 + d;
+        if (i >= nblk) break;  // uniform across the CTA
+        const int lb = lb_begin + i;
+
+        // Scores of the warp's 16 tokens against every query vector.
+        float acc[kNT][4];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+        for (int s = 0; s < 8; ++s) {
+          uint32_t a[4];
+          pipe[d].fragment(s, a);
+#pragma unroll
+          for (int nt = 0; nt < kNT; ++nt) {
+            const uint2 b = s_bfrag[nt][s][lane];
+            mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
+          }
+        }
+        // The slot is consumed: refill it with block i + kDepth (before the barrier below, so the
+        // loads fly while the CTA reduces and selects).
         const int ahead = i + kDepth;
         if (ahead < nblk) {
           // Entering page window W = ahead / 32: fetch window W + 1 into the slot of W - 1.
@@ -573,24 +582,7 @@ __global__ void __launch_bounds__(kThreads, 2)
               }
             }
           }
-          TileT::issue(ring, slot, cache, page_of(ahead), warp, g, t);
-        }
-        cp_async_commit();
-        const int lb = lb_begin + i;
-
-        // Scores of the warp's 16 tokens against every query vector.
-        float acc[kNT][4];
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-#pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          uint32_t a[4];
-          tile.fragment(s, a);
-#pragma unroll
-          for (int nt = 0; nt < kNT; ++nt) {
-            const uint2 b = s_bfrag[nt][s][lane];
-            mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
-          }
+          pipe[d].load(cache, page_of(ahead), warp, g, t);
         }
         // Mask tokens after each vector's position, then max over the warp's 16 tokens.
         const int parity = i & 1;

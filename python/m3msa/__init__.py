@@ -9,25 +9,36 @@ Tensors are taken zero-copy through DLPack (torch tensors, NumPy arrays, ...) or
 protocol. NumPy has no bfloat16 / float8: pass their bits as uint16 / uint8 arrays tagged with
 m3msa.view(array, 'bf16' | 'fp8') (as_bf16() / as_fp8() convert floats, to_float32() decodes).
 Every failure raises m3msa.Error with .code 'invalid_argument', 'unsupported', 'timeout' or
-'internal' and a message naming the argument.
+'internal' and a message naming the argument; the instance is InvalidArgumentError (a ValueError),
+UnsupportedError (a NotImplementedError), TimeoutError (a builtins.TimeoutError) or InternalError.
+
+On torch CUDA tensors the calls run on the CUDA backend, on torch's current stream; pass
+plan=m3msa.CudaPlan(...) for calls that allocate nothing and never synchronize the host, which
+torch.cuda.graph can capture.
 """
 
 __version__ = "0.1.0"
 
 from . import _m3msa
-from ._errors import Error
+from ._errors import (Error, InternalError, InvalidArgumentError, TimeoutError, UnsupportedError,
+                      make_error)
 
-_m3msa._set_error_type(Error)
+_m3msa._set_error_type(make_error)
 
-from ._api import (ModelConfig, SparseConfig, SyntheticCase, dense_attention, info, nominate,
-                   preprocess, score_blocks, select_topk, sparse_attention, synthetic_case)
+from ._api import (CudaPlan, ModelConfig, SparseConfig, SyntheticCase, dense_attention, info,
+                   nominate, preprocess, score_blocks, select_topk, sparse_attention,
+                   synthetic_case)
 from ._batch import Batch
-from ._cp import CpSelector, cp_consumers, cp_merged_heads
+from ._cp import CpSelector, CudaCpIndexer, cp_consumers, cp_merged_heads
+from ._runtime import Communicator, LayerWeights, Runtime, RuntimeConfig, ThreadGroup
 from ._dtypes import (TypedView, as_bf16, as_fp8, bf16_bits_to_float32, float32_to_bf16_bits,
                       float32_to_fp8_bits, fp8_bits_to_float32, to_float32, view)
 
 __all__ = [
-    "Batch", "CpSelector", "Error", "ModelConfig", "SparseConfig", "SyntheticCase", "TypedView",
+    "Batch", "Communicator", "CpSelector", "CudaCpIndexer", "CudaPlan", "Error", "InternalError",
+    "InvalidArgumentError", "LayerWeights", "ModelConfig", "Runtime", "RuntimeConfig",
+    "SparseConfig", "SyntheticCase", "ThreadGroup", "TimeoutError", "TypedView",
+    "UnsupportedError",
     "as_bf16", "as_fp8", "bf16_bits_to_float32", "cp_consumers", "cp_merged_heads",
     "dense_attention", "float32_to_bf16_bits", "float32_to_fp8_bits", "fp8_bits_to_float32",
     "info", "nominate", "preprocess", "score_blocks", "select_topk", "sparse_attention",

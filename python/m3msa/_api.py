@@ -7,8 +7,21 @@ Shapes use the per-rank SparseConfig: H = index_heads = kv_heads, D = index_dim,
 HD = head_dim, k = topk, rows = batch.num_rows.
 
 On CUDA tensors the work is ordered on the caller's stream: stream=None takes
-torch.cuda.current_stream() of the tensors' device (when torch is imported), or pass stream= as a
-torch.cuda.Stream or an integer cudaStream_t handle. No call synchronizes the device.
+torch.cuda.current_stream() of the tensors' device (when torch is imported; else the legacy default
+stream), or pass stream= as a torch.cuda.Stream or an integer cudaStream_t handle (0: the legacy
+default stream). Each producer is handed that stream through __dlpack__(stream=...), so its pending
+writes are ordered before the call.
+
+Two ways to run on the GPU:
+  - unplanned (plan=None): one shared backend per GPU; every call first synchronizes the stream,
+    copies the batch metadata to the host and checks its contents (table entries, lengths), and
+    grows its workspaces when needed. Convenient and strict, for eager use; refused while the
+    stream is being captured into a CUDA graph.
+  - planned (plan=m3msa.CudaPlan(...)): the plan's own backend, sized up front for max_reqs /
+    max_q_len / max_rows; a call allocates nothing, never synchronizes the host and can be captured
+    by torch.cuda.graph (replays with new metadata of the same host shapes). Contents are not
+    checked on the host (validate_contents=False), the kernels' device-side guards keep every read
+    inside the tensors given (plan.device_status() reports them).
 """
 
 import sys
@@ -52,6 +65,93 @@ def _resolve_stream(tensor, stream):
     return None
 
 
+def _arg(tensor):
+    """A tensor argument as the C++ side takes it. torch float8_e4m3fn tensors travel as their
+    uint8 bits tagged 'fp8' (no copy), whatever the installed torch's DLPack export supports."""
+    dtype = getattr(tensor, "dtype", None)
+    if dtype is not None and type(tensor).__module__.split(".")[0] == "torch":
+        torch = sys.modules["torch"]
+        if dtype == getattr(torch, "float8_e4m3fn", None):
+            return view(tensor.view(torch.uint8), "fp8")
+    return tensor
+
+
+def _native_plan(plan):
+    if plan is None:
+        return None
+    if not isinstance(plan, CudaPlan):
+        raise invalid(f"plan: expected an m3msa.CudaPlan or None, got {type(plan).__name__}")
+    return plan._native
+
+
+def _device_index(device):
+    """A CUDA device index from None (torch's current device, else 0), an int, 'cuda:N' or a
+    torch.device."""
+    if device is None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_available():
+            return int(torch.cuda.current_device())
+        return 0
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if kind != "cuda" or (index and not index.isdigit()):
+            raise invalid(f"device: expected 'cuda' or 'cuda:N', got {device!r}")
+        return int(index) if index else _device_index(None)
+    if getattr(device, "type", "cuda") != "cuda":
+        raise invalid(f"device: expected a CUDA device, got {device}")
+    index = getattr(device, "index", device)
+    return _device_index(None) if index is None else int(index)
+
+
+class CudaPlan:
+    """A CUDA backend of its own, planned for every batch within the limits: calls given
+    plan=this allocate nothing, never synchronize the host and can be captured into a CUDA graph
+    (torch.cuda.graph), then replayed with new metadata.
+
+    config:     the SparseConfig every call must pass (a call with another raises)
+    max_reqs:   requests per call (padding requests included)
+    max_q_len:  decode rows per request (1..8)
+    max_rows:   rows per call (prefill tokens); 0 = max_reqs * max_q_len
+    max_context: tokens per request; only the unfused indexer baseline needs it (0 = not planned)
+    device:     CUDA device index, 'cuda:N' or torch.device (None: torch's current device)
+    validate_contents: also check the batch contents on the host (synchronizes: not capturable;
+                for debugging)
+
+    A call outside the limits raises InvalidArgumentError instead of growing the workspaces. Keep
+    the plan alive as long as any CUDA graph captured with it: the graph reads its workspaces.
+    """
+
+    def __init__(self, config, *, max_reqs, max_q_len=1, max_rows=0, max_context=0, device=None,
+                 validate_contents=False):
+        _check_config(config)
+        self._native = _m3msa.CudaPlan(config, int(max_reqs), int(max_q_len), int(max_rows),
+                                       int(max_context), _device_index(device),
+                                       bool(validate_contents))
+
+    config = property(lambda self: self._native.config)
+    max_reqs = property(lambda self: self._native.max_reqs)
+    max_q_len = property(lambda self: self._native.max_q_len)
+    max_rows = property(lambda self: self._native.max_rows)
+    max_context = property(lambda self: self._native.max_context)
+    device = property(lambda self: self._native.device)
+    validate_contents = property(lambda self: self._native.validate_contents)
+
+    def device_status(self, clear=True, *, stream=None):
+        """The indexer's sticky device-side guard bits since the last clear (0: none fired; 1: a
+        table entry outside the cache, 2: a sequence longer than its table row, 4: too many
+        prefill row groups). Synchronizes the stream: call it outside graph capture."""
+        if stream is not None:
+            stream = int(getattr(stream, "cuda_stream", stream))
+        elif "torch" in sys.modules:
+            stream = int(sys.modules["torch"].cuda.current_stream(self.device).cuda_stream)
+        return int(self._native.device_status(bool(clear), stream))
+
+    def __repr__(self):
+        return (f"m3msa.CudaPlan(device={self.device}, max_reqs={self.max_reqs}, "
+                f"max_q_len={self.max_q_len}, max_rows={self.max_rows}, "
+                f"validate_contents={self.validate_contents})")
+
+
 _NUMPY_DTYPES = {"i32": np.int32, "f32": np.float32, "bf16": np.uint16, "u64": np.uint64}
 
 
@@ -92,26 +192,29 @@ def _check_batch(batch):
         raise invalid(f"batch: expected an m3msa.Batch, got {type(batch).__name__}")
 
 
-def select_topk(config, index_q, index_cache, batch, out=None, *, threads=0, stream=None):
+def select_topk(config, index_q, index_cache, batch, out=None, *, threads=0, stream=None,
+                plan=None):
     """Index scoring + exact top-k block selection (spec.md section 4).
 
     index_q:      [rows, H, D] bf16
     index_cache:  [pages, block_size, D] bf16 | fp8 e4m3, read through batch.index_block_table
     out:          [rows, H, k] int32 (the topk_idx): logical block ids in descending key order
                   (forced blocks first), then -1; dead rows all -1.
+    plan:         an m3msa.CudaPlan for allocation-free, sync-free, capturable GPU calls
     Returns out.
     """
     _check_config(config)
     _check_batch(batch)
+    native = _native_plan(plan)
     if out is None:
         out = _empty(index_q, (batch.num_rows, config.index_heads, config.topk), "i32", "out")
-    _m3msa.select_topk(config, index_q, index_cache, batch, out, threads,
-                       _resolve_stream(index_q, stream))
+    _m3msa.select_topk(config, _arg(index_q), _arg(index_cache), batch, out, threads,
+                       _resolve_stream(index_q, stream), native)
     return out
 
 
 def sparse_attention(config, q, kv_cache, batch, topk_idx, out=None, *, k_scale=1.0, v_scale=1.0,
-                     threads=0, stream=None):
+                     threads=0, stream=None, plan=None):
     """Block-sparse GQA attention over the selected blocks (spec.md section 5).
 
     q:         [rows, QH, HD] bf16
@@ -119,28 +222,31 @@ def sparse_attention(config, q, kv_cache, batch, topk_idx, out=None, *, k_scale=
                read through batch.kv_block_table
     topk_idx:  [rows, kv_heads, k] int32 from select_topk; None attends densely (causal)
     out:       [rows, QH, HD] bf16 (on NumPy: m3msa.view of uint16 bits, or a uint16 array).
+    plan:      an m3msa.CudaPlan for allocation-free, sync-free, capturable GPU calls
     Returns out.
     """
     _check_config(config)
     _check_batch(batch)
+    native = _native_plan(plan)
     if out is None:
         out = _empty(q, (batch.num_rows, config.q_heads, config.head_dim), "bf16", "out")
-    _m3msa.sparse_attention(config, q, kv_cache, float(k_scale), float(v_scale), batch, topk_idx,
-                            _typed(out, "bf16"), threads, _resolve_stream(q, stream))
+    _m3msa.sparse_attention(config, _arg(q), _arg(kv_cache), float(k_scale), float(v_scale), batch,
+                            topk_idx, _typed(out, "bf16"), threads, _resolve_stream(q, stream),
+                            native)
     return out
 
 
 def dense_attention(config, q, kv_cache, batch, out=None, *, k_scale=1.0, v_scale=1.0, threads=0,
-                    stream=None):
+                    stream=None, plan=None):
     """Dense causal attention over every visible key: sparse_attention without a selection (the
     oracle the sparse path equals when every row sees <= topk blocks)."""
     return sparse_attention(config, q, kv_cache, batch, None, out, k_scale=k_scale,
-                            v_scale=v_scale, threads=threads, stream=stream)
+                            v_scale=v_scale, threads=threads, stream=stream, plan=plan)
 
 
 def preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, positions, batch,
                kv_cache, index_cache, q_out=None, index_q_out=None, *, k_scale=1.0, v_scale=1.0,
-               threads=0, stream=None):
+               threads=0, stream=None, plan=None):
     """Per-token preprocessing (spec.md section 2): Gemma RMSNorm of every head of q, k, index_q
     and index_k, partial NeoX RoPE at `positions`, and the cache inserts.
 
@@ -154,6 +260,7 @@ def preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, position
     """
     _check_config(config)
     _check_batch(batch)
+    native = _native_plan(plan)
     rows = batch.num_rows
     if q_out is None:
         q_out = _empty(qkv, (rows, config.q_heads, config.head_dim), "bf16", "q_out")
@@ -161,9 +268,9 @@ def preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, position
         index_q_out = _empty(qkv, (rows, config.index_heads, config.index_dim), "bf16",
                              "index_q_out")
     _m3msa.preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, positions, batch,
-                      kv_cache, float(k_scale), float(v_scale), index_cache,
+                      _arg(kv_cache), float(k_scale), float(v_scale), _arg(index_cache),
                       _typed(q_out, "bf16"), _typed(index_q_out, "bf16"), threads,
-                      _resolve_stream(qkv, stream))
+                      _resolve_stream(qkv, stream), native)
     return q_out, index_q_out
 
 
@@ -181,7 +288,7 @@ def score_blocks(config, index_q, index_cache, batch, out=None, *, max_blocks=No
             shape = tuple(getattr(_unwrap(table), "shape", ()))
             max_blocks = int(shape[1]) if len(shape) == 2 else 0
         out = _empty(index_q, (batch.num_rows, config.index_heads, max_blocks), "f32", "out")
-    _m3msa.score_blocks(config, index_q, index_cache, batch, out, threads)
+    _m3msa.score_blocks(config, _arg(index_q), _arg(index_cache), batch, out, threads)
     return out
 
 
@@ -192,8 +299,8 @@ def nominate(config, index_q, index_cache, batch, shard=0, num_shards=1, out=Non
     _check_batch(batch)
     if out is None:
         out = _empty(index_q, (batch.num_rows, config.index_heads, config.topk), "u64", "out")
-    _m3msa.nominate(config, index_q, index_cache, batch, shard, num_shards, _typed(out, "u64"),
-                    threads)
+    _m3msa.nominate(config, _arg(index_q), _arg(index_cache), batch, shard, num_shards,
+                    _typed(out, "u64"), threads)
     return out
 
 

@@ -1,4 +1,8 @@
-"""The one exception type of m3msa."""
+"""The exceptions of m3msa: one base type, m3msa.Error, and one subclass per m3msa::ErrorCode that
+is also the matching built-in exception, so `except ValueError` catches a bad argument the way
+Python callers expect while `except m3msa.Error` still catches everything the library raises."""
+
+import builtins
 
 
 class Error(RuntimeError):
@@ -11,6 +15,10 @@ class Error(RuntimeError):
         message: the message alone, naming the argument and the value (str(error) adds the code
             and, for C++ errors, the throw site).
         rank: the rank that failed, in multi-rank code; None otherwise.
+
+    The instance raised is of the subclass for its code: InvalidArgumentError (a ValueError),
+    UnsupportedError (a NotImplementedError), TimeoutError (a builtins.TimeoutError) or
+    InternalError.
     """
 
     CODES = ("invalid_argument", "unsupported", "timeout", "internal")
@@ -22,10 +30,36 @@ class Error(RuntimeError):
         self.rank = rank
 
 
+class InvalidArgumentError(Error, ValueError):
+    """code 'invalid_argument': a tensor, shape, dtype, device, stride or value the contract
+    forbids; the message names the argument."""
+
+
+class UnsupportedError(Error, NotImplementedError):
+    """code 'unsupported': valid, but not implemented by this backend, build or configuration."""
+
+
+class TimeoutError(Error, builtins.TimeoutError):  # noqa: A001 (m3msa.TimeoutError on purpose)
+    """code 'timeout': a bounded wait expired (a peer rank never arrived); .rank names it."""
+
+
+class InternalError(Error):
+    """code 'internal': a bug, or a failed CUDA / NCCL call."""
+
+
+_BY_CODE = {"invalid_argument": InvalidArgumentError, "unsupported": UnsupportedError,
+            "timeout": TimeoutError, "internal": InternalError}
+
+
+def make_error(text, code="internal", message=None, rank=None):
+    """The exception for an m3msa::Error (the compiled module raises what this returns)."""
+    return _BY_CODE.get(code, InternalError)(text, code, message, rank)
+
+
 def invalid(message):
-    """An Error with code 'invalid_argument' whose text follows the C++ layout."""
-    return Error("m3msa: invalid argument: " + message, "invalid_argument", message)
+    """An InvalidArgumentError whose text follows the C++ layout."""
+    return InvalidArgumentError("m3msa: invalid argument: " + message, "invalid_argument", message)
 
 
 def unsupported(message):
-    return Error("m3msa: unsupported: " + message, "unsupported", message)
+    return UnsupportedError("m3msa: unsupported: " + message, "unsupported", message)

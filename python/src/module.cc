@@ -8,6 +8,8 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -16,19 +18,20 @@
 #include "dispatch.h"
 #include "interop.h"
 #include "m3msa/backend.h"
+#include "m3msa/comm.h"
 #include "m3msa/config.h"
+#include "m3msa/cp_cuda.h"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
 #include "m3msa/ops.h"
 #include "m3msa/synthetic.h"
+#include "runtime_binding.h"
 #if M3MSA_PY_WITH_CP
 #include "m3msa/cp.h"
 #endif
 
 namespace m3msa::python {
 namespace {
-
-using Stream = std::optional<uintptr_t>;
 
 // ---- Errors: m3msa::Error -> m3msa.Error(text, code, message, rank) ----
 
@@ -49,12 +52,15 @@ void set_python_error(const Error& error) {
     PyErr_SetString(PyExc_RuntimeError, error.what());
     return;
   }
-  py::handle type(g_error_type);
+  // g_error_type is m3msa._errors.make_error: it returns the subclass of m3msa.Error for the code
+  // (InvalidArgumentError is a ValueError, UnsupportedError a NotImplementedError, TimeoutError a
+  // builtins.TimeoutError), raised here as its own type.
+  py::handle factory(g_error_type);
   const py::object rank =
       error.rank() >= 0 ? py::object(py::int_(error.rank())) : py::object(py::none());
   const py::object instance =
-      type(error.what(), error_code_key(error.code()), error.message(), rank);
-  PyErr_SetObject(g_error_type, instance.ptr());
+      factory(error.what(), error_code_key(error.code()), error.message(), rank);
+  PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(instance.ptr())), instance.ptr());
 }
 
 void set_error_type(py::object type) {
@@ -70,22 +76,51 @@ void check_cpu(const TensorView& view, const char* entry, const char* name) {
                         device_name(view.device));
 }
 
+// The device a call runs on: the plan's, or else the device of the call's first tensor. A CUDA
+// device this build or machine cannot run on is refused here, before the arguments are compared
+// with it (so a CPU-only build says "not built" rather than "wrong device" for GPU tensors).
+Device call_device(const CudaPlan* plan, const TensorView& first, const char* first_name) {
+  if (plan != nullptr) return plan->device();
+  if (first.device.type == DeviceType::kCUDA) {
+    M3MSA_CHECK_SUPPORTED(built_with_cuda(), "CUDA backend not built: ", first_name, " is on ",
+                          device_name(first.device),
+                          " and this build of the m3msa Python module runs the CPU reference only");
+    M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, first_name, " is on ", device_name(first.device),
+                          " but no CUDA device is visible");
+  }
+  return first.device;
+}
+
+// Validates `args` against the call's device (every tensor named on a mismatch, before any CUDA
+// call), then runs `body(backend)` with the GIL released on the leased backend.
+template <typename Args, typename Body>
+void run_on_backend(const SparseConfig& config, const Args& args, const TensorView& first,
+                    const char* first_name, const char* entry, int threads, Stream stream,
+                    CudaPlan* plan, Body&& body) {
+  const Device device = call_device(plan, first, first_name);
+  validate(config, args, device);
+  py::gil_scoped_release release;  // destroyed last: the GIL is back before the scope's deleters
+  BackendLease backend = plan != nullptr ? plan->lease(config, args.batch, stream, entry)
+                                         : backend_for(device, threads, stream);
+  body(*backend);
+}
+
 void select_topk(const SparseConfig& config, py::handle index_q, py::handle index_cache,
-                 py::handle batch, py::handle topk_idx, int threads, Stream stream) {
+                 py::handle batch, py::handle topk_idx, int threads, Stream stream,
+                 CudaPlan* plan) {
   ImportScope scope(stream);
   IndexerArgs args;
   args.index_q = scope.tensor(index_q, "index_q");
   args.index_cache.data = scope.tensor(index_cache, "index_cache");
   args.batch = scope.batch(batch);
   args.topk_idx = scope.tensor(topk_idx, "topk_idx", /*writable=*/true);
-  Backend& backend = backend_for(args.index_q.device, threads, stream);
-  py::gil_scoped_release release;  // destroyed first: the GIL is back before the scope's deleters
-  backend.select_topk(config, args);
+  run_on_backend(config, args, args.index_q, "index_q", "select_topk", threads, stream, plan,
+                 [&](Backend& backend) { backend.select_topk(config, args); });
 }
 
 void sparse_attention(const SparseConfig& config, py::handle q, py::handle kv_cache, float k_scale,
                       float v_scale, py::handle batch, py::handle topk_idx, py::handle out,
-                      int threads, Stream stream) {
+                      int threads, Stream stream, CudaPlan* plan) {
   ImportScope scope(stream);
   AttentionArgs args;
   args.q = scope.tensor(q, "q");
@@ -93,16 +128,15 @@ void sparse_attention(const SparseConfig& config, py::handle q, py::handle kv_ca
   args.batch = scope.batch(batch);
   args.topk_idx = scope.optional_tensor(topk_idx, "topk_idx");
   args.out = scope.tensor(out, "out", /*writable=*/true);
-  Backend& backend = backend_for(args.q.device, threads, stream);
-  py::gil_scoped_release release;
-  backend.sparse_attention(config, args);
+  run_on_backend(config, args, args.q, "q", "sparse_attention", threads, stream, plan,
+                 [&](Backend& backend) { backend.sparse_attention(config, args); });
 }
 
 void preprocess(const SparseConfig& config, py::handle qkv, py::handle q_norm, py::handle k_norm,
                 py::handle index_q_norm, py::handle index_k_norm, py::handle positions,
                 py::handle batch, py::handle kv_cache, float k_scale, float v_scale,
                 py::handle index_cache, py::handle q_out, py::handle index_q_out, int threads,
-                Stream stream) {
+                Stream stream, CudaPlan* plan) {
   ImportScope scope(stream);
   PreprocessArgs args;
   args.qkv = scope.tensor(qkv, "qkv");
@@ -116,9 +150,8 @@ void preprocess(const SparseConfig& config, py::handle qkv, py::handle q_norm, p
   args.index_cache.data = scope.tensor(index_cache, "index_cache", /*writable=*/true);
   args.q_out = scope.tensor(q_out, "q_out", /*writable=*/true);
   args.index_q_out = scope.tensor(index_q_out, "index_q_out", /*writable=*/true);
-  Backend& backend = backend_for(args.qkv.device, threads, stream);
-  py::gil_scoped_release release;
-  backend.preprocess(config, args);
+  run_on_backend(config, args, args.qkv, "qkv", "preprocess", threads, stream, plan,
+                 [&](Backend& backend) { backend.preprocess(config, args); });
 }
 
 void score_blocks(const SparseConfig& config, py::handle index_q, py::handle index_cache,
@@ -289,6 +322,145 @@ void bind_cp(py::module_& m) {
         py::arg("index_heads"));
 }
 #endif
+
+// ---- CUDA: plans and the context-parallel indexer ----
+
+// One rank of the CUDA CP indexer (cp_cuda.h) with the communicator it was set up over (which
+// must outlive it). Calls are serialized: a rank's calls must keep one stream order anyway.
+struct CudaCpRank {
+  std::unique_ptr<Communicator> comm;
+  std::unique_ptr<CudaCpIndexer> indexer;  // null once closed
+  int device = 0;
+  int rank = 0;
+  int world_size = 1;
+  std::vector<int> merged_heads;
+  std::mutex mutex;
+
+  CudaCpIndexer& live() {
+    M3MSA_CHECK_ARG(indexer != nullptr, "CudaCpIndexer (rank ", rank, "): closed");
+    return *indexer;
+  }
+};
+
+std::unique_ptr<CudaCpRank> make_cuda_cp_rank(const SparseConfig& config, const std::string& world,
+                                              int device, int max_reqs, int max_q_len,
+                                              int64_t max_context, const std::string& transport,
+                                              int64_t spin_budget_us, int64_t timeout_ms) {
+  M3MSA_CHECK_ARG(world == "single" || world == "env",
+                  "world must be 'single' (one rank, this process) or 'env' (one rank per "
+                  "process, NCCL bootstrap from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT), "
+                  "got '",
+                  world, "'");
+  M3MSA_CHECK_ARG(spin_budget_us > 0, "spin_budget_us must be > 0, got ", spin_budget_us);
+  M3MSA_CHECK_ARG(timeout_ms > 0, "timeout_ms must be > 0, got ", timeout_ms);
+  M3MSA_CHECK_SUPPORTED(built_with_cuda(),
+                        "m3msa.CudaCpIndexer: this build of the m3msa Python module has no CUDA");
+  M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, "m3msa.CudaCpIndexer: no CUDA device is visible");
+  CudaCpConfig cp;
+  cp.max_reqs = max_reqs;
+  cp.max_q_len = max_q_len;
+  cp.max_context = max_context;
+  cp.transport = parse_cp_transport(transport);
+  cp.spin_budget = std::chrono::microseconds(spin_budget_us);
+  cp.host_timeout = std::chrono::milliseconds(timeout_ms);
+  auto rank = std::make_unique<CudaCpRank>();
+  // Collective from here on (every rank constructs together): no GIL, so other Python threads
+  // (say, another rank's driver thread in a test) keep running while this rank waits.
+  py::gil_scoped_release release;
+  if (world == "single") {
+    rank->comm = make_single_rank_communicator();
+    rank->device = device >= 0 ? device : 0;
+  } else {
+    auto nccl = make_nccl_communicator_from_env(std::chrono::milliseconds(timeout_ms));
+    rank->device = device >= 0 ? device : nccl->device();
+    rank->comm = std::move(nccl);
+  }
+  cp.world_size = rank->comm->world_size();
+  rank->indexer = std::make_unique<CudaCpIndexer>(*rank->comm, rank->device, config, cp);
+  rank->rank = rank->indexer->rank();
+  rank->world_size = cp.world_size;
+  rank->merged_heads = rank->indexer->merged_heads();
+  return rank;
+}
+
+void bind_cuda(py::module_& m) {
+  py::class_<CudaPlan>(m, "CudaPlan",
+                       "A CUDA backend of its own with workspaces sized for every batch within "
+                       "the limits: calls given it allocate nothing and never synchronize the "
+                       "host (CUDA-graph capturable).")
+      .def(py::init([](const SparseConfig& config, int max_reqs, int max_q_len, int64_t max_rows,
+                       int64_t max_context, int device, bool validate_contents) {
+             PlanLimits limits;
+             limits.max_reqs = max_reqs;
+             limits.max_q_len = max_q_len;
+             limits.max_rows = max_rows;
+             limits.max_context = max_context;
+             py::gil_scoped_release release;
+             return std::make_unique<CudaPlan>(config, limits, device, validate_contents);
+           }),
+           py::arg("config"), py::arg("max_reqs"), py::arg("max_q_len"), py::arg("max_rows"),
+           py::arg("max_context"), py::arg("device"), py::arg("validate_contents"))
+      .def_property_readonly("config", [](const CudaPlan& p) { return p.config(); })
+      .def_property_readonly("max_reqs", [](const CudaPlan& p) { return p.limits().max_reqs; })
+      .def_property_readonly("max_q_len", [](const CudaPlan& p) { return p.limits().max_q_len; })
+      .def_property_readonly("max_rows", [](const CudaPlan& p) { return p.limits().max_rows; })
+      .def_property_readonly("max_context",
+                             [](const CudaPlan& p) { return p.limits().max_context; })
+      .def_property_readonly("device", &CudaPlan::device_index)
+      .def_property_readonly("validate_contents", &CudaPlan::validate_contents)
+      .def(
+          "device_status",
+          [](CudaPlan& p, bool clear, Stream stream) {
+            py::gil_scoped_release release;
+            return p.device_status(clear, stream);
+          },
+          py::arg("clear"), py::arg("stream").none(true));
+
+  py::class_<CudaCpRank>(m, "CudaCpRank", "One rank of the CUDA context-parallel indexer.")
+      .def(py::init(&make_cuda_cp_rank), py::arg("config"), py::arg("world"), py::arg("device"),
+           py::arg("max_reqs"), py::arg("max_q_len"), py::arg("max_context"), py::arg("transport"),
+           py::arg("spin_budget_us"), py::arg("timeout_ms"))
+      .def_property_readonly("rank", [](const CudaCpRank& r) { return r.rank; })
+      .def_property_readonly("world_size", [](const CudaCpRank& r) { return r.world_size; })
+      .def_property_readonly("device", [](const CudaCpRank& r) { return r.device; })
+      .def_property_readonly("merged_heads", [](const CudaCpRank& r) { return r.merged_heads; })
+      .def("close",
+           [](CudaCpRank& r) {
+             py::gil_scoped_release release;
+             std::lock_guard<std::mutex> lock(r.mutex);
+             r.indexer.reset();  // collective across processes (cp_cuda.h): every rank closes
+             r.comm.reset();
+           })
+      .def(
+          "select",
+          [](CudaCpRank& r, int layer, py::handle index_q, py::handle index_cache, py::handle batch,
+             py::handle topk_idx, Stream stream) {
+            ImportScope scope(stream);
+            IndexerArgs args;
+            args.index_q = scope.tensor(index_q, "index_q");
+            args.index_cache.data = scope.tensor(index_cache, "index_cache");
+            args.batch = scope.batch(batch);
+            args.topk_idx = scope.tensor(topk_idx, "topk_idx", /*writable=*/true);
+            py::gil_scoped_release release;
+            std::lock_guard<std::mutex> lock(r.mutex);
+            r.live().select(layer, args, cuda_stream_handle(stream));
+          },
+          py::arg("layer"), py::arg("index_q"), py::arg("index_cache"), py::arg("batch"),
+          py::arg("topk_idx"), py::arg("stream").none(true))
+      .def(
+          "check",
+          [](CudaCpRank& r, Stream stream) {
+            py::gil_scoped_release release;
+            std::lock_guard<std::mutex> lock(r.mutex);
+            r.live().check(cuda_stream_handle(stream));
+          },
+          py::arg("stream").none(true))
+      .def("generation", [](CudaCpRank& r) {
+        py::gil_scoped_release release;
+        std::lock_guard<std::mutex> lock(r.mutex);
+        return r.live().generation();
+      });
+}
 
 // ---- Configurations ----
 
@@ -479,16 +651,20 @@ PYBIND11_MODULE(_m3msa, m) {
   bind_view(m);
   bind_configs(m);
 
+  bind_cuda(m);
+  bind_runtime(m);
   m.def("select_topk", &select_topk, py::arg("config"), py::arg("index_q"), py::arg("index_cache"),
-        py::arg("batch"), py::arg("topk_idx"), py::arg("threads"), py::arg("stream").none(true));
+        py::arg("batch"), py::arg("topk_idx"), py::arg("threads"), py::arg("stream").none(true),
+        py::arg("plan").none(true));
   m.def("sparse_attention", &sparse_attention, py::arg("config"), py::arg("q"), py::arg("kv_cache"),
         py::arg("k_scale"), py::arg("v_scale"), py::arg("batch"), py::arg("topk_idx").none(true),
-        py::arg("out"), py::arg("threads"), py::arg("stream").none(true));
+        py::arg("out"), py::arg("threads"), py::arg("stream").none(true),
+        py::arg("plan").none(true));
   m.def("preprocess", &preprocess, py::arg("config"), py::arg("qkv"), py::arg("q_norm"),
         py::arg("k_norm"), py::arg("index_q_norm"), py::arg("index_k_norm"), py::arg("positions"),
         py::arg("batch"), py::arg("kv_cache"), py::arg("k_scale"), py::arg("v_scale"),
         py::arg("index_cache"), py::arg("q_out"), py::arg("index_q_out"), py::arg("threads"),
-        py::arg("stream").none(true));
+        py::arg("stream").none(true), py::arg("plan").none(true));
   m.def("score_blocks", &score_blocks, py::arg("config"), py::arg("index_q"),
         py::arg("index_cache"), py::arg("batch"), py::arg("scores"), py::arg("threads"));
   m.def("nominate", &nominate, py::arg("config"), py::arg("index_q"), py::arg("index_cache"),

@@ -147,20 +147,62 @@ class InteropTest(TestCase):
     def test_cuda_tensors_dispatch_to_the_cuda_backend(self):
         fake = Producer(np.asarray(self.c.index_q.array), device_type=KDL_CUDA)
         out = np.zeros_like(self.expected)  # m3msa allocates next to torch tensors only
-        with self.assertRaisesError("unsupported", "CUDA backend not built", "cuda:0"):
+        info = m3msa.info()
+        if not info["built_with_cuda"]:
+            expected = ("unsupported", "CUDA backend not built", "index_q is on cuda:0")
+            expected_attention = ("unsupported", "CUDA backend not built", "q is on cuda:0")
+        elif not info["cuda_backend"]:
+            expected = ("unsupported", "index_q is on cuda:0", "no CUDA device is visible")
+            expected_attention = ("unsupported", "q is on cuda:0", "no CUDA device is visible")
+        else:  # the CUDA backend takes the call, and refuses the CPU metadata beside the fake
+            expected = expected_attention = ("invalid_argument", "batch.seq_lens", "cuda:0",
+                                             "cpu")
+        self.assertEqual(info["cuda_backend"],
+                         info["built_with_cuda"] and info["cuda_device_count"] > 0)
+        with self.assertRaisesError(*expected):
             m3msa.select_topk(self.cfg, fake, self.c.index_cache, self.c.batch, out, stream=1234)
         # The producer was told the consumer's stream (0 = legacy default is sent as 1).
-        with self.assertRaisesError("unsupported", "CUDA backend not built"):
+        with self.assertRaisesError(*expected_attention):
             m3msa.sparse_attention(self.cfg, fake, self.c.kv_cache, self.c.batch, None,
                                    out=np.zeros((8, 4, 16), np.uint16), stream=0)
         expected_streams = [1234, 1]
         if "torch" not in sys.modules:  # without torch there is no current stream to look up
-            with self.assertRaisesError("unsupported", "CUDA backend not built"):
+            with self.assertRaisesError(*expected):
                 m3msa.select_topk(self.cfg, fake, self.c.index_cache, self.c.batch, out)
             expected_streams.append(None)
         self.assertEqual(fake.streams, expected_streams)
         self.assertEqual(fake.deleted, len(expected_streams))
-        self.assertFalse(m3msa.info()["cuda_backend"])
+
+    def test_error_types_are_the_builtin_ones(self):
+        with self.assertRaises(ValueError) as raised:
+            m3msa.select_topk(self.cfg, np.zeros((8, 2, 16), np.float32), self.c.index_cache,
+                              self.c.batch)
+        self.assertIsInstance(raised.exception, m3msa.InvalidArgumentError)
+        self.assertIsInstance(raised.exception, m3msa.Error)
+        with self.assertRaises(NotImplementedError) as raised:
+            m3msa.score_blocks(self.cfg, Producer(np.asarray(self.c.index_q.array),
+                                                  device_type=KDL_CUDA),
+                               self.c.index_cache, self.c.batch, np.zeros((8, 2, 4), np.float32))
+        self.assertEqual(raised.exception.code, "unsupported")
+        self.assertIsInstance(raised.exception, m3msa.UnsupportedError)
+        error = m3msa._errors.make_error("m3msa: timeout: rank 1 never arrived", "timeout",
+                                         "rank 1 never arrived", 1)
+        self.assertIsInstance(error, TimeoutError)
+        self.assertIsInstance(error, m3msa.TimeoutError)
+        self.assertEqual((error.rank, str(error)), (1, "m3msa: timeout: rank 1 never arrived"))
+        self.assertIsInstance(m3msa._errors.make_error("x", "internal"), m3msa.InternalError)
+        with self.assertRaisesError("invalid_argument", "plan", "str"):
+            m3msa.select_topk(self.cfg, self.c.index_q, self.c.index_cache, self.c.batch,
+                              plan="cuda")
+
+    def test_cuda_plan_without_a_gpu(self):
+        if m3msa.info()["cuda_backend"]:
+            self.skipTest("a GPU is visible: test_cuda_*.py cover CudaPlan")
+        with self.assertRaisesError("unsupported"):
+            m3msa.CudaPlan(m3msa.SparseConfig(), max_reqs=1, device=0)
+        with self.assertRaisesError("unsupported"):
+            m3msa.CudaCpIndexer(m3msa.SparseConfig(), max_reqs=1, max_context=128,
+                                world="single", device=0)
 
     def test_unsupported_devices_and_types(self):
         other = Producer(np.asarray(self.c.index_q.array), device_type=KDL_OPENCL)

@@ -6,7 +6,10 @@ import os
 import re
 import unittest
 
+import numpy as np
+
 import m3msa
+from cuda_common import REQUIRED, CudaTestCase, skip_reason
 
 README = os.environ.get("M3MSA_README",
                         os.path.join(os.path.dirname(__file__), os.pardir, "README.md"))
@@ -20,7 +23,7 @@ def example(name):
     return match.group(1)
 
 
-class ReadmeTest(unittest.TestCase):
+class ReadmeTest(CudaTestCase):  # a TestCase with the GPU comparisons
     def test_numpy_example(self):
         code = example("numpy")
         self.assertLess(len(code.strip().splitlines()), 15)
@@ -34,14 +37,35 @@ class ReadmeTest(unittest.TestCase):
 
     def test_torch_example(self):
         code = example("torch")
-        self.assertLess(len(code.strip().splitlines()), 15)
-        try:
-            import torch
-        except ImportError:
-            self.skipTest("torch is not installed")
-        if not (torch.cuda.is_available() and m3msa.info()["cuda_backend"]):
-            self.skipTest("needs a GPU and the CUDA backend")
-        exec(compile(code, "README.md", "exec"), {})
+        self.assertLessEqual(len(code.strip().splitlines()), 15)
+        reason = skip_reason()
+        if reason is not None:
+            if REQUIRED:
+                self.fail(f"M3MSA_REQUIRE_CUDA=1 but {reason}")
+            self.skipTest(reason)
+        import torch
+        scope = {}
+        exec(compile(code, "README.md", "exec"), scope)
+        torch.cuda.synchronize()
+        cfg, idx, out = scope["cfg"], scope["idx"], scope["out"]
+        self.assertEqual((idx.dtype, tuple(idx.shape), idx.device.type),
+                         (torch.int32, (2, 4, 16), "cuda"))
+        self.assertEqual((out.dtype, tuple(out.shape)), (torch.bfloat16, (2, 64, 128)))
+        # The replay wrote what the CPU reference computes from the same tensors.
+        def bits(name):
+            tensor = scope[name].cpu()
+            return m3msa.view(tensor.view(torch.int16).numpy().view(np.uint16), "bf16")
+
+        table = scope["table"].cpu().numpy()
+        batch = m3msa.Batch.decode([3000, 700], table, table)
+        host_idx = m3msa.select_topk(cfg, bits("index_q"), bits("index_cache"), batch)
+        scores = m3msa.score_blocks(cfg, bits("index_q"), bits("index_cache"), batch)
+        case = type("Case", (), dict(cfg=cfg, rows=[(0, 2999), (1, 699)]))
+        self.assertSelectionNearTie(case, idx.cpu().numpy(), host_idx, scores)
+        expected = m3msa.sparse_attention(cfg, bits("q"), bits("kv_cache"), batch,
+                                          idx.cpu().numpy())
+        self.assertAttentionClose(out.cpu().view(torch.int16).numpy().view(np.uint16),
+                                   expected.array)
 
 
 if __name__ == "__main__":

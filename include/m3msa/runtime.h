@@ -13,9 +13,23 @@
 //   detach(replacement) all ranks; the replacement cache storage must be empty; then close().
 //   close()             idempotent, agreed across ranks, never run from the destructor.
 //
-// The CPU backend (this file's implementation) runs forward_layer with the CPU reference
-// (cpu::preprocess / select_topk / sparse_attention) and plain fp32-accumulating matmuls, and the
-// TP reduce through the Communicator. Its numerics (the contract the GPU path approximates):
+// Backends: the device of the bound tensors picks one at prepare (every tensor of every layer on
+// that one device, else an error).
+//  - CPU (host tensors): forward_layer with the CPU reference (cpu::preprocess / select_topk /
+//    sparse_attention), plain fp32-accumulating matmuls, the TP reduce through the Communicator.
+//  - CUDA (tensors on one GPU; src/runtime/gpu_layer.cc): the same steps as kernels queued on one
+//    stream (RuntimeConfig::cuda_stream or the runtime's own): fused residual add + Gemma RMSNorm,
+//    a skinny tensor-core GEMM for the projections (bf16, or fp8 e4m3 converted exactly in
+//    registers, then * scale), the CUDA preprocessing, decode indexer (replicated) and sparse
+//    attention, the TP all-reduce in fp32 through NCCL (the communicator must be an
+//    NcclCommunicator when TP > 1). begin_step copies the metadata (host or device tensors) into
+//    fixed device buffers; forward_layer allocates nothing, never synchronizes the host and can
+//    be captured (StepGraphs below captures whole steps). Support beyond the CPU backend's: head
+//    and index dims 128, block size 128, <= 16 query heads per KV head, topk <= 32, token
+//    buckets <= 16 rows, q_len * index heads <= 32, widths multiple of 64; anything else is an
+//    "unsupported" outcome of the weight stage naming the value.
+// The CPU numerics (the contract the CUDA path approximates: different fp32 summation orders, so
+// bf16 outputs agree within a few ulps and selections within the near-tie rule of method.md):
 //   x   = bf16(hidden + residual)                               (the new residual)
 //   h   = bf16(gemma_rmsnorm(x, input_norm))                     fp32 math
 //   qkv = bf16(h @ qkv_proj^T [* scale])                         fp32 accumulation, k in order
@@ -61,6 +75,10 @@ struct RuntimeConfig {
   float swiglu_limit = 7.0f;       // clamping limit of the SwiGLU-OAI MLP
   // Rank-local: CPU threads one rank uses (0 = hardware concurrency). Not agreed.
   int threads = 1;
+  // Rank-local, CUDA backend: the cudaStream_t every kernel is queued on (the engine's stream, so
+  // an engine capture records them); null: a stream the runtime owns (Runtime::cuda_stream()).
+  // prepare() refuses to run while this stream is capturing. Not agreed.
+  void* cuda_stream = nullptr;
 
   // The agreed fields, one line: what the host agreement compares.
   std::string to_string() const;
@@ -151,10 +169,11 @@ struct RuntimeStats {
   int64_t steps_accepted = 0;
   std::vector<int> buckets;           // the token buckets
   std::vector<int64_t> bucket_steps;  // accepted steps per bucket
-  int64_t graphs_captured = 0;        // 0 on the CPU backend
-  int64_t launches_per_layer = 0;     // 0 on the CPU backend
+  int64_t graphs_captured = 0;        // StepGraphs captures (0 on the CPU backend)
+  int64_t graph_replays = 0;          // StepGraphs replays
+  int64_t launches_per_layer = 0;     // kernel + NCCL launches of the last layer (0 on the CPU)
   std::vector<int> bound_layers;      // ascending
-  int64_t layers_run = 0;
+  int64_t layers_run = 0;             // eager forward_layer calls + layers of StepGraphs replays
 
   int64_t refusal_count(StepRefusal refusal) const {
     return refusals[static_cast<std::size_t>(refusal)];
@@ -180,9 +199,17 @@ class Runtime {
   PrepareResult prepare(const ModelWeights& model, const RuntimeConfig& config, Communicator& comm,
                         const StepContext& step = {});
 
-  // Decode metadata of one step (host tensors on the CPU backend). Returns false and counts the
-  // reason for a step the runtime does not serve; throws for malformed metadata.
+  // Decode metadata of one step (host tensors on the CPU backend; host tensors or tensors on the
+  // runtime's GPU on the CUDA backend). Returns false and counts the reason for a step the
+  // runtime does not serve; throws for malformed metadata. On the CUDA backend with host
+  // metadata, the copy goes through one of two pinned staging buffers: the host waits only when
+  // it is two steps ahead of the stream. Not while the stream is capturing (an error).
   bool begin_step(const BatchMeta& batch);
+  // The same, padded to `pad_to_reqs` >= batch.num_reqs requests (padding requests: seq_len 0,
+  // no slots, no pages), so a captured graph of that shape can replay the step; forward_layer
+  // then takes pad_to_reqs * q_len rows (padding rows: position -1). The refusal checks use the
+  // unpadded batch; pad_to_reqs * q_len must fit the largest token bucket.
+  bool begin_step(const BatchMeta& batch, int pad_to_reqs);
 
   // Runs sparse layer `layer` of the accepted step, in place:
   //   hidden   [rows, hidden] bf16: in, the layer input; out, h2 (or the MLP output)
@@ -203,8 +230,78 @@ class Runtime {
   RuntimeStats stats() const;
   RuntimeState state() const;
   // The fixed metadata buffers as the current step's BatchMeta (views whose data pointers never
-  // change between prepare and close; shapes follow the step).
+  // change between prepare and close; shapes follow the step). On the CUDA backend they are
+  // device tensors.
   const BatchMeta& step_metadata() const;
+
+  // Where the bound tensors live (valid while active; CPU otherwise).
+  Device device() const;
+  // The cudaStream_t the CUDA backend queues on (null on the CPU backend or when not active).
+  void* cuda_stream() const;
+  // The configuration of the last successful prepare.
+  const RuntimeConfig& config() const;
+
+  // The intermediates of the last forward_layer, for tests and tools: views of the runtime's
+  // scratch (host or device per backend, rows of the step), overwritten by the next layer.
+  struct LayerTrace {
+    TensorView normed;   // [rows, hidden] bf16, input_norm(hidden + residual)
+    TensorView qkv;      // [rows, qkv_width] bf16
+    TensorView q;        // [rows, QH, HD] bf16 after norm + RoPE
+    TensorView index_q;  // [rows, H, D] bf16 after norm + RoPE
+    TensorView topk;     // [rows, H, k] i32 selected blocks
+    TensorView attn;     // [rows, QH, HD] bf16 attention output
+  };
+  LayerTrace last_layer_trace() const;
+
+ private:
+  friend class StepGraphs;
+  // StepGraphs' bookkeeping: a capture (graphs_captured), a replay of `layers` layers.
+  void note_graph_captured();
+  void note_graph_replayed(int layers);
+  // CUDA backend: re-applies the kernels' launch attributes of this runtime's plans (another plan
+  // in the process may have changed them) before a capture.
+  void refresh_device_plans();
+
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// CUDA graphs of whole decode steps (CUDA backend): one graph per padded shape (requests x q_len)
+// holding forward_layer of every bound sparse layer in ascending order, over fixed device buffers
+// that this object owns, so the graph replays any step's metadata staged by begin_step. Layers
+// are chained through the engine's convention (the next layer's input is hidden + residual).
+//
+// Per step: write the step's rows into hidden() / residual() / positions() (rows
+// [0, batch.num_rows())), call run(batch): it pads the step to the token bucket (when the bucket
+// is a multiple of q_len and the padded requests fit max_requests), stages the metadata
+// (begin_step), sets the padding rows' positions to -1, then replays the graph of that shape,
+// capturing it on first use. Outputs are in hidden() / residual() when the stream is done.
+// Destroy (or reset()) every StepGraphs before detach / close of its runtime. Every rank of a TP
+// group must run the same steps (the graphs hold the NCCL all-reduces).
+class StepGraphs {
+ public:
+  // `runtime` must be active on the CUDA backend and outlive this object.
+  explicit StepGraphs(Runtime& runtime);
+  ~StepGraphs();
+  StepGraphs(const StepGraphs&) = delete;
+  StepGraphs& operator=(const StepGraphs&) = delete;
+
+  TensorView hidden() const;     // [max_rows, hidden] bf16 on the runtime's device
+  TensorView residual() const;   // [max_rows, hidden] bf16
+  TensorView positions() const;  // [max_rows] i64
+
+  // One decode step through a graph. Returns false (nothing run) where begin_step refused.
+  bool run(const BatchMeta& batch);
+  // The same step run eagerly (forward_layer calls, no graph) over the same buffers and padding.
+  bool run_eager(const BatchMeta& batch);
+  // Replays the graph of the last run() once more on the metadata that run() staged, without
+  // begin_step (benchmarks: the layers alone). Throws when run() has not succeeded yet.
+  void replay_last();
+  // The padded request count run() uses for this batch shape.
+  int padded_requests(int num_reqs, int q_len) const;
+  int64_t graphs() const;
+  // Destroys every graph (the buffers stay).
+  void reset();
 
  private:
   struct Impl;

@@ -118,17 +118,22 @@ std::vector<int64_t> contiguous_strides(const TensorView& t) {
 
 // Checks one bound tensor; true when it can be used as is. A negative expected extent matches
 // any extent.
+// Every tensor lives on `device` (the first bound qkv_proj's): one backend runs the layers.
 bool check_bound(Problems& problems, const TensorView& t, const std::string& name,
-                 const std::vector<DType>& dtypes, const std::vector<int64_t>& shape) {
+                 const std::vector<DType>& dtypes, const std::vector<int64_t>& shape,
+                 const Device& device) {
   const std::string expected = dtype_list(dtypes) + expected_shape(shape);
   if (!t.defined()) {
     problems.error(ErrorCode::kInvalidArgument, name + ": not bound (expected " + expected + ")");
     return false;
   }
   bool ok = true;
-  if (t.device.type != DeviceType::kCPU) {
-    problems.unsupported(name + ": expected a host tensor (the CPU backend), found one on " +
-                         device_name(t.device));
+  if (!(t.device == device)) {
+    problems.error(ErrorCode::kInvalidArgument,
+                   name + ": expected a tensor on " + device_name(device) +
+                       " (where the first bound qkv_proj is; every tensor must be on one "
+                       "device), found one on " +
+                       device_name(t.device));
     ok = false;
   }
   bool dtype_ok = false;
@@ -163,12 +168,13 @@ bool check_bound(Problems& problems, const TensorView& t, const std::string& nam
 
 // A projection weight and, for fp8, its per-output-channel scale.
 void check_projection(Problems& problems, const TensorView& weight, const TensorView& scale,
-                      const std::string& name, int64_t out_features, int64_t in_features) {
+                      const std::string& name, int64_t out_features, int64_t in_features,
+                      const Device& device) {
   const bool ok = check_bound(problems, weight, name, {DType::kBF16, DType::kFP8E4M3},
-                              {out_features, in_features});
+                              {out_features, in_features}, device);
   if (!ok) return;
   if (weight.dtype == DType::kFP8E4M3) {
-    check_bound(problems, scale, name + "_scale", {DType::kF32}, {out_features});
+    check_bound(problems, scale, name + "_scale", {DType::kF32}, {out_features}, device);
   } else if (scale.defined()) {
     problems.error(ErrorCode::kInvalidArgument,
                    name + "_scale: given for a bf16 weight (scales go with fp8 weights only)");
@@ -284,7 +290,7 @@ void check_readiness(const ModelWeights& model, Problems& problems) {
 }
 
 void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights& model,
-                   Problems& problems, std::vector<LayerWeights>& by_layer) {
+                   Problems& problems, std::vector<LayerWeights>& by_layer, Device& device) {
   const ModelConfig& m = config.model;
   const SparseConfig sc = m.sparse(tp_size);
   const int first = m.first_sparse_layer;
@@ -306,6 +312,14 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
     slot = &layer;
   }
 
+  device = Device::cpu();
+  for (const LayerWeights* w : slots) {
+    if (w != nullptr && w->qkv_proj.defined()) {
+      device = w->qkv_proj.device;
+      break;
+    }
+  }
+
   const int64_t hidden = m.hidden;
   const int64_t width = sc.qkv_width();
   const int64_t attn_width = int64_t{sc.q_heads} * sc.head_dim;
@@ -323,19 +337,23 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
                      prefix + "is a sparse layer but is not bound (every sparse layer must be)");
       continue;
     }
-    check_projection(problems, w->qkv_proj, w->qkv_proj_scale, prefix + "qkv_proj", width, hidden);
-    check_bound(problems, w->q_norm, prefix + "q_norm", {DType::kBF16}, {sc.head_dim});
-    check_bound(problems, w->k_norm, prefix + "k_norm", {DType::kBF16}, {sc.head_dim});
-    check_bound(problems, w->index_q_norm, prefix + "index_q_norm", {DType::kBF16}, {sc.index_dim});
-    check_bound(problems, w->index_k_norm, prefix + "index_k_norm", {DType::kBF16}, {sc.index_dim});
-    check_bound(problems, w->input_norm, prefix + "input_norm", {DType::kBF16}, {hidden});
+    check_projection(problems, w->qkv_proj, w->qkv_proj_scale, prefix + "qkv_proj", width, hidden,
+                     device);
+    check_bound(problems, w->q_norm, prefix + "q_norm", {DType::kBF16}, {sc.head_dim}, device);
+    check_bound(problems, w->k_norm, prefix + "k_norm", {DType::kBF16}, {sc.head_dim}, device);
+    check_bound(problems, w->index_q_norm, prefix + "index_q_norm", {DType::kBF16}, {sc.index_dim},
+                device);
+    check_bound(problems, w->index_k_norm, prefix + "index_k_norm", {DType::kBF16}, {sc.index_dim},
+                device);
+    check_bound(problems, w->input_norm, prefix + "input_norm", {DType::kBF16}, {hidden}, device);
     check_bound(problems, w->post_attention_norm, prefix + "post_attention_norm", {DType::kBF16},
-                {hidden});
-    check_projection(problems, w->o_proj, w->o_proj_scale, prefix + "o_proj", hidden, attn_width);
+                {hidden}, device);
+    check_projection(problems, w->o_proj, w->o_proj_scale, prefix + "o_proj", hidden, attn_width,
+                     device);
 
     if (check_bound(problems, w->kv_cache.data, prefix + "kv_cache",
                     {DType::kBF16, DType::kFP8E4M3},
-                    {-1, sc.kv_heads, 2, sc.block_size, sc.head_dim})) {
+                    {-1, sc.kv_heads, 2, sc.block_size, sc.head_dim}, device)) {
       if (!positive_finite(w->kv_cache.k_scale) || !positive_finite(w->kv_cache.v_scale)) {
         problems.error(ErrorCode::kInvalidArgument,
                        prefix + "kv_cache: k_scale and v_scale must be finite and > 0, found " +
@@ -354,7 +372,7 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
       }
     }
     if (check_bound(problems, w->index_cache.data, prefix + "index_cache",
-                    {DType::kBF16, DType::kFP8E4M3}, {-1, sc.block_size, sc.index_dim})) {
+                    {DType::kBF16, DType::kFP8E4M3}, {-1, sc.block_size, sc.index_dim}, device)) {
       if (index_pages < 0) {
         index_pages = w->index_cache.pages();
         index_pages_layer = id;
@@ -377,8 +395,9 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
                      prefix + "mlp: MLP weights are bound but model.intermediate is 0");
     } else if (has_gate_up) {
       check_bound(problems, w->mlp_gate_up, prefix + "mlp_gate_up", {DType::kBF16},
-                  {2 * mlp_width, hidden});
-      check_bound(problems, w->mlp_down, prefix + "mlp_down", {DType::kBF16}, {hidden, mlp_width});
+                  {2 * mlp_width, hidden}, device);
+      check_bound(problems, w->mlp_down, prefix + "mlp_down", {DType::kBF16}, {hidden, mlp_width},
+                  device);
     }
   }
   if (!problems.empty()) return;

@@ -1,6 +1,7 @@
-// The runtime's lifecycle (mono.md) on the CPU backend: the staged, collectively agreed prepare,
-// begin_step into fixed metadata buffers, forward_layer through the CPU reference, detach and
-// close. Everything a step needs is allocated in prepare; the step path allocates nothing.
+// The runtime's lifecycle (mono.md): the staged, collectively agreed prepare, begin_step into
+// fixed metadata buffers, forward_layer (the CPU reference here, or the CUDA backend of
+// gpu_layer.cc when the bound tensors are on a GPU), detach and close. Everything a step needs is
+// allocated in prepare; the step path allocates nothing.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -95,6 +96,7 @@ std::string RuntimeStats::to_json() const {
   j["buckets"] = buckets;
   j["bucket_steps"] = bucket_steps;
   j["graphs_captured"] = graphs_captured;
+  j["graph_replays"] = graph_replays;
   j["launches_per_layer"] = launches_per_layer;
   j["bound_layers"] = bound_layers;
   j["layers_run"] = layers_run;
@@ -161,6 +163,9 @@ struct Runtime::Impl {
   std::vector<LayerWeights> layers;  // index: layer - first_sparse_layer
   int max_rows = 0;
   int64_t max_blocks = 0;
+  Device device = Device::cpu();                   // where the bound tensors are
+  std::unique_ptr<runtime_detail::GpuEngine> gpu;  // the CUDA backend's device state
+  int64_t last_rows = 0;                           // rows of the last forward_layer
 
   // Fixed metadata buffers: allocated at prepare, addresses stable until close.
   HostTensor seq_lens;            // [max_requests] i32
@@ -277,6 +282,9 @@ struct Runtime::Impl {
   }
 
   void release() {
+    gpu.reset();  // synchronizes its stream, then frees the device buffers
+    device = Device::cpu();
+    last_rows = 0;
     layers.clear();
     seq_lens = {};
     index_block_table = {};
@@ -326,12 +334,59 @@ const BatchMeta& Runtime::step_metadata() const {
   return impl_->step;
 }
 
+Device Runtime::device() const {
+  return impl_->device;
+}
+
+void* Runtime::cuda_stream() const {
+  return impl_->gpu ? impl_->gpu->stream() : nullptr;
+}
+
+const RuntimeConfig& Runtime::config() const {
+  return impl_->config;
+}
+
+Runtime::LayerTrace Runtime::last_layer_trace() const {
+  const Impl& s = *impl_;
+  const int64_t rows = s.last_rows;
+  if (s.gpu) return s.gpu->trace(rows);
+  LayerTrace t;
+  if (s.state != RuntimeState::kActive) return t;
+  const SparseConfig& sc = s.sparse;
+  auto view = [&](const HostTensor& h, DType dtype, std::initializer_list<int64_t> shape) {
+    return TensorView::contiguous(const_cast<void*>(h.data()), dtype, shape);
+  };
+  t.normed = view(s.normed, DType::kBF16, {rows, int64_t{s.config.model.hidden}});
+  t.qkv = view(s.qkv, DType::kBF16, {rows, sc.qkv_width()});
+  t.q = view(s.q, DType::kBF16, {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
+  t.index_q = view(s.index_q, DType::kBF16, {rows, int64_t{sc.index_heads}, int64_t{sc.index_dim}});
+  t.topk = view(s.topk, DType::kI32, {rows, int64_t{sc.index_heads}, int64_t{sc.topk}});
+  t.attn = view(s.attn, DType::kBF16, {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
+  return t;
+}
+
+void Runtime::note_graph_captured() {
+  ++impl_->stats.graphs_captured;
+}
+
+void Runtime::note_graph_replayed(int layers) {
+  ++impl_->stats.graph_replays;
+  impl_->stats.layers_run += layers;
+}
+
+void Runtime::refresh_device_plans() {
+  if (impl_->gpu) impl_->gpu->refresh_plans();
+}
+
 PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& config,
                                Communicator& comm, const StepContext& step) {
   Impl& s = *impl_;
   M3MSA_CHECK_ARG(!step.capturing,
                   "prepare: called while a stream is capturing; prepare runs only in an eager "
                   "step (mono.md lifecycle 1)");
+  M3MSA_CHECK_ARG(!runtime_detail::stream_is_capturing(config.cuda_stream),
+                  "prepare: config.cuda_stream is capturing a graph; prepare runs only in an "
+                  "eager step (mono.md lifecycle 1)");
   if (s.state == RuntimeState::kFallback) return PrepareResult::kFallback;  // final
   if (s.state == RuntimeState::kActive) return PrepareResult::kActive;
   if (!step.has_metadata) {
@@ -375,12 +430,26 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
   // Stage 3: weight support; binds views and allocates every buffer a step needs.
   std::vector<LayerWeights> bound;
   mine = run_stage([&](Problems& problems) {
-    runtime_detail::check_weights(config, tp, model, problems, bound);
+    Device device = Device::cpu();
+    runtime_detail::check_weights(config, tp, model, problems, bound, device);
     if (!problems.empty()) return;
+    const bool cuda = device.type == DeviceType::kCUDA;
+    if (cuda) {
+      runtime_detail::check_gpu_support(config, tp, comm, bound, device, problems);
+      if (!problems.empty()) return;
+    }
     s.config = config;
     s.sparse = config.model.sparse(tp);
     s.layers = bound;
-    s.allocate();
+    s.device = device;
+    s.stats.backend = cuda ? "cuda" : "cpu";
+    if (cuda) {
+      s.max_rows = config.token_buckets.back();
+      s.max_blocks = (config.max_context + config.model.block_size - 1) / config.model.block_size;
+      s.gpu = runtime_detail::make_gpu_engine(config, tp, comm, bound, device);
+    } else {
+      s.allocate();
+    }
   });
   try {
     all = s.agree("prepare/weight support", mine);
@@ -394,6 +463,14 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
     s.state = RuntimeState::kFallback;
     return PrepareResult::kFallback;
   }
+  if (s.gpu) {
+    try {
+      s.gpu->warm_up(comm);  // every rank is here: the stage was agreed
+    } catch (...) {
+      s.release();
+      throw;
+    }
+  }
   s.stats.buckets = config.token_buckets;
   s.stats.bucket_steps.assign(config.token_buckets.size(), 0);
   s.stats.bound_layers.clear();
@@ -403,6 +480,10 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
 }
 
 bool Runtime::begin_step(const BatchMeta& batch) {
+  return begin_step(batch, batch.num_reqs);
+}
+
+bool Runtime::begin_step(const BatchMeta& batch, int pad_to_reqs) {
   Impl& s = *impl_;
   s.step_open = false;
   if (s.state != RuntimeState::kActive) {
@@ -412,7 +493,15 @@ bool Runtime::begin_step(const BatchMeta& batch) {
   if (batch.kind != BatchKind::kDecode) {
     return s.refuse(StepRefusal::kPrefill, "the batch is not a pure decode batch");
   }
-  validate_batch_shapes(batch, Device::cpu());
+  // Host metadata everywhere; the CUDA backend also takes metadata on its own device.
+  const Device meta_device = batch.seq_lens.defined() ? batch.seq_lens.device : Device::cpu();
+  M3MSA_CHECK_ARG(meta_device.type == DeviceType::kCPU || meta_device == s.device,
+                  "begin_step: the metadata is on ", device_name(meta_device),
+                  "; expected host tensors", (s.gpu ? " or tensors on " : ""),
+                  (s.gpu ? device_name(s.device) : std::string()));
+  validate_batch_shapes(batch, meta_device);
+  M3MSA_CHECK_ARG(pad_to_reqs >= batch.num_reqs, "begin_step: pad_to_reqs ", pad_to_reqs,
+                  " is below num_reqs ", batch.num_reqs);
   M3MSA_CHECK_ARG(batch.index_block_table.defined() && batch.kv_block_table.defined(),
                   "begin_step: both block tables are required");
   M3MSA_CHECK_ARG(batch.slot_mapping.defined() && batch.index_slot_mapping.defined(),
@@ -432,50 +521,72 @@ bool Runtime::begin_step(const BatchMeta& batch) {
     return s.refuse(StepRefusal::kTokenCount, std::to_string(rows) + " tokens (largest bucket " +
                                                   std::to_string(c.token_buckets.back()) + ")");
   }
-  // seq_lens are host memory on this backend; a device backend cannot read them on the step path
-  // and relies on the engine's maximum model length being <= max_context instead.
-  const int32_t* lens = batch.seq_lens.ptr<const int32_t>();
-  for (int r = 0; r < batch.num_reqs; ++r) {
-    if (lens[r] > c.max_context) {
-      return s.refuse(StepRefusal::kContextTooLong,
-                      "request " + std::to_string(r) + " has " + std::to_string(lens[r]) +
-                          " tokens > max_context " + std::to_string(c.max_context));
-    }
-  }
-
-  // Copy into the fixed buffers (addresses never change; only the views' shapes follow the step).
   const int n = batch.num_reqs;
-  std::memcpy(s.seq_lens.data(), batch.seq_lens.data,
-              sizeof(int32_t) * static_cast<std::size_t>(n));
-  const std::pair<const TensorView*, HostTensor*> tables[] = {
-      {&batch.index_block_table, &s.index_block_table}, {&batch.kv_block_table, &s.kv_block_table}};
-  for (const auto& [src, dst] : tables) {
-    const int64_t cols = std::min<int64_t>(src->shape[1], s.max_blocks);
-    int32_t* out = dst->ptr<int32_t>();
+  const int pad = pad_to_reqs;
+  const int64_t padded_rows = int64_t{pad} * batch.q_len;
+  M3MSA_CHECK_ARG(pad <= c.max_requests && padded_rows <= s.max_rows, "begin_step: pad_to_reqs ",
+                  pad, " x q_len ", batch.q_len, " exceeds max_requests ", c.max_requests,
+                  " or the largest token bucket ", s.max_rows);
+  // Host seq_lens can be checked here; device metadata cannot be read on the step path, so a
+  // device backend relies on the engine's maximum model length being <= max_context instead.
+  if (meta_device.type == DeviceType::kCPU) {
+    const int32_t* lens = batch.seq_lens.ptr<const int32_t>();
     for (int r = 0; r < n; ++r) {
-      const int32_t* in = src->ptr<const int32_t>() + r * src->strides[0];
-      std::memcpy(out + r * s.max_blocks, in, sizeof(int32_t) * static_cast<std::size_t>(cols));
-      std::fill(out + r * s.max_blocks + cols, out + (r + 1) * s.max_blocks, -1);
+      if (lens[r] > c.max_context) {
+        return s.refuse(StepRefusal::kContextTooLong,
+                        "request " + std::to_string(r) + " has " + std::to_string(lens[r]) +
+                            " tokens > max_context " + std::to_string(c.max_context));
+      }
     }
   }
-  std::memcpy(s.slot_mapping.data(), batch.slot_mapping.data,
-              sizeof(int64_t) * static_cast<std::size_t>(rows));
-  std::memcpy(s.index_slot_mapping.data(), batch.index_slot_mapping.data,
-              sizeof(int64_t) * static_cast<std::size_t>(rows));
 
-  BatchMeta& step = s.step;
-  step = BatchMeta{};
-  step.kind = BatchKind::kDecode;
-  step.num_reqs = n;
-  step.q_len = batch.q_len;
-  step.seq_lens = TensorView::contiguous(s.seq_lens.data(), DType::kI32, {int64_t{n}});
-  step.index_block_table =
-      TensorView::contiguous(s.index_block_table.data(), DType::kI32, {int64_t{n}, s.max_blocks});
-  step.kv_block_table =
-      TensorView::contiguous(s.kv_block_table.data(), DType::kI32, {int64_t{n}, s.max_blocks});
-  step.slot_mapping = TensorView::contiguous(s.slot_mapping.data(), DType::kI64, {rows});
-  step.index_slot_mapping =
-      TensorView::contiguous(s.index_slot_mapping.data(), DType::kI64, {rows});
+  if (s.gpu) {
+    s.step = s.gpu->stage_step(batch, pad);
+  } else {
+    // Copy into the fixed buffers (addresses never change; only the views' shapes follow the
+    // step). Padding requests: length 0, no pages; padding rows: no slots.
+    int32_t* seq = s.seq_lens.ptr<int32_t>();
+    std::memcpy(seq, batch.seq_lens.data, sizeof(int32_t) * static_cast<std::size_t>(n));
+    std::fill(seq + n, seq + pad, 0);
+    const std::pair<const TensorView*, HostTensor*> tables[] = {
+        {&batch.index_block_table, &s.index_block_table},
+        {&batch.kv_block_table, &s.kv_block_table}};
+    for (const auto& [src, dst] : tables) {
+      const int64_t cols = std::min<int64_t>(src->shape[1], s.max_blocks);
+      int32_t* out = dst->ptr<int32_t>();
+      for (int r = 0; r < pad; ++r) {
+        int64_t copied = 0;
+        if (r < n) {
+          const int32_t* in = src->ptr<const int32_t>() + r * src->strides[0];
+          for (int64_t col = 0; col < cols; ++col)
+            out[r * s.max_blocks + col] = in[col * src->strides[1]];
+          copied = cols;
+        }
+        std::fill(out + r * s.max_blocks + copied, out + (r + 1) * s.max_blocks, -1);
+      }
+    }
+    const std::pair<const TensorView*, HostTensor*> slot_maps[] = {
+        {&batch.slot_mapping, &s.slot_mapping}, {&batch.index_slot_mapping, &s.index_slot_mapping}};
+    for (const auto& [src, dst] : slot_maps) {
+      int64_t* out = dst->ptr<int64_t>();
+      std::memcpy(out, src->data, sizeof(int64_t) * static_cast<std::size_t>(rows));
+      std::fill(out + rows, out + padded_rows, int64_t{-1});
+    }
+
+    BatchMeta& step = s.step;
+    step = BatchMeta{};
+    step.kind = BatchKind::kDecode;
+    step.num_reqs = pad;
+    step.q_len = batch.q_len;
+    step.seq_lens = TensorView::contiguous(s.seq_lens.data(), DType::kI32, {int64_t{pad}});
+    step.index_block_table = TensorView::contiguous(s.index_block_table.data(), DType::kI32,
+                                                    {int64_t{pad}, s.max_blocks});
+    step.kv_block_table =
+        TensorView::contiguous(s.kv_block_table.data(), DType::kI32, {int64_t{pad}, s.max_blocks});
+    step.slot_mapping = TensorView::contiguous(s.slot_mapping.data(), DType::kI64, {padded_rows});
+    step.index_slot_mapping =
+        TensorView::contiguous(s.index_slot_mapping.data(), DType::kI64, {padded_rows});
+  }
   ++s.stats.steps_accepted;
   ++s.stats.bucket_steps[static_cast<std::size_t>(bucket - c.token_buckets.begin())];
   s.step_open = true;
@@ -504,7 +615,21 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
   for (const auto& [view, name] : {std::pair{hidden, "forward_layer: hidden"},
                                    {residual, "forward_layer: residual"},
                                    {positions, "forward_layer: positions"}}) {
-    check_device(view, name, Device::cpu());
+    check_device(view, name, s.device);
+    M3MSA_CHECK_ARG(view.is_contiguous(), name, " must be contiguous, got ", describe(view));
+  }
+  s.last_rows = rows;
+  if (s.gpu) {
+    for (const auto& [view, name] :
+         {std::pair{hidden, "forward_layer: hidden"}, {residual, "forward_layer: residual"}}) {
+      M3MSA_CHECK_ARG(reinterpret_cast<uintptr_t>(view.data) % 16 == 0, name,
+                      " must be 16-byte aligned on the CUDA backend, got address ", view.data);
+    }
+    s.gpu->forward_layer(w, s.step, hidden, residual, positions);
+    s.stats.launches_per_layer = s.gpu->launches_per_layer();
+    // Inside a capture nothing ran yet: replays are counted by StepGraphs.
+    if (!runtime_detail::stream_is_capturing(s.gpu->stream())) ++s.stats.layers_run;
+    return;
   }
   const SparseConfig& sc = s.sparse;
   const int threads = s.config.threads;
@@ -617,6 +742,7 @@ void Runtime::detach(const std::vector<LayerCaches>& replacement) {
     }
   });
   if (s.state == RuntimeState::kActive) {
+    if (s.gpu) s.gpu->drain(*s.comm);
     // All ranks detach together: agree, so a bad replacement on one rank fails every rank.
     const std::vector<Outcome> all = s.agree("detach", mine);
     for (const Outcome& o : all) {
@@ -642,6 +768,7 @@ void Runtime::close() {
                      " layers_run=" + std::to_string(s.stats.layers_run);
   std::vector<Outcome> all;
   try {
+    if (s.gpu) s.gpu->drain(*s.comm);
     all = s.agree("close", mine);
   } catch (...) {
     s.release();

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -54,10 +55,50 @@ class Problems {
 void check_model_support(const RuntimeConfig& config, int tp_size, Problems& problems);
 // Stage 2: every bound layer's caches are given and non-empty.
 void check_readiness(const ModelWeights& model, Problems& problems);
-// Stage 3: every sparse layer bound once, every tensor's dtype, shape, layout and device.
-// Fills `by_layer` (index = layer - first_sparse_layer) when there is no problem.
+// Stage 3: every sparse layer bound once, every tensor's dtype, shape, layout and device (all on
+// one device: the first bound layer's qkv_proj's, written to `device`). Fills `by_layer` (index
+// = layer - first_sparse_layer) when there is no problem.
 void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights& model,
-                   Problems& problems, std::vector<LayerWeights>& by_layer);
+                   Problems& problems, std::vector<LayerWeights>& by_layer, Device& device);
+
+// ---- The CUDA backend (gpu_layer.cc; stubs without CUDA) ----
+
+// Stage 3 on a CUDA device: what the kernels, the row buckets and the TP reduce support
+// (unsupported outcomes naming the value), and the communicator's device (an error on mismatch).
+// Without CUDA: unsupported ("this build has no CUDA backend").
+void check_gpu_support(const RuntimeConfig& config, int tp_size, Communicator& comm,
+                       const std::vector<LayerWeights>& layers, Device device, Problems& problems);
+
+// Whether `stream` (a cudaStream_t; null = none given) is capturing. False without CUDA.
+bool stream_is_capturing(void* stream);
+
+// One rank's device state: fixed metadata buffers, scratch, plans, the stream, the NCCL handle.
+// Everything is allocated by make_gpu_engine() (prepare) and freed by the destructor (close),
+// which synchronizes the stream first.
+class GpuEngine {
+ public:
+  virtual ~GpuEngine() = default;
+  // Copies one step's metadata (host tensors, or tensors on the engine's device) into the fixed
+  // buffers, padded to `padded_reqs` requests; returns views over them.
+  virtual BatchMeta stage_step(const BatchMeta& batch, int padded_reqs) = 0;
+  // One sparse layer on the stream (tensors on the engine's device; shapes checked by the caller).
+  virtual void forward_layer(const LayerWeights& w, const BatchMeta& step, const TensorView& hidden,
+                             const TensorView& residual, const TensorView& positions) = 0;
+  virtual void* stream() const = 0;
+  virtual int64_t launches_per_layer() const = 0;
+  virtual Runtime::LayerTrace trace(int64_t rows) const = 0;
+  virtual void refresh_plans() = 0;
+  // After every rank bound its engine (a collective): one small NCCL all-reduce, waited for with
+  // the communicator's bound, so NCCL's lazy setup never happens inside a capture.
+  virtual void warm_up(Communicator& comm) = 0;
+  // Waits until the stream is idle (bounded by the NCCL communicator's timeout at TP > 1, which
+  // aborts it on expiry), so host collectives on the same communicator never overlap the layers'.
+  virtual void drain(Communicator& comm) = 0;
+};
+
+std::unique_ptr<GpuEngine> make_gpu_engine(const RuntimeConfig& config, int tp_size,
+                                           Communicator& comm,
+                                           const std::vector<LayerWeights>& layers, Device device);
 
 // ---- CPU layer math (cpu_layer.cc) ----
 

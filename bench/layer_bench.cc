@@ -1,0 +1,474 @@
+// m3msa bench layer: one sparse layer of the fused decode runtime (runtime.h, CUDA backend)
+// under CUDA-graph replay, at M3's attention dimensions (hidden 6144, 64 q heads, 4 KV heads,
+// 4 index heads, head and index dim 128, blocks of 128, top-16), no MLP.
+//
+// Per configuration (TP x weights x tokens x q_len x context): every rank binds `--layers`
+// distinct sparse layers (their own weights and caches, so no layer finds another's bytes in the
+// 60 MB L2), StepGraphs captures the whole step once, and each replay runs all of them; the time
+// of one layer = replay time / layers (CUDA events on rank 0's stream; ranks as threads, one GPU
+// each, NCCL all-reduce). Median and noise ((p90 - p10) / median) over the replays.
+//
+// Floor (per rank): (projection weights + norms + the cache bytes a layer must read) / 4.57 TB/s,
+// plus one NCCL all-reduce of the layer's o_proj output (rows x hidden f32) measured in the same
+// run at TP > 1. Cache bytes: the index-K cache of every visible block of every request (the
+// replicated indexer scores them all) and, per request and KV head of the rank, min(topk, blocks)
+// selected K and V blocks (rows of one request are assumed to share them: a lower bound).
+// ratio = median / floor; the target is <= 1.5x at <= 4 requests.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nccl.h>
+
+#include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cstdio>
+#include <exception>
+#include <functional>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "bench_registry.h"
+#include "cuda/common.cuh"
+#include "fill.h"
+#include "harness.h"
+#include "m3msa/backend.h"
+#include "m3msa/comm.h"
+#include "m3msa/cp_cuda.h"
+#include "m3msa/error.h"
+#include "m3msa/runtime.h"
+
+namespace m3msa::bench {
+namespace {
+
+struct Config {
+  int tp = 1;
+  DType weights = DType::kBF16;
+  DType kv = DType::kBF16;
+  int tokens = 1;
+  int q_len = 1;
+  int64_t context = 0;
+  int layers = 4;
+};
+
+struct Result {
+  Timing timing;
+  int64_t launches = 0;
+  double weight_bytes = 0;
+  double cache_bytes = 0;
+  double allreduce_us = 0;
+  double floor_us = 0;
+};
+
+void run_threads(int world, const std::function<void(int)>& body) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+ModelConfig m3_model(int layers) {
+  ModelConfig m;  // M3 defaults
+  m.num_layers = m.first_sparse_layer + layers;
+  m.intermediate = 0;
+  return m;
+}
+
+// One rank's bound model: random weights and caches in device memory it owns.
+struct RankModel {
+  std::vector<cuda::DeviceBuffer> buffers;
+  ModelWeights weights;
+};
+
+TensorView device_view(void* data, DType dtype, std::vector<int64_t> shape, int device) {
+  return TensorView::contiguous(data, dtype, shape, Device::cuda(device));
+}
+
+RankModel build_rank(const Config& c, const ModelConfig& m, int device, int64_t pages,
+                     uint64_t seed, cudaStream_t stream) {
+  const SparseConfig sc = m.sparse(c.tp);
+  const int64_t H = m.hidden;
+  const int64_t W = sc.qkv_width();
+  const int64_t A = int64_t{sc.q_heads} * sc.head_dim;
+  const bool fp8 = c.weights == DType::kFP8E4M3;
+  RankModel r;
+  r.buffers.reserve(static_cast<std::size_t>(c.layers) * 16);
+  auto random = [&](DType dtype, std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t e : shape) n *= e;
+    r.buffers.emplace_back(static_cast<std::size_t>(n) * dtype_size(dtype));
+    fill_random(r.buffers.back().data(), n, dtype == DType::kFP8E4M3, seed++, stream);
+    return device_view(r.buffers.back().data(), dtype, shape, device);
+  };
+  auto scales = [&](int64_t n) {
+    // Per-channel scales of unit-variance fp8 weights: keep projections O(1) per term.
+    std::vector<float> host(static_cast<std::size_t>(n), 1.0f / 64.0f);
+    r.buffers.emplace_back(static_cast<std::size_t>(n) * sizeof(float));
+    CUDA_CHECK(cudaMemcpy(r.buffers.back().data(), host.data(), host.size() * sizeof(float),
+                          cudaMemcpyHostToDevice));
+    return device_view(r.buffers.back().data(), DType::kF32, {n}, device);
+  };
+  for (int i = 0; i < c.layers; ++i) {
+    LayerWeights w;
+    w.layer = m.first_sparse_layer + i;
+    w.qkv_proj = random(c.weights, {W, H});
+    if (fp8) w.qkv_proj_scale = scales(W);
+    w.q_norm = random(DType::kBF16, {sc.head_dim});
+    w.k_norm = random(DType::kBF16, {sc.head_dim});
+    w.index_q_norm = random(DType::kBF16, {sc.index_dim});
+    w.index_k_norm = random(DType::kBF16, {sc.index_dim});
+    w.input_norm = random(DType::kBF16, {H});
+    w.post_attention_norm = random(DType::kBF16, {H});
+    w.o_proj = random(c.weights, {H, A});
+    if (fp8) w.o_proj_scale = scales(H);
+    w.kv_cache.data = random(c.kv, {pages, sc.kv_heads, 2, sc.block_size, sc.head_dim});
+    w.kv_cache.k_scale = c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
+    w.kv_cache.v_scale = c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
+    w.index_cache.data = random(DType::kBF16, {pages, sc.block_size, sc.index_dim});
+    r.weights.layers.push_back(w);
+  }
+  // The fills ran on `stream`, the scale copies on the legacy stream: wait for both.
+  CUDA_CHECK(cudaDeviceSynchronize());
+  return r;
+}
+
+// Host metadata of the step: every request at `context` tokens, own pages r * nb + b.
+struct StepMeta {
+  HostTensor seq_lens, index_table, kv_table, slots, positions;
+  BatchMeta batch;
+};
+
+StepMeta make_step(int reqs, int q_len, int64_t context, int block_size) {
+  StepMeta s;
+  const int64_t nb = (context + block_size - 1) / block_size;
+  const int64_t rows = int64_t{reqs} * q_len;
+  s.seq_lens = HostTensor(DType::kI32, {reqs});
+  s.index_table = HostTensor(DType::kI32, {reqs, nb});
+  s.kv_table = HostTensor(DType::kI32, {reqs, nb});
+  s.slots = HostTensor(DType::kI64, {rows});
+  s.positions = HostTensor(DType::kI64, {rows});
+  for (int r = 0; r < reqs; ++r) {
+    s.seq_lens.ptr<int32_t>()[r] = static_cast<int32_t>(context);
+    for (int64_t b = 0; b < nb; ++b) {
+      s.index_table.ptr<int32_t>()[r * nb + b] = static_cast<int32_t>(r * nb + b);
+      s.kv_table.ptr<int32_t>()[r * nb + b] = static_cast<int32_t>(r * nb + b);
+    }
+    for (int j = 0; j < q_len; ++j) {
+      const int64_t pos = context - q_len + j;
+      s.positions.ptr<int64_t>()[r * q_len + j] = pos;
+      s.slots.ptr<int64_t>()[r * q_len + j] =
+          (r * nb + pos / block_size) * block_size + pos % block_size;
+    }
+  }
+  s.batch.kind = BatchKind::kDecode;
+  s.batch.num_reqs = reqs;
+  s.batch.q_len = q_len;
+  s.batch.seq_lens = s.seq_lens.view();
+  s.batch.index_block_table = s.index_table.view();
+  s.batch.kv_block_table = s.kv_table.view();
+  s.batch.slot_mapping = s.slots.view();
+  s.batch.index_slot_mapping = s.slots.view();  // the same pages layout in both caches
+  return s;
+}
+
+// One NCCL all-reduce of `count` f32 per rank, timed as a graph of 20 (median per call).
+double measure_allreduce(std::vector<std::unique_ptr<NcclCommunicator>>& comms, int64_t count) {
+  const int world = static_cast<int>(comms.size());
+  std::vector<double> per_call(static_cast<std::size_t>(world), 0.0);
+  run_threads(world, [&](int r) {
+    NcclCommunicator& comm = *comms[static_cast<std::size_t>(r)];
+    cuda::DeviceGuard guard(comm.device());
+    cuda::Stream stream;
+    cuda::DeviceBuffer buf(static_cast<std::size_t>(count) * sizeof(float));
+    CUDA_CHECK(cudaMemset(buf.data(), 0, buf.bytes()));
+    auto reduce = [&] {
+      const ncclResult_t rc =
+          ncclAllReduce(buf.data(), buf.data(), static_cast<std::size_t>(count), ncclFloat32,
+                        ncclSum, static_cast<ncclComm_t>(comm.nccl_comm()), stream.get());
+      M3MSA_CHECK(rc == ncclSuccess, ErrorCode::kInternal,
+                  "ncclAllReduce: ", ncclGetErrorString(rc));
+    };
+    reduce();
+    comm.wait(stream.get(), "bench layer: all-reduce warm-up");
+    constexpr int kCalls = 20;
+    cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
+      for (int i = 0; i < kCalls; ++i) reduce();
+    });
+    const Timing t = time_graph(graph, stream.get(), kCalls, 2, 10);
+    per_call[static_cast<std::size_t>(r)] = t.median_us;
+  });
+  return per_call[0];
+}
+
+Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>>& comms, int reps,
+                  uint64_t seed) {
+  const ModelConfig m = m3_model(c.layers);
+  const int reqs = c.tokens / c.q_len;
+  const int64_t nb = (c.context + m.block_size - 1) / m.block_size;
+  const int64_t pages = int64_t{reqs} * nb + 1;
+  RuntimeConfig config;
+  config.model = m;
+  config.token_buckets = {1, 2, 4, 8, 16};
+  config.query_lens = {1, 2, 4};
+  config.max_requests = 16;
+  config.max_context = nb * m.block_size;
+  const StepMeta meta = make_step(reqs, c.q_len, c.context, m.block_size);
+  const SparseConfig sc = m.sparse(c.tp);
+
+  Result res;
+  std::vector<Timing> timings(static_cast<std::size_t>(c.tp));
+  std::vector<int64_t> launches(static_cast<std::size_t>(c.tp), 0);
+  run_threads(c.tp, [&](int r) {
+    const int device = r;
+    cuda::DeviceGuard guard(device);
+    cuda::Stream stream;
+    RuntimeConfig rank_config = config;
+    rank_config.cuda_stream = stream.get();
+    RankModel model =
+        build_rank(c, m, device, pages, seed + 1000 * static_cast<uint64_t>(r), stream.get());
+    std::unique_ptr<Communicator> single;
+    Communicator* comm = nullptr;
+    if (c.tp == 1) {
+      single = make_single_rank_communicator();
+      comm = single.get();
+    } else {
+      comm = comms[static_cast<std::size_t>(r)].get();
+    }
+    Runtime rt([](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); });
+    const PrepareResult prepared = rt.prepare(model.weights, rank_config, *comm);
+    M3MSA_CHECK(prepared == PrepareResult::kActive, ErrorCode::kInternal,
+                "bench layer: prepare returned ", prepare_result_name(prepared), ": ",
+                rt.stats().to_json());
+    {
+      StepGraphs graphs(rt);
+      const int64_t rows = meta.batch.num_rows();
+      fill_random(graphs.hidden().data, rows * m.hidden, false, seed + 7, stream.get());
+      fill_random(graphs.residual().data, rows * m.hidden, false, seed + 8, stream.get());
+      CUDA_CHECK(cudaMemcpyAsync(graphs.positions().data, meta.positions.data(),
+                                 meta.positions.nbytes(), cudaMemcpyHostToDevice, stream.get()));
+      M3MSA_CHECK(graphs.run(meta.batch), ErrorCode::kInternal,
+                  "bench layer: step refused: ", rt.stats().last_refusal);
+      for (int i = 0; i < 3; ++i) graphs.replay_last();
+      CUDA_CHECK(cudaStreamSynchronize(stream.get()));
+      cuda::Event start, stop;
+      std::vector<double> per_layer_us;
+      for (int i = 0; i < reps; ++i) {
+        start.record(stream.get());
+        graphs.replay_last();
+        stop.record(stream.get());
+        per_layer_us.push_back(stop.elapsed_ms_since(start) * 1000.0 / c.layers);
+      }
+      Timing t;
+      t.median_us = percentile(per_layer_us, 0.5);
+      t.p10_us = percentile(per_layer_us, 0.1);
+      t.p90_us = percentile(per_layer_us, 0.9);
+      t.reps = reps;
+      timings[static_cast<std::size_t>(r)] = t;
+      launches[static_cast<std::size_t>(r)] = rt.stats().launches_per_layer;
+    }
+    rt.close();
+  });
+  res.timing = timings[0];
+  res.launches = launches[0];
+
+  const double welem = c.weights == DType::kFP8E4M3 ? 1.0 : 2.0;
+  const double W = static_cast<double>(sc.qkv_width());
+  const double H = m.hidden;
+  const double A = static_cast<double>(sc.q_heads) * sc.head_dim;
+  res.weight_bytes = (W * H + H * A) * welem +
+                     (c.weights == DType::kFP8E4M3 ? (W + H) * 4.0 : 0.0) +
+                     (2.0 * H + 2.0 * sc.head_dim + 2.0 * sc.index_dim) * 2.0;
+  const double kv_elem = c.kv == DType::kFP8E4M3 ? 1.0 : 2.0;
+  const double block_tokens = sc.block_size;
+  const double index_bytes = reqs * static_cast<double>(nb) * block_tokens * sc.index_dim * 2.0;
+  const double kv_bytes = reqs * static_cast<double>(sc.kv_heads) *
+                          std::min<double>(sc.topk, static_cast<double>(nb)) * 2.0 * block_tokens *
+                          sc.head_dim * kv_elem;
+  res.cache_bytes = index_bytes + kv_bytes;
+  if (c.tp > 1) {
+    res.allreduce_us = measure_allreduce(comms, int64_t{c.tokens} * m.hidden);
+  }
+  res.floor_us =
+      (res.weight_bytes + res.cache_bytes) / (kReadCeilingTBs * 1e12) * 1e6 + res.allreduce_us;
+  return res;
+}
+
+std::vector<int64_t> parse_list(const std::string& text) {
+  std::vector<int64_t> out;
+  std::size_t at = 0;
+  while (at < text.size()) {
+    std::size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    out.push_back(std::stoll(text.substr(at, end - at)));
+    at = end + 1;
+  }
+  return out;
+}
+
+std::vector<DType> parse_dtypes(const std::string& text, const char* what) {
+  std::vector<DType> out;
+  std::size_t at = 0;
+  while (at < text.size()) {
+    std::size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    out.push_back(parse_dtype(text.substr(at, end - at), what));
+    at = end + 1;
+  }
+  return out;
+}
+
+int run_layer_bench(int argc, char** argv) {
+  CLI::App app{"one sparse layer of the fused decode runtime (graph replay, M3 dimensions)"};
+  std::string tokens = "1,4,16";
+  std::string q_lens = "1,4";
+  std::string contexts = "16384,131072";
+  std::string tps = "1,2";
+  std::string weights = "bf16,fp8";
+  std::string kv = "bf16";
+  int layers = 4;
+  int reps = 30;
+  uint64_t seed = 1;
+  bool quick = false;
+  std::string json_path;
+  std::string commit = "unknown";
+  app.add_option("--tokens", tokens, "comma-separated token rows per step (requests * q_len)");
+  app.add_option("--q-len", q_lens, "comma-separated query lengths");
+  app.add_option("--context", contexts, "comma-separated context lengths (tokens)");
+  app.add_option("--tp", tps, "comma-separated TP sizes (ranks as threads, one GPU each)");
+  app.add_option("--weights", weights, "comma-separated projection weight dtypes: bf16, fp8");
+  app.add_option("--kv", kv, "KV cache dtype: bf16 or fp8");
+  app.add_option("--layers", layers, "distinct sparse layers per captured step (L2 rotation)");
+  app.add_option("--reps", reps, "graph replays per configuration (median over them)");
+  app.add_option("--seed", seed, "random seed");
+  app.add_flag("--quick", quick, "subset: tokens 1,16 x q_len 1 x 128K, TP 1,2, bf16 and fp8");
+  app.add_option("--json", json_path, "write the results as JSON here");
+  app.add_option("--commit", commit, "commit id recorded in the JSON");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (quick) {
+    tokens = "1,16";
+    q_lens = "1";
+    contexts = "131072";
+    reps = std::min(reps, 20);
+  }
+  const int gpus = cuda_device_count();
+  if (gpus == 0) {
+    std::fprintf(stderr, "m3msa bench layer: no CUDA device visible\n");
+    return 1;
+  }
+  const DType kv_dtype = parse_dtype(kv, "--kv");
+  const std::vector<DType> weight_dtypes = parse_dtypes(weights, "--weights");
+  std::vector<int> tp_list;
+  for (int64_t tp : parse_list(tps)) {
+    if (tp > gpus) {
+      std::fprintf(stderr, "bench layer: TP %lld skipped: %d GPU(s) visible\n",
+                   static_cast<long long>(tp), gpus);
+      continue;
+    }
+    tp_list.push_back(static_cast<int>(tp));
+  }
+  std::fprintf(stderr,
+               "bench layer: CP on is not measured (the runtime's forward_layer has no CP "
+               "indexer yet)\n");
+  const std::string device = device_description();
+  std::printf(
+      "m3msa bench layer on %s; read ceiling %.2f TB/s; M3 attention dims, %d layers per graph, "
+      "kv %s, no MLP; per layer under graph replay\n",
+      device.c_str(), kReadCeilingTBs, layers, dtype_name(kv_dtype));
+  Table table({"tp", "weights", "tokens", "q_len", "reqs", "context", "median us", "noise",
+               "launches", "MB", "allreduce us", "floor us", "ratio"});
+  for (int tp : tp_list) {
+    std::vector<std::unique_ptr<NcclCommunicator>> comms;
+    if (tp > 1) {
+      std::vector<int> devices;
+      for (int r = 0; r < tp; ++r) devices.push_back(r);
+      comms = make_nccl_communicators_in_process(devices);
+    }
+    for (DType w : weight_dtypes) {
+      for (int64_t context : parse_list(contexts)) {
+        for (int64_t q : parse_list(q_lens)) {
+          for (int64_t t : parse_list(tokens)) {
+            if (t % q != 0) continue;  // tokens = requests * q_len
+            Config c;
+            c.tp = tp;
+            c.weights = w;
+            c.kv = kv_dtype;
+            c.tokens = static_cast<int>(t);
+            c.q_len = static_cast<int>(q);
+            c.context = context;
+            c.layers = layers;
+            const Result r = run_config(c, comms, reps, seed);
+            const double us = r.timing.median_us;
+            const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;
+            std::vector<std::string> cells = {fmt::format("{}", tp),
+                                              dtype_name(w),
+                                              fmt::format("{}", t),
+                                              fmt::format("{}", q),
+                                              fmt::format("{}", t / q),
+                                              fmt::format("{}", context),
+                                              fmt::format("{:.2f}", us),
+                                              fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
+                                              fmt::format("{}", r.launches),
+                                              fmt::format("{:.1f}", mb),
+                                              fmt::format("{:.2f}", r.allreduce_us),
+                                              fmt::format("{:.2f}", r.floor_us),
+                                              fmt::format("{:.2f}", us / r.floor_us)};
+            std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
+            const double tbs = (r.weight_bytes + r.cache_bytes) / (us * 1e-6) / 1e12;
+            table.add(cells, {{"bench", "layer"},
+                              {"tp", tp},
+                              {"cp", false},
+                              {"weights", dtype_name(w)},
+                              {"kv", dtype_name(kv_dtype)},
+                              {"tokens", t},
+                              {"q_len", q},
+                              {"requests", t / q},
+                              {"context", context},
+                              {"layers_per_graph", layers},
+                              {"median_us", us},
+                              {"p10_us", r.timing.p10_us},
+                              {"p90_us", r.timing.p90_us},
+                              {"noise", r.timing.noise()},
+                              {"launches_per_layer", r.launches},
+                              {"weight_bytes", r.weight_bytes},
+                              {"cache_bytes", r.cache_bytes},
+                              {"allreduce_us", r.allreduce_us},
+                              {"floor_us", r.floor_us},
+                              {"ratio", us / r.floor_us},
+                              {"tb_per_s", tbs},
+                              {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
+                              {"device", device},
+                              {"commit", commit}});
+            write_json(json_path, table.records());  // a stopped run keeps what it measured
+          }
+        }
+      }
+    }
+  }
+  table.print();
+  write_json(json_path, table.records());
+  return 0;
+}
+
+const m3msa::cli::BenchRegistrar kRegistrar("layer",
+                                            "one sparse layer of the fused runtime (graph replay)",
+                                            run_layer_bench);
+
+}  // namespace
+}  // namespace m3msa::bench

@@ -1,0 +1,366 @@
+// The small kernels of the fused decode runtime (runtime_kernels.h): residual add + Gemma
+// RMSNorm, the skinny projection GEMM, SwiGLU-OAI and the f32 -> bf16 conversion, with their
+// launchers. Framework-free kernels, host validation in the launchers.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/runtime_kernels.h"
+#include "m3msa/dtype.h"
+#include "m3msa/error.h"
+
+namespace m3msa::cuda {
+namespace rk {
+
+// ---- Residual add + Gemma RMSNorm ----
+
+inline constexpr int kNormThreads = 256;
+inline constexpr int kNormWarps = kNormThreads / 32;
+
+__device__ __forceinline__ void unpack_bf16x8(const uint4& v, float (&f)[8]) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(w[i] << 16);
+    f[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+  }
+}
+
+__device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = static_cast<uint32_t>(float_to_bf16(f[2 * i])) |
+           (static_cast<uint32_t>(float_to_bf16(f[2 * i + 1])) << 16);
+  }
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// One CTA per row. Pass 1: x = bf16(residual + delta) -> residual, sum of squares; a fixed-order
+// block reduction; pass 2: y = bf16((x * r) * (1 + w)) -> out. Each thread re-reads only what it
+// wrote itself, and reads delta[i] before writing out[i], so out may alias delta.
+__global__ void __launch_bounds__(kNormThreads)
+    add_rmsnorm_kernel(const __grid_constant__ AddNormParams p) {
+  __shared__ float s_partial[kNormWarps];
+  __shared__ float s_rms;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * p.n;
+  uint16_t* residual = p.residual + base;
+  float sum = 0.0f;
+  for (int i = threadIdx.x * 8; i < p.n; i += kNormThreads * 8) {
+    float r[8], d[8], x[8];
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(residual + i), r);
+    if (p.delta_f32) {
+      const float* delta = static_cast<const float*>(p.delta) + base + i;
+      const float4 d0 = *reinterpret_cast<const float4*>(delta);
+      const float4 d1 = *reinterpret_cast<const float4*>(delta + 4);
+      const float raw[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+#pragma unroll
+      for (int j = 0; j < 8; ++j) d[j] = round_to_bf16(raw[j]);
+    } else {
+      unpack_bf16x8(
+          *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.delta) + base + i), d);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      x[j] = round_to_bf16(__fadd_rn(r[j], d[j]));
+      sum = __fadd_rn(sum, __fmul_rn(x[j], x[j]));
+    }
+    *reinterpret_cast<uint4*>(residual + i) = pack_bf16x8(x);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
+  if ((threadIdx.x & 31) == 0) s_partial[threadIdx.x >> 5] = sum;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float total = 0.0f;
+    for (int w = 0; w < kNormWarps; ++w) total = __fadd_rn(total, s_partial[w]);
+    s_rms = 1.0f / sqrtf(__fadd_rn(total / static_cast<float>(p.n), p.eps));
+  }
+  __syncthreads();
+  const float rms = s_rms;
+  uint16_t* out = p.out + base;
+  for (int i = threadIdx.x * 8; i < p.n; i += kNormThreads * 8) {
+    float x[8], w[8], y[8];
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(residual + i), x);
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(p.weight + i), w);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(__fmul_rn(x[j], rms), __fadd_rn(1.0f, w[j]));
+    *reinterpret_cast<uint4*>(out + i) = pack_bf16x8(y);
+  }
+}
+
+// ---- Skinny GEMM ----
+
+inline constexpr int kGemmWarps = 4;  // split K inside a CTA
+inline constexpr int kGemmThreads = kGemmWarps * 32;
+inline constexpr int kColsPerCta = 16;  // two n8 MMA tiles
+inline constexpr int kChunk = 64;       // k per warp step (4 MMAs of k16)
+// <= 102 registers: 5 CTAs per SM, so the 616 CTAs of M3's TP = 1 projection are resident at once
+// (4 per SM would leave a second partial wave).
+inline constexpr int kGemmMinCtasPerSm = 5;
+
+// Weights are read exactly once: keep them out of L1.
+__device__ __forceinline__ uint4 load_stream(const void* ptr) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr));
+  return v;
+}
+
+// Two e4m3 values (byte 0 = element 0) -> bf16x2 (low half = element 0). Exact: e4m3 -> f16 is
+// exact, f16 -> f32 is exact, and f32 -> bf16 keeps a value with <= 4 significant bits and an
+// exponent in [-9, 8].
+__device__ __forceinline__ uint32_t fp8x2_to_bf16x2(uint32_t two) {
+  const __half2_raw h =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(two), __NV_E4M3);
+  __half2 hv;
+  hv = h;
+  const float2 f = __half22float2(hv);
+  const __nv_bfloat162 b = __float22bfloat162_rn(f);
+  return *reinterpret_cast<const uint32_t*>(&b);
+}
+
+__device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1,
+                                                 uint32_t a2, uint32_t a3, uint32_t b0,
+                                                 uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The 16 activations of one row that pair with this thread's 16 weights of a chunk, as 8 bf16x2
+// words (word w = elements 2w, 2w + 1). Offsets: bf16 weights {t*8 .. +8} and {32 + t*8 .. +8};
+// fp8 weights {t*16 .. +16}.
+template <bool kFp8>
+__device__ __forceinline__ void load_x(const uint16_t* row_chunk, int t, uint32_t (&a)[8]) {
+  const uint4 lo = __ldg(reinterpret_cast<const uint4*>(row_chunk + (kFp8 ? t * 16 : t * 8)));
+  const uint4 hi =
+      __ldg(reinterpret_cast<const uint4*>(row_chunk + (kFp8 ? t * 16 + 8 : 32 + t * 8)));
+  a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
+  a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
+}
+
+template <bool kFp8>
+struct WeightRegs {
+  uint4 v[kFp8 ? 1 : 2];
+};
+
+template <bool kFp8>
+__device__ __forceinline__ void load_w(const uint8_t* row_chunk, int t, WeightRegs<kFp8>& w) {
+  if constexpr (kFp8) {
+    w.v[0] = load_stream(row_chunk + t * 16);
+  } else {
+    w.v[0] = load_stream(row_chunk + t * 16);       // bf16 elements t*8 .. +8
+    w.v[1] = load_stream(row_chunk + 64 + t * 16);  // bf16 elements 32 + t*8 .. +8
+  }
+}
+
+template <bool kFp8>
+__device__ __forceinline__ void weight_words(const WeightRegs<kFp8>& w, uint32_t (&b)[8]) {
+  if constexpr (kFp8) {
+    const uint32_t bytes[4] = {w.v[0].x, w.v[0].y, w.v[0].z, w.v[0].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      b[2 * i] = fp8x2_to_bf16x2(bytes[i] & 0xFFFFu);
+      b[2 * i + 1] = fp8x2_to_bf16x2(bytes[i] >> 16);
+    }
+  } else {
+    b[0] = w.v[0].x, b[1] = w.v[0].y, b[2] = w.v[0].z, b[3] = w.v[0].w;
+    b[4] = w.v[1].x, b[5] = w.v[1].y, b[6] = w.v[1].z, b[7] = w.v[1].w;
+  }
+}
+
+// Grid: ceil(n / 16) CTAs of 4 warps. Warp w handles the chunks c = w, w + 4, ... of K for the
+// CTA's 16 columns; kUnroll chunks' weights are loaded before any is used (bytes in flight).
+// Lanes: g = lane / 4 is the MMA group (rows g and g + 8 of A, column g of each n8 tile of B),
+// t = lane % 4 picks the k slice (see load_x).
+template <bool kFp8>
+__global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
+    skinny_gemm_kernel(const __grid_constant__ SkinnyGemmParams p) {
+  constexpr int kUnroll = kFp8 ? 6 : 3;
+  constexpr int kElem = kFp8 ? 1 : 2;
+  __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
+
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int n0 = blockIdx.x * kColsPerCta;
+  const int chunks = p.k / kChunk;
+  const bool lo_ok = g < p.rows;
+  const bool hi_ok = g + 8 < p.rows;
+  const uint16_t* x_lo = p.x + static_cast<int64_t>(lo_ok ? g : 0) * p.x_stride;
+  const uint16_t* x_hi = p.x + static_cast<int64_t>(hi_ok ? g + 8 : 0) * p.x_stride;
+  const uint8_t* w_base = static_cast<const uint8_t*>(p.w);
+  const uint8_t* w_row[2];
+  bool col_ok[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = n0 + j * 8 + g;
+    col_ok[j] = col < p.n;
+    w_row[j] = w_base + static_cast<int64_t>(col_ok[j] ? col : 0) * p.k * kElem;
+  }
+
+  float acc[2][4] = {};
+  for (int first = warp; first < chunks; first += kGemmWarps * kUnroll) {
+    WeightRegs<kFp8> w[kUnroll][2];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = first + u * kGemmWarps;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (c < chunks && col_ok[j]) {
+          load_w<kFp8>(w_row[j] + static_cast<int64_t>(c) * kChunk * kElem, t, w[u][j]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < (kFp8 ? 1 : 2); ++i) w[u][j].v[i] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = first + u * kGemmWarps;
+      if (c >= chunks) break;  // warp-uniform
+      uint32_t a_lo[8] = {}, a_hi[8] = {};
+      if (lo_ok) load_x<kFp8>(x_lo + static_cast<int64_t>(c) * kChunk, t, a_lo);
+      if (hi_ok) load_x<kFp8>(x_hi + static_cast<int64_t>(c) * kChunk, t, a_hi);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t b[8];
+        weight_words<kFp8>(w[u][j], b);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          mma_bf16_16x8x16(acc[j], a_lo[2 * s], a_hi[2 * s], a_lo[2 * s + 1], a_hi[2 * s + 1],
+                           b[2 * s], b[2 * s + 1]);
+        }
+      }
+    }
+  }
+
+  // C fragment: c0, c1 = (row g, cols 2t, 2t + 1), c2, c3 = (row g + 8, same cols).
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = j * 8 + 2 * t;
+    s_red[warp][g][col] = acc[j][0];
+    s_red[warp][g][col + 1] = acc[j][1];
+    s_red[warp][g + 8][col] = acc[j][2];
+    s_red[warp][g + 8][col + 1] = acc[j][3];
+  }
+  __syncthreads();
+  for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kGemmThreads) {
+    const int row = o / kColsPerCta;
+    const int col = n0 + o % kColsPerCta;
+    if (row >= p.rows || col >= p.n) continue;
+    float sum = s_red[0][row][o % kColsPerCta];
+#pragma unroll
+    for (int w = 1; w < kGemmWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
+    if (p.scale != nullptr) sum = __fmul_rn(sum, p.scale[col]);
+    if (p.out_f32) {
+      static_cast<float*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] = sum;
+    } else {
+      static_cast<uint16_t*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] =
+          float_to_bf16(sum);
+    }
+  }
+}
+
+// ---- SwiGLU-OAI and conversion ----
+
+__global__ void swiglu_kernel(const __grid_constant__ SwigluParams p) {
+  const int64_t total = static_cast<int64_t>(p.rows) * p.inter;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t row = i / p.inter;
+    const int64_t j = i % p.inter;
+    const uint16_t* gu = p.gate_up + row * 2 * p.inter;
+    float gate = bf16_to_float(gu[j]);
+    float up = bf16_to_float(gu[p.inter + j]);
+    // Comparisons (not fminf / fmaxf) so a NaN stays NaN, as in the CPU runtime.
+    gate = gate > p.limit ? p.limit : gate;
+    up = up > p.limit ? p.limit : (up < -p.limit ? -p.limit : up);
+    const float glu = __fdiv_rn(gate, __fadd_rn(1.0f, expf(__fmul_rn(-1.702f, gate))));
+    p.act[i] = float_to_bf16(__fmul_rn(glu, __fadd_rn(up, 1.0f)));
+  }
+}
+
+__global__ void f32_to_bf16_kernel(const float* in, uint16_t* out, int64_t count) {
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    out[i] = float_to_bf16(in[i]);
+  }
+}
+
+bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+}  // namespace rk
+
+void launch_add_rmsnorm(const AddNormParams& p, cudaStream_t stream) {
+  M3MSA_CHECK_ARG(p.rows >= 0, "add_rmsnorm: rows must be >= 0, got ", p.rows);
+  M3MSA_CHECK_SUPPORTED(p.n > 0 && p.n % 8 == 0,
+                        "add_rmsnorm: the width must be a positive "
+                        "multiple of 8, got ",
+                        p.n);
+  M3MSA_CHECK_ARG(p.delta && p.residual && p.weight && p.out, "add_rmsnorm: null pointer");
+  M3MSA_CHECK_ARG(rk::aligned16(p.delta) && rk::aligned16(p.residual) && rk::aligned16(p.weight) &&
+                      rk::aligned16(p.out),
+                  "add_rmsnorm: every tensor must be 16-byte aligned");
+  if (p.rows == 0) return;
+  rk::add_rmsnorm_kernel<<<p.rows, rk::kNormThreads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+int skinny_gemm_ctas(int n) {
+  return (n + rk::kColsPerCta - 1) / rk::kColsPerCta;
+}
+
+void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
+  M3MSA_CHECK_SUPPORTED(p.rows >= 0 && p.rows <= kSkinnyMaxRows,
+                        "skinny GEMM: rows must be in [0, ", kSkinnyMaxRows, "], got ", p.rows);
+  M3MSA_CHECK_SUPPORTED(p.k > 0 && p.k % kSkinnyKAlign == 0,
+                        "skinny GEMM: the input width must be a positive multiple of ",
+                        kSkinnyKAlign, ", got ", p.k);
+  M3MSA_CHECK_ARG(p.n > 0, "skinny GEMM: the output width must be > 0, got ", p.n);
+  M3MSA_CHECK_ARG(p.x && p.w && p.out, "skinny GEMM: null pointer");
+  M3MSA_CHECK_ARG(rk::aligned16(p.x) && rk::aligned16(p.w) && p.x_stride % 8 == 0,
+                  "skinny GEMM: x rows and the weight must be 16-byte aligned (x stride ",
+                  p.x_stride, ")");
+  M3MSA_CHECK_ARG(p.x_stride >= p.k && p.out_stride >= p.n, "skinny GEMM: strides (x ", p.x_stride,
+                  ", out ", p.out_stride, ") below the widths (", p.k, ", ", p.n, ")");
+  if (p.rows == 0) return;
+  const int ctas = skinny_gemm_ctas(p.n);
+  if (p.w_fp8) {
+    rk::skinny_gemm_kernel<true><<<ctas, rk::kGemmThreads, 0, stream>>>(p);
+  } else {
+    rk::skinny_gemm_kernel<false><<<ctas, rk::kGemmThreads, 0, stream>>>(p);
+  }
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_swiglu(const SwigluParams& p, cudaStream_t stream) {
+  M3MSA_CHECK_ARG(p.rows >= 0 && p.inter > 0, "swiglu: rows ", p.rows, ", width ", p.inter);
+  M3MSA_CHECK_ARG(p.gate_up && p.act, "swiglu: null pointer");
+  const int64_t total = static_cast<int64_t>(p.rows) * p.inter;
+  if (total == 0) return;
+  const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);
+  rk::swiglu_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+void launch_f32_to_bf16(const float* in, uint16_t* out, int64_t count, cudaStream_t stream) {
+  M3MSA_CHECK_ARG(count >= 0, "f32_to_bf16: count ", count);
+  if (count == 0) return;
+  M3MSA_CHECK_ARG(in && out, "f32_to_bf16: null pointer");
+  const int64_t blocks = std::min<int64_t>((count + 255) / 256, 1024);
+  rk::f32_to_bf16_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(in, out, count);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace m3msa::cuda

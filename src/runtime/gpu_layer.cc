@@ -1,0 +1,675 @@
+// The CUDA backend of the runtime (runtime.h): one rank's device state and forward_layer as a
+// queue of kernels on one stream. Host code only (kernels live in src/cuda); compiled in every
+// build, with stubs that report "unsupported" where there is no CUDA.
+//
+// Per layer (rows <= 16 decode tokens), on the stream, nothing allocated, no host sync:
+//   add_rmsnorm(hidden + residual -> residual, input_norm -> normed)       1 launch
+//   skinny GEMM normed @ qkv_proj^T (* scale) -> qkv bf16                   1
+//   preprocess (head norms, RoPE, k/v/index_k cache insert) -> q, index_q   1
+//   decode indexer (replicated: every rank scores all blocks) -> topk       1
+//   sparse attention -> attn                                                1
+//   skinny GEMM attn @ o_proj^T -> o (bf16 at TP = 1, f32 + NCCL all-reduce at TP > 1)  1 (+1)
+//   add_rmsnorm(residual + o -> residual, post_attention_norm -> hidden)    1
+//   MLP when bound: GEMM gate_up, SwiGLU, GEMM down (-> hidden at TP = 1; f32, all-reduce and a
+//   conversion at TP > 1)                                                   3 (+2)
+//
+// Projection choice: decode has <= 16 token rows, so one m16 tensor-core tile covers every row
+// and the projections are pure weight streams; our skinny GEMM (runtime_kernels.h) reads each
+// weight byte once with 16-byte loads and converts fp8 e4m3 weights to bf16 in registers. It
+// needs no cuBLAS(Lt) (whose static library would not fit the carried build, and whose fp8 path
+// wants per-tensor scales, not the per-output-channel scales bound here).
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "m3msa/backend.h"
+#include "runtime/runtime_internal.h"
+
+#if defined(M3MSA_WITH_CUDA)
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include "cuda/attention.h"
+#include "cuda/common.cuh"
+#include "cuda/indexer.h"
+#include "cuda/preprocess.h"
+#include "cuda/runtime_kernels.h"
+#include "m3msa/cp_cuda.h"
+#endif
+
+namespace m3msa::runtime_detail {
+
+#if defined(M3MSA_WITH_CUDA)
+
+namespace {
+
+#define RT_NCCL_CHECK(expr)                                              \
+  do {                                                                   \
+    const ncclResult_t m3msa_rt_nccl_ = (expr);                          \
+    if (m3msa_rt_nccl_ != ncclSuccess) {                                 \
+      M3MSA_THROW(ErrorCode::kInternal, "NCCL call failed: " #expr ": ", \
+                  ncclGetErrorString(m3msa_rt_nccl_));                   \
+    }                                                                    \
+  } while (0)
+
+int max_of(const std::vector<int>& values) {
+  return values.empty() ? 0 : *std::max_element(values.begin(), values.end());
+}
+
+std::size_t align_up(std::size_t value, std::size_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+// Pinned host memory (the staging of host metadata), freed with the object.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(std::size_t bytes) : bytes_(bytes) {
+    if (bytes_) CUDA_CHECK(cudaHostAlloc(&data_, bytes_, cudaHostAllocDefault));
+  }
+  ~PinnedBuffer() {
+    if (data_) cudaFreeHost(data_);
+  }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  uint8_t* data() const { return static_cast<uint8_t*>(data_); }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// Where each metadata array sits in the fixed buffer (and in each staging buffer: same layout).
+struct MetaLayout {
+  std::size_t seq_lens = 0;     // [max_reqs] i32
+  std::size_t slots = 0;        // [max_rows] i64
+  std::size_t index_slots = 0;  // [max_rows] i64
+  std::size_t index_table = 0;  // [max_reqs, max_blocks] i32
+  std::size_t kv_table = 0;     // [max_reqs, max_blocks] i32
+  std::size_t total = 0;
+};
+
+MetaLayout meta_layout(int max_reqs, int max_rows, int64_t max_blocks) {
+  MetaLayout l;
+  std::size_t at = 0;
+  l.seq_lens = at;
+  at = align_up(at + sizeof(int32_t) * static_cast<std::size_t>(max_reqs), 256);
+  l.slots = at;
+  at = align_up(at + sizeof(int64_t) * static_cast<std::size_t>(max_rows), 256);
+  l.index_slots = at;
+  at = align_up(at + sizeof(int64_t) * static_cast<std::size_t>(max_rows), 256);
+  const std::size_t table =
+      sizeof(int32_t) * static_cast<std::size_t>(max_reqs) * static_cast<std::size_t>(max_blocks);
+  l.index_table = at;
+  at = align_up(at + table, 256);
+  l.kv_table = at;
+  at = align_up(at + table, 256);
+  l.total = at;
+  return l;
+}
+
+constexpr int kStagingSlots = 2;
+
+class GpuEngineImpl final : public GpuEngine {
+ public:
+  GpuEngineImpl(const RuntimeConfig& config, int tp_size, Communicator& comm,
+                const std::vector<LayerWeights>& layers, Device device)
+      : config_(config),
+        sparse_(config.model.sparse(tp_size)),
+        tp_size_(tp_size),
+        device_(device.index) {
+    cuda::DeviceGuard guard(device_);
+    if (tp_size_ > 1) {
+      auto* nccl = dynamic_cast<NcclCommunicator*>(&comm);
+      M3MSA_CHECK_SUPPORTED(nccl != nullptr && nccl->nccl_comm() != nullptr,
+                            "the CUDA backend's TP all-reduce needs a live NcclCommunicator");
+      nccl_ = nccl->nccl_comm();
+    }
+    if (config.cuda_stream != nullptr) {
+      stream_ = static_cast<cudaStream_t>(config.cuda_stream);
+    } else {
+      CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
+      stream_ = own_stream_;
+    }
+    try {
+      allocate(layers);
+    } catch (...) {
+      if (stream_) cudaStreamSynchronize(stream_);
+      free_buffers();
+      release_stream();
+      throw;
+    }
+  }
+
+  ~GpuEngineImpl() override {
+    // Close: the stream must be idle before the buffers go; everything is freed with this rank's
+    // device current, then the caller's device is restored (errors here cannot be thrown).
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    free_buffers();
+    release_stream();
+    cudaSetDevice(previous);
+  }
+
+  void* stream() const override { return stream_; }
+  int64_t launches_per_layer() const override { return launches_; }
+
+  void refresh_plans() override {
+    cuda::DeviceGuard guard(device_);
+    // plan_indexer sets the scoring kernels' shared-memory limit to this plan's (a later plan
+    // elsewhere in the process may have lowered it); the workspace layout is unchanged.
+    indexer_plan_ = cuda::plan_indexer(sparse_, limits_, device_);
+  }
+
+  void warm_up(Communicator& comm) override {
+    if (tp_size_ == 1) return;
+    cuda::DeviceGuard guard(device_);
+    auto* nccl = dynamic_cast<NcclCommunicator*>(&comm);
+    M3MSA_CHECK_INTERNAL(nccl != nullptr, "TP > 1 without an NcclCommunicator");
+    CUDA_CHECK(cudaMemsetAsync(o32_.data(), 0, o32_.bytes(), stream_));
+    all_reduce(o32_.as<float>(), static_cast<int64_t>(o32_.bytes() / sizeof(float)));
+    nccl->wait(stream_, "prepare: warm-up all-reduce of the CUDA runtime");
+  }
+
+  void drain(Communicator& comm) override {
+    cuda::DeviceGuard guard(device_);
+    auto* nccl = tp_size_ > 1 ? dynamic_cast<NcclCommunicator*>(&comm) : nullptr;
+    if (nccl != nullptr) {
+      nccl->wait(stream_, "close: the CUDA runtime's stream");
+    } else {
+      CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
+  }
+
+  BatchMeta stage_step(const BatchMeta& batch, int padded_reqs) override {
+    cuda::DeviceGuard guard(device_);
+    M3MSA_CHECK_ARG(!stream_is_capturing(stream_),
+                    "begin_step: the runtime's stream is capturing; stage each step's metadata "
+                    "eagerly, before replaying (a captured copy would replay stale metadata)");
+    const int n = batch.num_reqs;
+    const int q = batch.q_len;
+    const int64_t rows = int64_t{n} * q;
+    const int64_t padded_rows = int64_t{padded_reqs} * q;
+    M3MSA_CHECK_INTERNAL(padded_reqs >= n && padded_reqs <= max_reqs_ && padded_rows <= max_rows_,
+                         "padded step ", padded_reqs, " x ", q, " outside the buffers");
+    const bool on_host = batch.seq_lens.device.type == DeviceType::kCPU;
+    for (const auto& [view, name] : {std::pair{&batch.seq_lens, "seq_lens"},
+                                     {&batch.slot_mapping, "slot_mapping"},
+                                     {&batch.index_slot_mapping, "index_slot_mapping"}}) {
+      M3MSA_CHECK_ARG(view->is_contiguous(), "begin_step: batch.", name,
+                      " must be contiguous, got ", describe(*view));
+    }
+    uint8_t* meta = meta_.as<uint8_t>();
+    const std::size_t table_row = sizeof(int32_t) * static_cast<std::size_t>(max_blocks_);
+    const std::size_t table_bytes = table_row * static_cast<std::size_t>(padded_reqs);
+    if (on_host) {
+      // Wait until this staging buffer's previous copy has run (only when the host is two steps
+      // ahead of the stream), fill it, copy it.
+      const int slot = next_slot_;
+      next_slot_ = (next_slot_ + 1) % kStagingSlots;
+      CUDA_CHECK(cudaEventSynchronize(staged_[slot]));
+      uint8_t* stage = staging_[slot]->data();
+      auto* seq = reinterpret_cast<int32_t*>(stage + layout_.seq_lens);
+      std::memcpy(seq, batch.seq_lens.data, sizeof(int32_t) * static_cast<std::size_t>(n));
+      std::fill(seq + n, seq + padded_reqs, 0);
+      const std::pair<const TensorView*, std::size_t> slot_maps[] = {
+          {&batch.slot_mapping, layout_.slots}, {&batch.index_slot_mapping, layout_.index_slots}};
+      for (const auto& [src, offset] : slot_maps) {
+        auto* dst = reinterpret_cast<int64_t*>(stage + offset);
+        std::memcpy(dst, src->data, sizeof(int64_t) * static_cast<std::size_t>(rows));
+        std::fill(dst + rows, dst + padded_rows, int64_t{-1});
+      }
+      const std::pair<const TensorView*, std::size_t> tables[] = {
+          {&batch.index_block_table, layout_.index_table},
+          {&batch.kv_block_table, layout_.kv_table}};
+      for (const auto& [src, offset] : tables) {
+        const int64_t cols = std::min<int64_t>(src->shape[1], max_blocks_);
+        auto* dst = reinterpret_cast<int32_t*>(stage + offset);
+        for (int r = 0; r < padded_reqs; ++r) {
+          int32_t* out = dst + int64_t{r} * max_blocks_;
+          int64_t copied = 0;
+          if (r < n) {
+            const int32_t* in = src->ptr<const int32_t>() + r * src->strides[0];
+            for (int64_t c = 0; c < cols; ++c) out[c] = in[c * src->strides[1]];
+            copied = cols;
+          }
+          std::fill(out + copied, out + max_blocks_, -1);
+        }
+      }
+      // Three copies: the header (lengths and slots), then the used rows of each table.
+      CUDA_CHECK(
+          cudaMemcpyAsync(meta, stage, layout_.index_table, cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(meta + layout_.index_table, stage + layout_.index_table,
+                                 table_bytes, cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaMemcpyAsync(meta + layout_.kv_table, stage + layout_.kv_table, table_bytes,
+                                 cudaMemcpyHostToDevice, stream_));
+      CUDA_CHECK(cudaEventRecord(staged_[slot], stream_));
+    } else {
+      M3MSA_CHECK_ARG(batch.seq_lens.device == Device::cuda(device_),
+                      "begin_step: the metadata is on ", device_name(batch.seq_lens.device),
+                      ", the runtime on cuda:", device_);
+      CUDA_CHECK(cudaMemcpyAsync(meta + layout_.seq_lens, batch.seq_lens.data,
+                                 sizeof(int32_t) * static_cast<std::size_t>(n),
+                                 cudaMemcpyDeviceToDevice, stream_));
+      if (padded_reqs > n) {
+        CUDA_CHECK(cudaMemsetAsync(meta + layout_.seq_lens + sizeof(int32_t) * n, 0,
+                                   sizeof(int32_t) * static_cast<std::size_t>(padded_reqs - n),
+                                   stream_));
+      }
+      const std::pair<const TensorView*, std::size_t> slot_maps[] = {
+          {&batch.slot_mapping, layout_.slots}, {&batch.index_slot_mapping, layout_.index_slots}};
+      for (const auto& [src, offset] : slot_maps) {
+        if (rows > 0) {
+          CUDA_CHECK(cudaMemcpyAsync(meta + offset, src->data,
+                                     sizeof(int64_t) * static_cast<std::size_t>(rows),
+                                     cudaMemcpyDeviceToDevice, stream_));
+        }
+        if (padded_rows > rows) {
+          CUDA_CHECK(cudaMemsetAsync(meta + offset + sizeof(int64_t) * rows, 0xFF,
+                                     sizeof(int64_t) * static_cast<std::size_t>(padded_rows - rows),
+                                     stream_));
+        }
+      }
+      const std::pair<const TensorView*, std::size_t> tables[] = {
+          {&batch.index_block_table, layout_.index_table},
+          {&batch.kv_block_table, layout_.kv_table}};
+      for (const auto& [src, offset] : tables) {
+        M3MSA_CHECK_ARG(src->strides[1] == 1,
+                        "begin_step: block table rows must be contiguous, got ", describe(*src));
+        const int64_t cols = std::min<int64_t>(src->shape[1], max_blocks_);
+        // Every used row: -1 everywhere, then the given columns over it.
+        CUDA_CHECK(cudaMemsetAsync(meta + offset, 0xFF, table_bytes, stream_));
+        if (n > 0 && cols > 0) {
+          CUDA_CHECK(cudaMemcpy2DAsync(meta + offset, table_row, src->data,
+                                       sizeof(int32_t) * static_cast<std::size_t>(src->strides[0]),
+                                       sizeof(int32_t) * static_cast<std::size_t>(cols),
+                                       static_cast<std::size_t>(n), cudaMemcpyDeviceToDevice,
+                                       stream_));
+        }
+      }
+    }
+
+    const Device dev = Device::cuda(device_);
+    BatchMeta step;
+    step.kind = BatchKind::kDecode;
+    step.num_reqs = padded_reqs;
+    step.q_len = q;
+    step.seq_lens =
+        TensorView::contiguous(meta + layout_.seq_lens, DType::kI32, {int64_t{padded_reqs}}, dev);
+    step.index_block_table = TensorView::contiguous(meta + layout_.index_table, DType::kI32,
+                                                    {int64_t{padded_reqs}, max_blocks_}, dev);
+    step.kv_block_table = TensorView::contiguous(meta + layout_.kv_table, DType::kI32,
+                                                 {int64_t{padded_reqs}, max_blocks_}, dev);
+    step.slot_mapping =
+        TensorView::contiguous(meta + layout_.slots, DType::kI64, {padded_rows}, dev);
+    step.index_slot_mapping =
+        TensorView::contiguous(meta + layout_.index_slots, DType::kI64, {padded_rows}, dev);
+    return step;
+  }
+
+  void forward_layer(const LayerWeights& w, const BatchMeta& step, const TensorView& hidden,
+                     const TensorView& residual, const TensorView& positions) override {
+    cuda::DeviceGuard guard(device_);
+    const SparseConfig& sc = sparse_;
+    const ModelConfig& m = config_.model;
+    const int rows = static_cast<int>(step.num_rows());
+    const int H = m.hidden;
+    const int width = static_cast<int>(sc.qkv_width());
+    const int attn_width = sc.q_heads * sc.head_dim;
+    const Device dev = Device::cuda(device_);
+    int64_t launches = 0;
+    auto* h = hidden.ptr<uint16_t>();
+    auto* res = residual.ptr<uint16_t>();
+
+    // 1. x = hidden + residual (the new residual), normed = input_norm(x).
+    add_norm(h, /*delta_f32=*/false, res, w.input_norm, normed_.as<uint16_t>(), rows);
+    ++launches;
+
+    // 2. The fused projection [q | k | v | index_q | index_k].
+    gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), width,
+         /*out_f32=*/false, rows);
+    ++launches;
+
+    // 3. Head norms, RoPE, cache inserts; 4. selection; 5. sparse attention.
+    PreprocessArgs pre;
+    pre.qkv =
+        TensorView::contiguous(qkv_.data(), DType::kBF16, {int64_t{rows}, int64_t{width}}, dev);
+    pre.q_norm = w.q_norm;
+    pre.k_norm = w.k_norm;
+    pre.index_q_norm = w.index_q_norm;
+    pre.index_k_norm = w.index_k_norm;
+    pre.positions = positions;
+    pre.batch = step;
+    pre.kv_cache = w.kv_cache;
+    pre.index_cache = w.index_cache;
+    pre.q_out = q_view(rows);
+    pre.index_q_out = index_q_view(rows);
+    cuda::launch_preprocess(sc, pre, stream_);
+    ++launches;
+
+    IndexerArgs idx;
+    idx.index_q = pre.index_q_out;
+    idx.index_cache = w.index_cache;
+    idx.batch = step;
+    idx.topk_idx = topk_view(rows);
+    cuda::launch_indexer(indexer_plan_, sc, idx, IndexerVariant::kFused, indexer_ws_.data(),
+                         stream_);
+    ++launches;
+
+    AttentionArgs att;
+    att.q = pre.q_out;
+    att.kv_cache = w.kv_cache;
+    att.batch = step;
+    att.topk_idx = idx.topk_idx;
+    att.out = attn_view(rows);
+    cuda::launch_sparse_attention(sc, att, attention_ws_.data(), attention_ws_.bytes(), stream_);
+    ++launches;
+
+    // 6. Output projection (this rank's heads) and the TP reduce; 7. x2 = x + o, h2 = norm(x2).
+    const bool reduce = tp_size_ > 1;
+    gemm(attn_.as<uint16_t>(), attn_width, w.o_proj, w.o_proj_scale,
+         reduce ? o32_.data() : o16_.data(), H, /*out_f32=*/reduce, rows);
+    ++launches;
+    if (reduce) {
+      all_reduce(o32_.as<float>(), int64_t{rows} * H);
+      ++launches;
+    }
+    add_norm(reduce ? o32_.data() : o16_.data(), reduce, res, w.post_attention_norm, h, rows);
+    ++launches;
+
+    // 8. Optional dense SwiGLU-OAI MLP: hidden <- mlp(h2).
+    if (w.mlp_gate_up.defined()) {
+      const int inter = m.intermediate / tp_size_;
+      gemm(h, H, w.mlp_gate_up, TensorView{}, mlp_gu_.data(), 2 * inter, false, rows);
+      cuda::SwigluParams sw;
+      sw.gate_up = mlp_gu_.as<uint16_t>();
+      sw.act = mlp_act_.as<uint16_t>();
+      sw.rows = rows;
+      sw.inter = inter;
+      sw.limit = config_.swiglu_limit;
+      cuda::launch_swiglu(sw, stream_);
+      launches += 2;
+      if (reduce) {
+        gemm(mlp_act_.as<uint16_t>(), inter, w.mlp_down, TensorView{}, o32_.data(), H, true, rows);
+        all_reduce(o32_.as<float>(), int64_t{rows} * H);
+        cuda::launch_f32_to_bf16(o32_.as<float>(), h, int64_t{rows} * H, stream_);
+        launches += 3;
+      } else {
+        gemm(mlp_act_.as<uint16_t>(), inter, w.mlp_down, TensorView{}, h, H, false, rows);
+        ++launches;
+      }
+    }
+    launches_ = launches;
+  }
+
+  Runtime::LayerTrace trace(int64_t rows) const override {
+    const Device dev = Device::cuda(device_);
+    Runtime::LayerTrace t;
+    t.normed = TensorView::contiguous(normed_.data(), DType::kBF16,
+                                      {rows, int64_t{config_.model.hidden}}, dev);
+    t.qkv = TensorView::contiguous(qkv_.data(), DType::kBF16, {rows, sparse_.qkv_width()}, dev);
+    t.q = q_view(rows);
+    t.index_q = index_q_view(rows);
+    t.topk = topk_view(rows);
+    t.attn = attn_view(rows);
+    return t;
+  }
+
+ private:
+  void release_stream() {
+    if (own_stream_) cudaStreamDestroy(own_stream_);
+    own_stream_ = nullptr;
+  }
+
+  void free_buffers() {
+    for (int i = 0; i < kStagingSlots; ++i) {
+      if (staged_[i]) cudaEventDestroy(staged_[i]);
+      staged_[i] = nullptr;
+      staging_[i].reset();
+    }
+    for (cuda::DeviceBuffer* b : {&meta_, &normed_, &qkv_, &q_, &index_q_, &topk_, &attn_, &o16_,
+                                  &o32_, &mlp_gu_, &mlp_act_, &indexer_ws_, &attention_ws_}) {
+      b->reset();
+    }
+  }
+
+  void allocate(const std::vector<LayerWeights>& layers) {
+    const ModelConfig& m = config_.model;
+    max_reqs_ = config_.max_requests;
+    max_rows_ = max_of(config_.token_buckets);
+    max_blocks_ = (config_.max_context + m.block_size - 1) / m.block_size;
+    layout_ = meta_layout(max_reqs_, max_rows_, max_blocks_);
+    meta_ = cuda::DeviceBuffer(layout_.total);
+    CUDA_CHECK(cudaMemsetAsync(meta_.data(), 0, layout_.total, stream_));
+    for (int i = 0; i < kStagingSlots; ++i) {
+      staging_[i] = std::make_unique<PinnedBuffer>(layout_.total);
+      CUDA_CHECK(cudaEventCreateWithFlags(&staged_[i], cudaEventDisableTiming));
+    }
+
+    const SparseConfig& sc = sparse_;
+    const std::size_t rows = static_cast<std::size_t>(max_rows_);
+    const std::size_t hidden = static_cast<std::size_t>(m.hidden);
+    const std::size_t attn_width = static_cast<std::size_t>(sc.q_heads) * sc.head_dim;
+    normed_ = cuda::DeviceBuffer(2 * rows * hidden);
+    qkv_ = cuda::DeviceBuffer(2 * rows * static_cast<std::size_t>(sc.qkv_width()));
+    q_ = cuda::DeviceBuffer(2 * rows * attn_width);
+    index_q_ =
+        cuda::DeviceBuffer(2 * rows * static_cast<std::size_t>(sc.index_heads) * sc.index_dim);
+    topk_ = cuda::DeviceBuffer(4 * rows * static_cast<std::size_t>(sc.index_heads) * sc.topk);
+    attn_ = cuda::DeviceBuffer(2 * rows * attn_width);
+    o16_ = cuda::DeviceBuffer(2 * rows * hidden);
+    if (tp_size_ > 1) o32_ = cuda::DeviceBuffer(4 * rows * hidden);
+    bool any_mlp = false;
+    for (const LayerWeights& w : layers) any_mlp = any_mlp || w.mlp_gate_up.defined();
+    if (any_mlp) {
+      const std::size_t inter = static_cast<std::size_t>(m.intermediate / tp_size_);
+      mlp_gu_ = cuda::DeviceBuffer(2 * rows * 2 * inter);
+      mlp_act_ = cuda::DeviceBuffer(2 * rows * inter);
+    }
+
+    limits_.max_reqs = max_reqs_;
+    limits_.max_q_len = max_of(config_.query_lens);
+    limits_.max_rows = std::max<int64_t>(max_rows_, int64_t{max_reqs_} * limits_.max_q_len);
+    limits_.max_context = 0;  // the fused decode indexer's workspace does not depend on it
+    indexer_plan_ = cuda::plan_indexer(sc, limits_, device_);
+    indexer_ws_ = cuda::DeviceBuffer(indexer_plan_.workspace_bytes);
+    cuda::init_indexer_workspace(indexer_plan_, indexer_ws_.data(), stream_);
+    const std::size_t attention_bytes = cuda::sparse_attention_workspace_size(sc, limits_);
+    attention_ws_ = cuda::DeviceBuffer(attention_bytes);
+    if (attention_bytes)
+      CUDA_CHECK(cudaMemsetAsync(attention_ws_.data(), 0, attention_bytes, stream_));
+    CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  TensorView q_view(int64_t rows) const {
+    return TensorView::contiguous(q_.data(), DType::kBF16,
+                                  {rows, int64_t{sparse_.q_heads}, int64_t{sparse_.head_dim}},
+                                  Device::cuda(device_));
+  }
+  TensorView index_q_view(int64_t rows) const {
+    return TensorView::contiguous(index_q_.data(), DType::kBF16,
+                                  {rows, int64_t{sparse_.index_heads}, int64_t{sparse_.index_dim}},
+                                  Device::cuda(device_));
+  }
+  TensorView topk_view(int64_t rows) const {
+    return TensorView::contiguous(topk_.data(), DType::kI32,
+                                  {rows, int64_t{sparse_.index_heads}, int64_t{sparse_.topk}},
+                                  Device::cuda(device_));
+  }
+  TensorView attn_view(int64_t rows) const {
+    return TensorView::contiguous(attn_.data(), DType::kBF16,
+                                  {rows, int64_t{sparse_.q_heads}, int64_t{sparse_.head_dim}},
+                                  Device::cuda(device_));
+  }
+
+  void add_norm(const void* delta, bool delta_f32, uint16_t* residual, const TensorView& weight,
+                uint16_t* out, int rows) {
+    cuda::AddNormParams p;
+    p.delta = delta;
+    p.residual = residual;
+    p.weight = weight.ptr<const uint16_t>();
+    p.out = out;
+    p.rows = rows;
+    p.n = config_.model.hidden;
+    p.delta_f32 = delta_f32 ? 1 : 0;
+    p.eps = config_.model.rms_eps;
+    cuda::launch_add_rmsnorm(p, stream_);
+  }
+
+  void gemm(const uint16_t* x, int k, const TensorView& w, const TensorView& scale, void* out,
+            int n, bool out_f32, int rows) {
+    cuda::SkinnyGemmParams p;
+    p.x = x;
+    p.x_stride = k;
+    p.w = w.data;
+    p.scale = scale.defined() ? scale.ptr<const float>() : nullptr;
+    p.out = out;
+    p.out_stride = n;
+    p.rows = rows;
+    p.n = n;
+    p.k = k;
+    p.w_fp8 = w.dtype == DType::kFP8E4M3 ? 1 : 0;
+    p.out_f32 = out_f32 ? 1 : 0;
+    cuda::launch_skinny_gemm(p, stream_);
+  }
+
+  void all_reduce(float* data, int64_t count) {
+    RT_NCCL_CHECK(ncclAllReduce(data, data, static_cast<std::size_t>(count), ncclFloat32, ncclSum,
+                                static_cast<ncclComm_t>(nccl_), stream_));
+  }
+
+  RuntimeConfig config_;
+  SparseConfig sparse_;
+  int tp_size_ = 1;
+  int device_ = 0;
+  void* nccl_ = nullptr;  // ncclComm_t (TP > 1)
+  cudaStream_t stream_ = nullptr;
+  cudaStream_t own_stream_ = nullptr;
+  int max_reqs_ = 0;
+  int max_rows_ = 0;
+  int64_t max_blocks_ = 0;
+  int64_t launches_ = 0;
+
+  MetaLayout layout_;
+  cuda::DeviceBuffer meta_;
+  std::unique_ptr<PinnedBuffer> staging_[kStagingSlots];
+  cudaEvent_t staged_[kStagingSlots] = {};
+  int next_slot_ = 0;
+
+  cuda::DeviceBuffer normed_, qkv_, q_, index_q_, topk_, attn_, o16_, o32_, mlp_gu_, mlp_act_;
+  PlanLimits limits_;
+  cuda::IndexerPlan indexer_plan_;
+  cuda::DeviceBuffer indexer_ws_;
+  cuda::DeviceBuffer attention_ws_;
+};
+
+}  // namespace
+
+bool stream_is_capturing(void* stream) {
+  if (stream == nullptr) return false;
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  CUDA_CHECK(cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
+void check_gpu_support(const RuntimeConfig& config, int tp_size, Communicator& comm,
+                       const std::vector<LayerWeights>& layers, Device device, Problems& problems) {
+  const int count = cuda_device_count();
+  if (device.index < 0 || device.index >= count) {
+    problems.error(ErrorCode::kInvalidArgument, "the tensors are on " + device_name(device) +
+                                                    " but " + std::to_string(count) +
+                                                    " CUDA device(s) are visible");
+    return;
+  }
+  const ModelConfig& m = config.model;
+  const SparseConfig sc = m.sparse(tp_size);
+  auto need = [&](bool ok, const std::string& what) {
+    if (!ok) problems.unsupported("CUDA backend: " + what);
+  };
+  need(sc.head_dim == 128, "head_dim must be 128, got " + std::to_string(sc.head_dim));
+  need(sc.block_size == 128, "block_size must be 128, got " + std::to_string(sc.block_size));
+  need(sc.index_dim == 128, "index_dim must be 128, got " + std::to_string(sc.index_dim));
+  need(sc.group_size() <= 16,
+       "at most 16 query heads per KV head, got " + std::to_string(sc.group_size()));
+  need(sc.topk <= 32, "topk must be <= 32, got " + std::to_string(sc.topk));
+  need(sc.rope_dim <= 128, "rope_dim must be <= 128, got " + std::to_string(sc.rope_dim));
+  need(sc.index_heads <= 32,
+       "index heads per rank must be <= 32, got " + std::to_string(sc.index_heads));
+  const int max_bucket = max_of(config.token_buckets);
+  need(max_bucket <= cuda::kSkinnyMaxRows,
+       "token buckets must be <= " + std::to_string(cuda::kSkinnyMaxRows) + " rows (decode), got " +
+           std::to_string(max_bucket));
+  const int max_q = max_of(config.query_lens);
+  need(max_q * sc.index_heads <= 32, "max query length (" + std::to_string(max_q) +
+                                         ") * index heads per rank (" +
+                                         std::to_string(sc.index_heads) + ") must be <= 32");
+  need(m.hidden % cuda::kSkinnyKAlign == 0,
+       "hidden must be a multiple of 64, got " + std::to_string(m.hidden));
+  need((sc.q_heads * sc.head_dim) % cuda::kSkinnyKAlign == 0,
+       "q_heads * head_dim per rank must be a multiple of 64");
+  bool any_mlp = false;
+  for (const LayerWeights& w : layers) any_mlp = any_mlp || w.mlp_gate_up.defined();
+  if (any_mlp) {
+    need((m.intermediate / tp_size) % cuda::kSkinnyKAlign == 0,
+         "the MLP width per rank must be a multiple of 64, got " +
+             std::to_string(m.intermediate / tp_size));
+  }
+  if (tp_size > 1) {
+    auto* nccl = dynamic_cast<NcclCommunicator*>(&comm);
+    if (nccl == nullptr) {
+      problems.unsupported("CUDA backend: the TP all-reduce runs on NCCL; the communicator is " +
+                           comm.name() + ", not an NcclCommunicator");
+    } else if (nccl->device() != device.index) {
+      problems.error(ErrorCode::kInvalidArgument,
+                     "the NCCL communicator of rank " + std::to_string(comm.rank()) +
+                         " is on cuda:" + std::to_string(nccl->device()) +
+                         ", the bound tensors on " + device_name(device));
+    }
+  }
+  // Alignment of what the kernels read with 16-byte loads.
+  for (const LayerWeights& w : layers) {
+    for (const auto& [view, name] : {std::pair{&w.qkv_proj, "qkv_proj"},
+                                     {&w.o_proj, "o_proj"},
+                                     {&w.input_norm, "input_norm"},
+                                     {&w.post_attention_norm, "post_attention_norm"},
+                                     {&w.mlp_gate_up, "mlp_gate_up"},
+                                     {&w.mlp_down, "mlp_down"},
+                                     {&w.index_cache.data, "index_cache"}}) {
+      if (view->defined() && reinterpret_cast<uintptr_t>(view->data) % 16 != 0) {
+        problems.unsupported("CUDA backend: layer " + std::to_string(w.layer) + " " + name +
+                             " must be 16-byte aligned, found address " +
+                             std::to_string(reinterpret_cast<uintptr_t>(view->data)));
+      }
+    }
+  }
+}
+
+std::unique_ptr<GpuEngine> make_gpu_engine(const RuntimeConfig& config, int tp_size,
+                                           Communicator& comm,
+                                           const std::vector<LayerWeights>& layers, Device device) {
+  return std::make_unique<GpuEngineImpl>(config, tp_size, comm, layers, device);
+}
+
+#else  // no CUDA
+
+bool stream_is_capturing(void*) {
+  return false;
+}
+
+void check_gpu_support(const RuntimeConfig&, int, Communicator&, const std::vector<LayerWeights>&,
+                       Device device, Problems& problems) {
+  problems.unsupported("the tensors are on " + device_name(device) +
+                       " but this build has no CUDA backend");
+}
+
+std::unique_ptr<GpuEngine> make_gpu_engine(const RuntimeConfig&, int, Communicator&,
+                                           const std::vector<LayerWeights>&, Device device) {
+  M3MSA_THROW(ErrorCode::kUnsupported, "the tensors are on ", device_name(device),
+              " but this build has no CUDA backend");
+}
+
+#endif
+
+}  // namespace m3msa::runtime_detail

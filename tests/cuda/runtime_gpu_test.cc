@@ -1,0 +1,1130 @@
+// The CUDA backend of the runtime (runtime.h, src/runtime/gpu_layer.cc) and its kernels
+// (src/cuda/runtime_kernels.h). Every test skips without a GPU (TP = 2 ones without two).
+//
+// Oracles:
+//  - the runtime's kernels against double-precision / CPU references (exact where the maths is
+//    the same: the residual add);
+//  - forward_layer against the CPU runtime on the same inputs, layer by layer (teacher forcing:
+//    both backends get the CPU's input of every layer, so differences do not compound);
+//  - StepGraphs replay against the same step run eagerly (bit-for-bit, caches included);
+//  - TP = 2 (ranks as threads on two GPUs, NCCL) against TP = 1 on one GPU.
+//
+// Tolerances (bf16 outputs of O(1)): |gpu - want| <= kAbsTol + kRelTol * |want|.
+//  - GPU vs CPU runtime: every fp32 sum runs in another order (the GEMM's tensor-core tree, the
+//    norms' block tree, the attention's split merge), so any bf16 rounding along the chain
+//    (normed -> qkv -> q/k -> attention -> o -> x2 -> h2 -> MLP) can flip: kRelTol = 2^-5,
+//    kAbsTol = 2^-6 (those of the CPU runtime's own double-precision check). Selections follow
+//    the near-tie rule of method.md (tolerance 1e-3 of the k-th score, scores from the CPU's
+//    index_q); a row whose selection swapped near-tied blocks is excluded from the output check
+//    (counted; at most a quarter of the rows may swap), any other difference fails.
+//  - TP = 2 vs TP = 1: the projections of q/k/v/index are computed per output column in the same
+//    order whatever the column count, so selections must be identical; only the o_proj /
+//    mlp_down sums are split across ranks: kRelTol = 2^-6, kAbsTol = 2^-8 (the CPU runtime's TP
+//    tolerance). Ranks' outputs are bit-identical to each other.
+//  - Caches: slots written by the step within the GPU-vs-CPU tolerance, every other byte exact.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cpu/runtime_test_fixture.h"
+#include "cuda/common.cuh"
+#include "cuda/runtime_kernels.h"
+#include "m3msa/backend.h"
+#include "m3msa/cp_cuda.h"
+#include "m3msa/cpu_reference.h"
+#include "m3msa/cuda_backend.h"
+#include "m3msa/error.h"
+#include "m3msa/runtime.h"
+#include "m3msa/sort_key.h"
+#include "runtime/runtime_internal.h"
+
+namespace m3msa {
+namespace {
+
+#define M3MSA_RUNTIME_REQUIRE_GPUS(n)                                                   \
+  do {                                                                                  \
+    const int visible_ = ::m3msa::cuda_device_count();                                  \
+    if (visible_ < (n)) {                                                               \
+      GTEST_SKIP() << "needs " << (n) << " CUDA device(s), " << visible_ << " visible"; \
+    }                                                                                   \
+  } while (0)
+
+using rt_test::MasterModel;
+using rt_test::StepMeta;
+
+constexpr double kAbsTol = 1.0 / 64;
+constexpr double kRelTol = 1.0 / 32;
+constexpr double kTpAbsTol = 1.0 / 256;
+constexpr double kTpRelTol = 1.0 / 64;
+constexpr double kTieTolerance = 1e-3;
+constexpr int64_t kMaxContext = 2048;
+
+// ---- A model the CUDA kernels run: 128-d heads, blocks of 128 tokens ----
+
+ModelConfig gpu_model(int intermediate = 256) {
+  ModelConfig m;
+  m.hidden = 512;
+  m.num_layers = 3;
+  m.first_sparse_layer = 1;
+  m.q_heads = 8;
+  m.kv_heads = 2;
+  m.head_dim = 128;
+  m.index_heads = 2;
+  m.index_dim = 128;
+  m.block_size = 128;
+  m.topk = 4;  // of up to 16 blocks: a real selection
+  m.init_blocks = 0;
+  m.local_blocks = 1;
+  m.rope_dim = 64;
+  m.rope_theta = 10000.0;
+  m.intermediate = intermediate;
+  return m;
+}
+
+RuntimeConfig gpu_config() {
+  RuntimeConfig c;
+  c.model = gpu_model();
+  c.token_buckets = {1, 2, 4, 8, 16};
+  c.query_lens = {1, 2, 4};
+  c.max_requests = 16;
+  c.max_context = kMaxContext;
+  c.threads = 2;
+  return c;
+}
+
+int64_t max_blocks() {
+  return kMaxContext / 128;
+}
+
+int64_t num_pages(const RuntimeConfig& c) {
+  return int64_t{c.max_requests} * max_blocks() + 3;
+}
+
+struct Shape {
+  std::vector<int32_t> lens;
+  int q_len;
+};
+
+// Decode steps: speculative rows with a padding request, plain decode with short and
+// block-boundary contexts, 4 rows per request, and a full 16-row step.
+std::vector<Shape> default_shapes() {
+  return {
+      {{700, 1500, 0, 2000}, 2},
+      {{702, 1502, 0, 2002}, 2},
+      {{703, 1503, 90, 0, 2003, 1024, 129, 128}, 1},
+      {{1000, 2040}, 4},
+      {{5, 130, 257, 400, 555, 600, 777, 800, 901, 1111, 1200, 1333, 1500, 1600, 1800, 2047}, 1}};
+}
+
+struct Scenario {
+  RuntimeConfig config;
+  MasterModel master;
+  std::vector<int32_t> index_perm, kv_perm;
+  std::vector<StepMeta> steps;
+  std::vector<std::vector<uint16_t>> hidden_in, residual_in;  // per step
+};
+
+Scenario make_scenario(uint64_t seed, const std::vector<Shape>& shapes = default_shapes()) {
+  Scenario s;
+  s.config = gpu_config();
+  const ModelConfig& m = s.config.model;
+  const int64_t pages = num_pages(s.config);
+  s.master = rt_test::make_master(m, pages, seed, /*mlp_on_last_layer=*/true);
+  s.index_perm = rt_test::page_permutation(pages, seed + 1);
+  s.kv_perm = rt_test::page_permutation(pages, seed + 2);
+  rt_test::Rng rng(seed + 3);
+  for (const Shape& shape : shapes) {
+    s.steps.push_back(rt_test::make_step(shape.lens, shape.q_len, m.block_size, max_blocks(),
+                                         s.index_perm, s.kv_perm));
+    const std::size_t n = shape.lens.size() * static_cast<std::size_t>(shape.q_len) * m.hidden;
+    std::vector<uint16_t> h(n), r(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      h[i] = float_to_bf16(rng.unit());
+      r[i] = float_to_bf16(rng.unit());
+    }
+    s.hidden_in.push_back(h);
+    s.residual_in.push_back(r);
+  }
+  return s;
+}
+
+// ---- Device copies ----
+
+TensorView upload_view(std::vector<DeviceTensor>& keep, const TensorView& host, int device) {
+  if (!host.defined()) return {};
+  DeviceTensor t(host.dtype, host.sizes(), device);
+  if (host.nbytes()) {
+    cuda::DeviceGuard guard(device);
+    CUDA_CHECK(cudaMemcpy(t.data(), host.data, host.nbytes(), cudaMemcpyHostToDevice));
+    // The runtime's streams do not synchronize with the legacy stream: land the copy first.
+    CUDA_CHECK(cudaDeviceSynchronize());
+  }
+  keep.push_back(t);
+  return t.view();
+}
+
+// One rank's model on a GPU: every tensor of the host RankModel copied (caches included).
+struct DeviceModel {
+  std::vector<DeviceTensor> storage;
+  ModelWeights weights;
+};
+
+DeviceModel upload_model(const rt_test::RankModel& host, int device) {
+  DeviceModel d;
+  for (const LayerWeights& h : host.weights.layers) {
+    LayerWeights w;
+    w.layer = h.layer;
+    auto up = [&](const TensorView& v) { return upload_view(d.storage, v, device); };
+    w.qkv_proj = up(h.qkv_proj);
+    w.qkv_proj_scale = up(h.qkv_proj_scale);
+    w.q_norm = up(h.q_norm);
+    w.k_norm = up(h.k_norm);
+    w.index_q_norm = up(h.index_q_norm);
+    w.index_k_norm = up(h.index_k_norm);
+    w.input_norm = up(h.input_norm);
+    w.post_attention_norm = up(h.post_attention_norm);
+    w.o_proj = up(h.o_proj);
+    w.o_proj_scale = up(h.o_proj_scale);
+    w.mlp_gate_up = up(h.mlp_gate_up);
+    w.mlp_down = up(h.mlp_down);
+    w.kv_cache = {up(h.kv_cache.data), h.kv_cache.k_scale, h.kv_cache.v_scale};
+    w.index_cache = {up(h.index_cache.data)};
+    d.weights.layers.push_back(w);
+  }
+  return d;
+}
+
+template <typename T>
+std::vector<T> download(const TensorView& view) {
+  std::vector<T> out(static_cast<std::size_t>(view.numel()));
+  if (!out.empty()) {
+    cuda::DeviceGuard guard(view.device.index);
+    CUDA_CHECK(cudaMemcpy(out.data(), view.data, view.nbytes(), cudaMemcpyDeviceToHost));
+  }
+  return out;
+}
+
+template <typename T>
+std::vector<T> host_values(const TensorView& view) {
+  const T* p = view.ptr<const T>();
+  return std::vector<T>(p, p + view.numel());
+}
+
+void upload_into(const TensorView& device_view, const void* host, std::size_t bytes) {
+  if (bytes == 0) return;
+  cuda::DeviceGuard guard(device_view.device.index);
+  CUDA_CHECK(cudaMemcpy(device_view.data, host, bytes, cudaMemcpyHostToDevice));
+  CUDA_CHECK(cudaDeviceSynchronize());  // see upload_view
+}
+
+// The batch with every tensor on `device` (the engine's usual case).
+struct DeviceBatch {
+  std::vector<DeviceTensor> keep;
+  BatchMeta batch;
+};
+
+DeviceBatch device_batch(const BatchMeta& host, int device) {
+  DeviceBatch d;
+  d.batch = host;
+  d.batch.seq_lens = upload_view(d.keep, host.seq_lens, device);
+  d.batch.index_block_table = upload_view(d.keep, host.index_block_table, device);
+  d.batch.kv_block_table = upload_view(d.keep, host.kv_block_table, device);
+  d.batch.slot_mapping = upload_view(d.keep, host.slot_mapping, device);
+  d.batch.index_slot_mapping = upload_view(d.keep, host.index_slot_mapping, device);
+  return d;
+}
+
+// ---- Comparisons ----
+
+struct Check {
+  int64_t checked = 0;
+  int64_t bad = 0;
+  double worst = 0.0;  // largest |got - want| / (abs + rel |want|)
+  std::string first;
+};
+
+// [rows, cols] bf16; rows in `skip` are not compared.
+void compare_bf16(Check& c, const uint16_t* got, const uint16_t* want, int64_t rows, int64_t cols,
+                  double abs_tol, double rel_tol, const std::vector<bool>& skip,
+                  const std::string& what) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!skip.empty() && skip[static_cast<std::size_t>(r)]) continue;
+    for (int64_t i = 0; i < cols; ++i) {
+      const double g = bf16_to_float(got[r * cols + i]);
+      const double w = bf16_to_float(want[r * cols + i]);
+      ++c.checked;
+      const bool nan_ok = std::isnan(g) == std::isnan(w);
+      const double bound = abs_tol + rel_tol * std::fabs(w);
+      const double ratio = std::isnan(g) || std::isnan(w) ? 0.0 : std::fabs(g - w) / bound;
+      if (!nan_ok || ratio > 1.0 || (std::isinf(g) != std::isinf(w))) {
+        if (c.bad++ == 0) {
+          std::ostringstream out;
+          out << what << " [" << r << ", " << i << "]: got " << g << ", want " << w;
+          c.first = out.str();
+        }
+      }
+      c.worst = std::max(c.worst, ratio);
+    }
+  }
+}
+
+// GPU selection vs the CPU's under the near-tie rule. Marks rows whose selection differs (by
+// near ties only) in `swapped`; returns the number of (row, head) failures.
+int64_t compare_selection(const SparseConfig& sc, const std::vector<int32_t>& gpu,
+                          const std::vector<int32_t>& cpu, const HostTensor& scores,
+                          const BatchMeta& batch, std::vector<bool>& swapped, std::string& first) {
+  const int H = sc.index_heads;
+  const int k = sc.topk;
+  const int64_t cols = scores.shape()[2];
+  const std::vector<RowPosition> rows = row_positions(batch);
+  int64_t failures = 0;
+  auto fail = [&](const std::string& what) {
+    if (failures++ == 0) first = what;
+  };
+  for (int64_t row = 0; row < static_cast<int64_t>(rows.size()); ++row) {
+    const int64_t nb = visible_blocks(rows[row].pos, sc.block_size);
+    const int64_t expect = std::min<int64_t>(k, nb);
+    for (int h = 0; h < H; ++h) {
+      const int32_t* g = gpu.data() + (row * H + h) * k;
+      const int32_t* c = cpu.data() + (row * H + h) * k;
+      const float* s = scores.ptr<float>() + (row * H + h) * cols;
+      std::set<int32_t> gs, cs;
+      std::ostringstream where;
+      where << "row " << row << " (pos " << rows[row].pos << ") head " << h << ": ";
+      bool structure = true;
+      for (int i = 0; i < k; ++i) {
+        if (i < expect) {
+          if (g[i] < 0 || g[i] >= nb || !gs.insert(g[i]).second) structure = false;
+          cs.insert(c[i]);
+        } else if (g[i] != -1) {
+          structure = false;
+        }
+      }
+      if (!structure) {
+        fail(where.str() + "malformed GPU selection");
+        continue;
+      }
+      if (gs == cs) continue;
+      double kth = INFINITY;
+      for (int32_t b : cs) {
+        if (!is_forced_block(b, nb, sc.init_blocks, sc.local_blocks))
+          kth = std::min<double>(kth, s[b]);
+      }
+      bool near = std::isfinite(kth);
+      for (int32_t b : gs) {
+        if (!cs.count(b))
+          near = near && std::fabs(s[b] - kth) <= kTieTolerance * std::max(1.0, std::fabs(kth));
+      }
+      for (int32_t b : cs) {
+        if (!gs.count(b))
+          near = near && std::fabs(s[b] - kth) <= kTieTolerance * std::max(1.0, std::fabs(kth));
+      }
+      if (near) {
+        swapped[static_cast<std::size_t>(row)] = true;
+      } else {
+        fail(where.str() + "selections differ beyond a near tie (CPU k-th score " +
+             std::to_string(kth) + ")");
+      }
+    }
+  }
+  return failures;
+}
+
+// The slots a step writes, per cache: (page, offset) pairs from both slot mappings.
+std::set<int64_t> written_slots(const std::vector<StepMeta>& steps, bool index) {
+  std::set<int64_t> out;
+  for (const StepMeta& m : steps) {
+    const HostTensor& t = index ? m.index_slots : m.slots;
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      if (t.ptr<int64_t>()[i] >= 0) out.insert(t.ptr<int64_t>()[i]);
+    }
+  }
+  return out;
+}
+
+// Caches: written slots within tolerance, everything else exact.
+void compare_caches(const SparseConfig& sc, const rt_test::RankModel& cpu, const DeviceModel& gpu,
+                    const std::vector<StepMeta>& steps) {
+  const std::set<int64_t> kv_slots = written_slots(steps, false);
+  const std::set<int64_t> index_slots = written_slots(steps, true);
+  for (std::size_t l = 0; l < cpu.weights.layers.size(); ++l) {
+    const LayerWeights& want = cpu.weights.layers[l];
+    const LayerWeights& got = gpu.weights.layers[l];
+    const std::vector<uint16_t> kv = download<uint16_t>(got.kv_cache.data);
+    const std::vector<uint16_t> ix = download<uint16_t>(got.index_cache.data);
+    const auto* kv_want = want.kv_cache.data.ptr<const uint16_t>();
+    const auto* ix_want = want.index_cache.data.ptr<const uint16_t>();
+    const int64_t bs = sc.block_size;
+    const int64_t hd = sc.head_dim;
+    Check written;
+    int64_t stray = 0;
+    const int64_t pages = want.kv_cache.pages();
+    for (int64_t p = 0; p < pages; ++p) {
+      for (int64_t off = 0; off < bs; ++off) {
+        const bool wrote_kv = kv_slots.count(p * bs + off) > 0;
+        const bool wrote_ix = index_slots.count(p * bs + off) > 0;
+        for (int h = 0; h < sc.kv_heads; ++h) {
+          for (int part = 0; part < 2; ++part) {
+            const int64_t at = (((p * sc.kv_heads + h) * 2 + part) * bs + off) * hd;
+            if (wrote_kv) {
+              compare_bf16(written, kv.data() + at, kv_want + at, 1, hd, kAbsTol, kRelTol, {},
+                           "kv cache");
+            } else {
+              stray += std::memcmp(kv.data() + at, kv_want + at, 2 * hd) != 0;
+            }
+          }
+        }
+        const int64_t at = (p * bs + off) * sc.index_dim;
+        if (wrote_ix) {
+          compare_bf16(written, ix.data() + at, ix_want + at, 1, sc.index_dim, kAbsTol, kRelTol, {},
+                       "index cache");
+        } else {
+          stray += std::memcmp(ix.data() + at, ix_want + at, 2 * sc.index_dim) != 0;
+        }
+      }
+    }
+    EXPECT_EQ(written.bad, 0) << "layer " << want.layer << ": " << written.first;
+    EXPECT_EQ(stray, 0) << "layer " << want.layer
+                        << ": cache rows changed outside the steps' slots";
+  }
+}
+
+// ---- GPU forward_layer vs the CPU runtime, layer by layer ----
+
+void run_against_cpu(bool fp8_qkv, bool device_metadata, uint64_t seed) {
+  const Scenario s = make_scenario(seed);
+  const ModelConfig& m = s.config.model;
+  const SparseConfig sc = m.sparse(1);
+  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, fp8_qkv);
+  rt_test::RankModel host_for_gpu = rt_test::make_rank_model(s.master, 0, 1, fp8_qkv);
+  DeviceModel dev = upload_model(host_for_gpu, 0);
+  auto comm_cpu = make_single_rank_communicator();
+  auto comm_gpu = make_single_rank_communicator();
+  Runtime cpu([](const std::string&) {});
+  Runtime gpu([](const std::string&) {});
+  ASSERT_EQ(cpu.prepare(host.weights, s.config, *comm_cpu), PrepareResult::kActive);
+  ASSERT_EQ(gpu.prepare(dev.weights, s.config, *comm_gpu), PrepareResult::kActive)
+      << gpu.stats().to_json();
+  EXPECT_EQ(gpu.stats().backend, "cuda");
+  EXPECT_EQ(gpu.device(), Device::cuda(0));
+  const int64_t H = m.hidden;
+  DeviceTensor d_hidden(DType::kBF16, {16, H}), d_residual(DType::kBF16, {16, H});
+  DeviceTensor d_positions(DType::kI64, {16});
+  cudaStream_t stream = static_cast<cudaStream_t>(gpu.cuda_stream());
+  ASSERT_NE(stream, nullptr);
+
+  Check out_check, res_check;
+  int64_t selection_failures = 0, swapped_rows = 0, rows_total = 0;
+  std::string selection_first;
+  for (std::size_t step = 0; step < s.steps.size(); ++step) {
+    const StepMeta& meta = s.steps[step];
+    const int64_t rows = meta.batch.num_rows();
+    ASSERT_TRUE(cpu.begin_step(meta.batch)) << cpu.stats().last_refusal;
+    DeviceBatch db;
+    if (device_metadata) db = device_batch(meta.batch, 0);
+    ASSERT_TRUE(gpu.begin_step(device_metadata ? db.batch : meta.batch))
+        << gpu.stats().last_refusal;
+    std::vector<uint16_t> hidden = s.hidden_in[step];
+    std::vector<uint16_t> residual = s.residual_in[step];
+    const TensorView hv =
+        TensorView::contiguous(d_hidden.data(), DType::kBF16, {rows, H}, Device::cuda(0));
+    const TensorView rv =
+        TensorView::contiguous(d_residual.data(), DType::kBF16, {rows, H}, Device::cuda(0));
+    const TensorView pv =
+        TensorView::contiguous(d_positions.data(), DType::kI64, {rows}, Device::cuda(0));
+    upload_into(pv, meta.positions.data(), meta.positions.nbytes());
+    for (std::size_t l = 0; l < s.master.layers.size(); ++l) {
+      const int layer = s.master.layers[l].layer;
+      // Both backends start the layer from the CPU's input.
+      upload_into(hv, hidden.data(), hidden.size() * 2);
+      upload_into(rv, residual.data(), residual.size() * 2);
+      gpu.forward_layer(layer, hv, rv, pv);
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      const Runtime::LayerTrace gt = gpu.last_layer_trace();
+      const std::vector<int32_t> gpu_topk = download<int32_t>(gt.topk);
+      const std::vector<uint16_t> gpu_hidden = download<uint16_t>(hv);
+      const std::vector<uint16_t> gpu_residual = download<uint16_t>(rv);
+
+      cpu.forward_layer(layer, TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}),
+                        TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}),
+                        meta.positions.view());
+      const Runtime::LayerTrace ct = cpu.last_layer_trace();
+      // Scores of the CPU's index_q over the CPU's caches (the near-tie rule's reference).
+      IndexerArgs idx;
+      idx.index_q = ct.index_q;
+      idx.index_cache = host.weights.layers[l].index_cache;
+      idx.batch = cpu.step_metadata();
+      idx.topk_idx = ct.topk;
+      HostTensor scores(DType::kF32, {rows, sc.index_heads, max_blocks()});
+      cpu::score_blocks(sc, idx, scores.view());
+      std::vector<bool> swapped(static_cast<std::size_t>(rows), false);
+      selection_failures += compare_selection(sc, gpu_topk, host_values<int32_t>(ct.topk), scores,
+                                              meta.batch, swapped, selection_first);
+      for (bool b : swapped) swapped_rows += b;
+      rows_total += rows;
+      const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(layer);
+      compare_bf16(res_check, gpu_residual.data(), residual.data(), rows, H, kAbsTol, kRelTol,
+                   swapped, where + " residual");
+      compare_bf16(out_check, gpu_hidden.data(), hidden.data(), rows, H, kAbsTol, kRelTol, swapped,
+                   where + " hidden");
+    }
+  }
+  EXPECT_EQ(selection_failures, 0) << selection_first;
+  EXPECT_LE(swapped_rows * 4, rows_total)
+      << swapped_rows << " of " << rows_total << " rows swapped near-tied blocks";
+  EXPECT_EQ(res_check.bad, 0) << res_check.first << " (worst " << res_check.worst << " of the "
+                              << "tolerance)";
+  EXPECT_EQ(out_check.bad, 0) << out_check.first << " (worst " << out_check.worst << ")";
+  EXPECT_GT(out_check.checked, 0);
+  std::printf(
+      "[ info ] %lld rows, %lld near-tie rows; worst error / tolerance: residual %.3f, "
+      "hidden %.3f; launches per layer %lld\n",
+      static_cast<long long>(rows_total), static_cast<long long>(swapped_rows), res_check.worst,
+      out_check.worst, static_cast<long long>(gpu.stats().launches_per_layer));
+  EXPECT_EQ(gpu.stats().layers_run, cpu.stats().layers_run);
+  compare_caches(sc, host, dev, s.steps);
+  gpu.close();
+  cpu.close();
+  EXPECT_EQ(gpu.state(), RuntimeState::kClosed);
+}
+
+// ---- Kernels ----
+
+TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  rt_test::Rng rng(11);
+  struct Case {
+    int n, k;
+  };
+  for (const Case c : {Case{40, 64}, Case{1920, 512}, Case{136, 6144}, Case{24, 192}}) {
+    for (int rows : {1, 3, 8, 9, 16}) {
+      for (bool fp8 : {false, true}) {
+        for (bool f32 : {false, true}) {
+          std::vector<uint16_t> x(static_cast<std::size_t>(16) * c.k);
+          for (auto& v : x) v = float_to_bf16(rng.unit() * 2.0f);
+          std::vector<uint8_t> w(static_cast<std::size_t>(c.n) * c.k * (fp8 ? 1 : 2));
+          std::vector<double> wv(static_cast<std::size_t>(c.n) * c.k);
+          for (std::size_t i = 0; i < wv.size(); ++i) {
+            if (fp8) {
+              w[i] = float_to_fp8e4m3(rng.unit() * 300.0f);
+              wv[i] = fp8e4m3_to_float(w[i]);
+            } else {
+              const uint16_t b = float_to_bf16(rng.unit() * 0.1f);
+              std::memcpy(&w[2 * i], &b, 2);
+              wv[i] = bf16_to_float(b);
+            }
+          }
+          std::vector<float> scale(static_cast<std::size_t>(c.n));
+          for (auto& v : scale) v = 1e-3f * (1.5f + rng.unit());
+          DeviceTensor dx(DType::kBF16, {16, c.k}), dw(DType::kU8, {int64_t(w.size())});
+          DeviceTensor ds(DType::kF32, {c.n}), dout(DType::kF32, {17, c.n});
+          upload_into(dx.view(), x.data(), x.size() * 2);
+          upload_into(dw.view(), w.data(), w.size());
+          upload_into(ds.view(), scale.data(), scale.size() * 4);
+          fill_device_bytes(dout.view(), 0x7F);  // poison (NaN as f32 / bf16 pairs)
+          cuda::SkinnyGemmParams p;
+          p.x = static_cast<const uint16_t*>(dx.data());
+          p.x_stride = c.k;
+          p.w = dw.data();
+          p.scale = fp8 ? static_cast<const float*>(ds.data()) : nullptr;
+          p.out = dout.data();
+          p.out_stride = c.n;
+          p.rows = rows;
+          p.n = c.n;
+          p.k = c.k;
+          p.w_fp8 = fp8;
+          p.out_f32 = f32;
+          cuda::launch_skinny_gemm(p, nullptr);
+          CUDA_CHECK(cudaDeviceSynchronize());
+          const std::vector<uint8_t> raw = download<uint8_t>(dout.view());
+          const std::vector<uint8_t> raw2 = [&] {
+            cuda::launch_skinny_gemm(p, nullptr);
+            CUDA_CHECK(cudaDeviceSynchronize());
+            return download<uint8_t>(dout.view());
+          }();
+          EXPECT_EQ(raw, raw2) << "two runs differ";
+          int64_t bad = 0;
+          std::string first;
+          const std::size_t elem = f32 ? 4 : 2;
+          for (int r = 0; r < 17; ++r) {
+            for (int n = 0; n < c.n; ++n) {
+              const uint8_t* at = raw.data() + (static_cast<std::size_t>(r) * c.n + n) * elem;
+              if (r >= rows) {  // untouched: still poisoned
+                bad += !std::all_of(at, at + elem, [](uint8_t b) { return b == 0x7F; });
+                continue;
+              }
+              double ref = 0.0, mag = 0.0;
+              for (int kk = 0; kk < c.k; ++kk) {
+                const double t = bf16_to_float(x[static_cast<std::size_t>(r) * c.k + kk]) *
+                                 wv[static_cast<std::size_t>(n) * c.k + kk];
+                ref += t;
+                mag += std::fabs(t);
+              }
+              const double sc = fp8 ? scale[static_cast<std::size_t>(n)] : 1.0;
+              ref *= sc;
+              mag *= sc;
+              double got;
+              if (f32) {
+                float v;
+                std::memcpy(&v, at, 4);
+                got = v;
+              } else {
+                uint16_t v;
+                std::memcpy(&v, at, 2);
+                got = bf16_to_float(v);
+              }
+              // fp32 accumulation: ~1e-6 of the magnitude; bf16 output: half an ulp more.
+              const double tol = 2e-6 * mag + (f32 ? 0.0 : std::fabs(ref) / 256.0) + 1e-30;
+              if (!(std::fabs(got - ref) <= tol)) {
+                if (bad++ == 0) {
+                  first = "row " + std::to_string(r) + " col " + std::to_string(n) + ": got " +
+                          std::to_string(got) + ", want " + std::to_string(ref);
+                }
+              }
+            }
+          }
+          EXPECT_EQ(bad, 0) << "n " << c.n << " k " << c.k << " rows " << rows << " fp8 " << fp8
+                            << " f32 " << f32 << ": " << first;
+        }
+      }
+    }
+  }
+}
+
+TEST(RuntimeKernels, SkinnyGemmRefusesUnsupportedShapes) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  DeviceTensor buf(DType::kU8, {1 << 20});
+  cuda::SkinnyGemmParams p;
+  p.x = static_cast<const uint16_t*>(buf.data());
+  p.w = buf.data();
+  p.out = buf.data();
+  p.n = 16;
+  p.k = 96;  // not a multiple of 64
+  p.x_stride = 96;
+  p.out_stride = 16;
+  p.rows = 1;
+  EXPECT_THROW(cuda::launch_skinny_gemm(p, nullptr), Error);
+  p.k = 64;
+  p.x_stride = 64;
+  p.rows = 17;
+  EXPECT_THROW(cuda::launch_skinny_gemm(p, nullptr), Error);
+}
+
+TEST(RuntimeKernels, AddRmsNormMatchesCpu) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  rt_test::Rng rng(5);
+  for (int n : {512, 6144}) {
+    for (int rows : {1, 7, 16}) {
+      for (bool f32 : {false, true}) {
+        const std::size_t count = static_cast<std::size_t>(rows) * n;
+        std::vector<uint16_t> res(count), w(static_cast<std::size_t>(n));
+        std::vector<float> delta(count);
+        std::vector<uint16_t> delta16(count);
+        for (std::size_t i = 0; i < count; ++i) {
+          res[i] = float_to_bf16(rng.unit() * 3.0f);
+          delta[i] = rng.unit() * 2.0f;
+          delta16[i] = float_to_bf16(delta[i]);
+        }
+        for (auto& v : w) v = float_to_bf16(rng.unit() * 0.3f);
+        DeviceTensor dres(DType::kBF16, {rows, n}), dw(DType::kBF16, {n}),
+            dd(f32 ? DType::kF32 : DType::kBF16, {rows, n}), dout(DType::kBF16, {rows, n});
+        upload_into(dres.view(), res.data(), count * 2);
+        upload_into(dw.view(), w.data(), w.size() * 2);
+        if (f32) {
+          upload_into(dd.view(), delta.data(), count * 4);
+        } else {
+          upload_into(dd.view(), delta16.data(), count * 2);
+        }
+        cuda::AddNormParams p;
+        p.delta = dd.data();
+        p.residual = static_cast<uint16_t*>(dres.data());
+        p.weight = static_cast<const uint16_t*>(dw.data());
+        p.out = static_cast<uint16_t*>(dout.data());
+        p.rows = rows;
+        p.n = n;
+        p.delta_f32 = f32;
+        p.eps = 1e-6f;
+        cuda::launch_add_rmsnorm(p, nullptr);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        const std::vector<uint16_t> got_res = download<uint16_t>(dres.view());
+        const std::vector<uint16_t> got_out = download<uint16_t>(dout.view());
+        std::vector<uint16_t> want_res(count), want_out(count);
+        for (std::size_t i = 0; i < count; ++i) {
+          const float d = f32 ? round_to_bf16(delta[i]) : bf16_to_float(delta16[i]);
+          want_res[i] = float_to_bf16(bf16_to_float(res[i]) + d);
+        }
+        for (int r = 0; r < rows; ++r) {
+          runtime_detail::gemma_rmsnorm_row(&want_res[static_cast<std::size_t>(r) * n], w.data(), n,
+                                            1e-6f, &want_out[static_cast<std::size_t>(r) * n]);
+        }
+        EXPECT_EQ(got_res, want_res) << "the residual add is exact maths";
+        Check c;
+        // Only the sum-of-squares order differs: one bf16 rounding of the output can flip.
+        compare_bf16(c, got_out.data(), want_out.data(), rows, n, 1e-6, 1.0 / 128, {}, "normed");
+        EXPECT_EQ(c.bad, 0) << c.first;
+      }
+    }
+  }
+}
+
+// ---- The layer ----
+
+TEST(RuntimeGpu, LayerMatchesCpuBf16) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  run_against_cpu(/*fp8_qkv=*/false, /*device_metadata=*/false, 101);
+}
+
+TEST(RuntimeGpu, LayerMatchesCpuFp8) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  run_against_cpu(/*fp8_qkv=*/true, /*device_metadata=*/false, 202);
+}
+
+TEST(RuntimeGpu, LayerMatchesCpuDeviceMetadata) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  run_against_cpu(/*fp8_qkv=*/false, /*device_metadata=*/true, 303);
+}
+
+// One GPU runtime with StepGraphs: the same step (caches restored, same inputs) run eagerly and
+// replayed gives bit-identical outputs and caches, for several shapes, padded steps, and a
+// captured graph replayed with another step's metadata.
+TEST(RuntimeGpu, GraphReplayEqualsEager) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  const std::vector<Shape> shapes = {{{700, 1500, 0, 2000}, 2},     // 8 rows: bucket 8
+                                     {{702, 1502, 0, 2002}, 2},     // same graph, new metadata
+                                     {{703, 1503, 90}, 1},          // 3 rows padded to 4
+                                     {{1000, 2040}, 4},             // 8 rows of q_len 4
+                                     {{5, 130, 257, 400, 555}, 1},  // 5 rows padded to 8
+                                     {{77, 1900, 1234}, 1}};        // bucket 4 again
+  const Scenario s = make_scenario(404, shapes);
+  const ModelConfig& m = s.config.model;
+  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+  DeviceModel dev = upload_model(host, 0);
+  // Pristine caches to restore before each run.
+  std::vector<DeviceTensor> pristine;
+  for (const LayerWeights& w : dev.weights.layers) {
+    for (const TensorView& v : {w.kv_cache.data, w.index_cache.data}) {
+      DeviceTensor copy(v.dtype, v.sizes());
+      CUDA_CHECK(cudaMemcpy(copy.data(), v.data, v.nbytes(), cudaMemcpyDeviceToDevice));
+      pristine.push_back(copy);
+    }
+  }
+  auto restore = [&] {
+    std::size_t i = 0;
+    for (const LayerWeights& w : dev.weights.layers) {
+      for (const TensorView& v : {w.kv_cache.data, w.index_cache.data}) {
+        CUDA_CHECK(cudaMemcpy(v.data, pristine[i++].data(), v.nbytes(), cudaMemcpyDeviceToDevice));
+      }
+    }
+    CUDA_CHECK(cudaDeviceSynchronize());  // device-to-device cudaMemcpy is asynchronous
+  };
+  auto comm = make_single_rank_communicator();
+  Runtime rt([](const std::string&) {});
+  ASSERT_EQ(rt.prepare(dev.weights, s.config, *comm), PrepareResult::kActive);
+  StepGraphs graphs(rt);
+  cudaStream_t stream = static_cast<cudaStream_t>(rt.cuda_stream());
+  const int64_t H = m.hidden;
+
+  struct Result {
+    std::vector<uint16_t> hidden, residual;
+    std::vector<std::vector<uint8_t>> caches;
+  };
+  auto run_one = [&](std::size_t step, bool graph) {
+    restore();
+    fill_device_bytes(graphs.hidden(), 0);
+    fill_device_bytes(graphs.residual(), 0);
+    const StepMeta& meta = s.steps[step];
+    const int64_t rows = meta.batch.num_rows();
+    upload_into(graphs.hidden(), s.hidden_in[step].data(), s.hidden_in[step].size() * 2);
+    upload_into(graphs.residual(), s.residual_in[step].data(), s.residual_in[step].size() * 2);
+    upload_into(graphs.positions(), meta.positions.data(), meta.positions.nbytes());
+    const bool ran = graph ? graphs.run(meta.batch) : graphs.run_eager(meta.batch);
+    EXPECT_TRUE(ran) << rt.stats().last_refusal;
+    CUDA_CHECK(cudaStreamSynchronize(stream));
+    Result r;
+    r.hidden = download<uint16_t>(graphs.hidden());
+    r.residual = download<uint16_t>(graphs.residual());
+    r.hidden.resize(static_cast<std::size_t>(rows * H));
+    r.residual.resize(static_cast<std::size_t>(rows * H));
+    for (const LayerWeights& w : dev.weights.layers) {
+      r.caches.push_back(download<uint8_t>(w.kv_cache.data));
+      r.caches.push_back(download<uint8_t>(w.index_cache.data));
+    }
+    return r;
+  };
+  for (std::size_t step = 0; step < s.steps.size(); ++step) {
+    const Result eager = run_one(step, false);
+    const Result replay = run_one(step, true);
+    EXPECT_EQ(eager.hidden, replay.hidden) << "step " << step;
+    EXPECT_EQ(eager.residual, replay.residual) << "step " << step;
+    EXPECT_TRUE(eager.caches == replay.caches) << "step " << step << ": caches differ";
+    // The step really ran: its outputs are not the inputs.
+    EXPECT_NE(eager.residual, s.residual_in[step]) << "step " << step;
+  }
+  // Shapes (padded requests x q_len): (4, 2), (4, 1), (2, 4), (8, 1) -> 4 graphs.
+  EXPECT_EQ(graphs.graphs(), 4);
+  EXPECT_EQ(graphs.padded_requests(3, 1), 4);
+  EXPECT_EQ(graphs.padded_requests(5, 1), 8);
+  const RuntimeStats st = rt.stats();
+  EXPECT_EQ(st.graphs_captured, 4);
+  EXPECT_EQ(st.graph_replays, static_cast<int64_t>(s.steps.size()));
+  EXPECT_EQ(st.layers_run, static_cast<int64_t>(2 * s.steps.size() * s.master.layers.size()));
+  EXPECT_GT(st.launches_per_layer, 6);
+  graphs.reset();
+  rt.close();
+}
+
+// prepare while the runtime's stream captures is refused (the flag and the stream itself), and so
+// is begin_step (its copies would be captured with stale metadata).
+TEST(RuntimeGpu, PrepareAndBeginStepRefusedWhileCapturing) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  const Scenario s = make_scenario(505, {{{300, 900}, 1}});
+  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+  DeviceModel dev = upload_model(host, 0);
+  cuda::Stream stream;
+  RuntimeConfig config = s.config;
+  config.cuda_stream = stream.get();
+  auto comm = make_single_rank_communicator();
+  Runtime rt([](const std::string&) {});
+
+  StepContext capturing;
+  capturing.capturing = true;
+  try {
+    rt.prepare(dev.weights, config, *comm, capturing);
+    ADD_FAILURE() << "prepare with StepContext::capturing succeeded";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+  }
+
+  CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  bool threw = false;
+  try {
+    rt.prepare(dev.weights, config, *comm);
+  } catch (const Error& e) {
+    threw = true;
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(e.message().find("capturing"), std::string::npos) << e.what();
+  }
+  cudaGraph_t graph = nullptr;
+  CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  if (graph) cudaGraphDestroy(graph);
+  EXPECT_TRUE(threw) << "prepare ran while config.cuda_stream was capturing";
+  EXPECT_EQ(rt.state(), RuntimeState::kIdle);
+
+  ASSERT_EQ(rt.prepare(dev.weights, config, *comm), PrepareResult::kActive);
+  EXPECT_EQ(rt.cuda_stream(), static_cast<void*>(stream.get()));
+  CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+  threw = false;
+  try {
+    rt.begin_step(s.steps[0].batch);
+  } catch (const Error& e) {
+    threw = true;
+    EXPECT_NE(e.message().find("capturing"), std::string::npos) << e.what();
+  }
+  graph = nullptr;
+  CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+  if (graph) cudaGraphDestroy(graph);
+  EXPECT_TRUE(threw) << "begin_step ran while the stream was capturing";
+  // Eager again: accepted.
+  EXPECT_TRUE(rt.begin_step(s.steps[0].batch));
+  rt.close();
+}
+
+// What the CUDA path does not run falls back (every rank "unsupported", reason named); tensors
+// on two devices are an error.
+TEST(RuntimeGpu, UnsupportedFallsBackAndMixedDevicesFail) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  {
+    RuntimeConfig c = rt_test::small_config();  // 32-d heads, blocks of 16
+    const MasterModel master = rt_test::make_master(c.model, 20, 7, true);
+    rt_test::RankModel host = rt_test::make_rank_model(master, 0, 1, false);
+    DeviceModel dev = upload_model(host, 0);
+    auto comm = make_single_rank_communicator();
+    Runtime rt([](const std::string&) {});
+    EXPECT_EQ(rt.prepare(dev.weights, c, *comm), PrepareResult::kFallback);
+    const RuntimeStats st = rt.stats();
+    ASSERT_FALSE(st.fallback_reasons.empty());
+    const std::string reason = st.fallback_reasons.begin()->first;
+    EXPECT_NE(reason.find("CUDA backend: head_dim must be 128"), std::string::npos) << reason;
+    EXPECT_NE(reason.find("block_size must be 128"), std::string::npos) << reason;
+  }
+  {
+    const Scenario s = make_scenario(606, {{{300}, 1}});
+    rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+    DeviceModel dev = upload_model(host, 0);
+    dev.weights.layers[0].input_norm = host.weights.layers[0].input_norm;  // a host tensor
+    auto comm = make_single_rank_communicator();
+    Runtime rt([](const std::string&) {});
+    try {
+      rt.prepare(dev.weights, s.config, *comm);
+      ADD_FAILURE() << "prepare accepted tensors on two devices";
+    } catch (const Error& e) {
+      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(e.message().find("input_norm: expected a tensor on cuda:0"), std::string::npos)
+          << e.what();
+    }
+  }
+  {
+    // TP = 2 through a ThreadGroup (not NCCL): unsupported on both ranks -> fallback.
+    const Scenario s = make_scenario(707, {{{300}, 1}});
+    std::vector<DeviceModel> devs;
+    std::vector<rt_test::RankModel> hosts;
+    for (int r = 0; r < 2; ++r) {
+      hosts.push_back(rt_test::make_rank_model(s.master, r, 2, false));
+      devs.push_back(upload_model(hosts.back(), 0));
+    }
+    auto group = ThreadGroup::create(2, std::chrono::seconds(60));
+    std::vector<PrepareResult> results(2);
+    std::vector<std::string> reasons(2);
+    const auto errors = run_ranks(group, [&](Communicator& comm) {
+      Runtime rt([](const std::string&) {});
+      results[static_cast<std::size_t>(comm.rank())] =
+          rt.prepare(devs[static_cast<std::size_t>(comm.rank())].weights, s.config, comm);
+      const auto st = rt.stats();
+      if (!st.fallback_reasons.empty()) {
+        reasons[static_cast<std::size_t>(comm.rank())] = st.fallback_reasons.begin()->first;
+      }
+    });
+    for (const auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_EQ(results[static_cast<std::size_t>(r)], PrepareResult::kFallback);
+      EXPECT_NE(reasons[static_cast<std::size_t>(r)].find("not an NcclCommunicator"),
+                std::string::npos)
+          << reasons[static_cast<std::size_t>(r)];
+    }
+  }
+}
+
+// 1000 prepare / step / detach cycles (every 100th with a captured graph): the device memory in
+// use does not grow.
+TEST(RuntimeGpu, DetachPrepareCyclesKeepDeviceMemoryStable) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  const Scenario s = make_scenario(808, {{{700, 1500, 0, 2000}, 2}});
+  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+  DeviceModel dev = upload_model(host, 0);
+  auto comm = make_single_rank_communicator();
+  Runtime rt([](const std::string&) {});
+  const StepMeta& meta = s.steps[0];
+  const int64_t rows = meta.batch.num_rows();
+  const int64_t H = s.config.model.hidden;
+  DeviceTensor hidden(DType::kBF16, {rows, H}), residual(DType::kBF16, {rows, H});
+  DeviceTensor positions(DType::kI64, {rows});
+  upload_into(positions.view(), meta.positions.data(), meta.positions.nbytes());
+  fill_device_bytes(hidden.view(), 0);
+  fill_device_bytes(residual.view(), 0);
+  std::vector<LayerCaches> empty;
+  for (const LayerWeights& w : dev.weights.layers) empty.push_back(LayerCaches{w.layer, {}, {}});
+  std::size_t free_early = 0, free_end = 0, total = 0;
+  constexpr int kCycles = 1000;
+  for (int cycle = 0; cycle < kCycles; ++cycle) {
+    ASSERT_EQ(rt.prepare(dev.weights, s.config, *comm), PrepareResult::kActive)
+        << "cycle " << cycle;
+    if (cycle % 100 == 0) {
+      StepGraphs graphs(rt);
+      upload_into(graphs.positions(), meta.positions.data(), meta.positions.nbytes());
+      ASSERT_TRUE(graphs.run(meta.batch));
+      CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(rt.cuda_stream())));
+    } else {
+      ASSERT_TRUE(rt.begin_step(meta.batch));
+      for (const LayerWeights& w : dev.weights.layers) {
+        rt.forward_layer(w.layer, hidden.view(), residual.view(), positions.view());
+      }
+    }
+    rt.detach(empty);
+    ASSERT_EQ(rt.state(), RuntimeState::kClosed);
+    if (cycle == 9) CUDA_CHECK(cudaMemGetInfo(&free_early, &total));
+  }
+  CUDA_CHECK(cudaDeviceSynchronize());
+  CUDA_CHECK(cudaMemGetInfo(&free_end, &total));
+  // Allocator granularity may move a few MiB; a leak of one prepare's buffers per cycle would be
+  // hundreds of MiB over 990 cycles.
+  EXPECT_GE(free_end + (8u << 20), free_early)
+      << "device memory in use grew by " << (free_early - free_end) / 1048576.0 << " MiB over "
+      << kCycles - 10 << " cycles";
+  // A non-empty replacement is refused (after a fresh prepare).
+  ASSERT_EQ(rt.prepare(dev.weights, s.config, *comm), PrepareResult::kActive);
+  std::vector<LayerCaches> full = {
+      LayerCaches{dev.weights.layers[0].layer, dev.weights.layers[0].kv_cache, {}}};
+  EXPECT_THROW(rt.detach(full), Error);
+  rt.close();
+}
+
+// ---- Tensor parallelism: ranks as threads on two GPUs ----
+
+// Runs body(rank) on one thread per rank; rethrows the first error.
+void run_threads(int world, const std::function<void(int)>& body) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+// Per step and layer: the input (hidden, residual) and output of TP = 1, and its selections.
+struct LayerRecord {
+  std::vector<uint16_t> in_hidden, in_residual, out_hidden, out_residual;
+  std::vector<int32_t> topk;  // [rows, H, k]
+};
+
+TEST(RuntimeGpu, TensorParallel2MatchesTp1) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(2);
+  const Scenario s = make_scenario(909);
+  const ModelConfig& m = s.config.model;
+  const int64_t H = m.hidden;
+  const SparseConfig sc1 = m.sparse(1);
+  const SparseConfig sc2 = m.sparse(2);
+  ASSERT_EQ(sc2.index_heads, 1);
+
+  // TP = 1 on GPU 0, chained through the layers; every layer recorded.
+  std::vector<std::vector<LayerRecord>> records(s.steps.size());
+  {
+    rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+    DeviceModel dev = upload_model(host, 0);
+    auto comm = make_single_rank_communicator();
+    Runtime rt([](const std::string&) {});
+    ASSERT_EQ(rt.prepare(dev.weights, s.config, *comm), PrepareResult::kActive);
+    DeviceTensor hidden(DType::kBF16, {16, H}), residual(DType::kBF16, {16, H});
+    DeviceTensor positions(DType::kI64, {16});
+    for (std::size_t step = 0; step < s.steps.size(); ++step) {
+      const StepMeta& meta = s.steps[step];
+      const int64_t rows = meta.batch.num_rows();
+      const TensorView hv =
+          TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}, Device::cuda(0));
+      const TensorView rv =
+          TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}, Device::cuda(0));
+      const TensorView pv =
+          TensorView::contiguous(positions.data(), DType::kI64, {rows}, Device::cuda(0));
+      upload_into(pv, meta.positions.data(), meta.positions.nbytes());
+      upload_into(hv, s.hidden_in[step].data(), s.hidden_in[step].size() * 2);
+      upload_into(rv, s.residual_in[step].data(), s.residual_in[step].size() * 2);
+      ASSERT_TRUE(rt.begin_step(meta.batch));
+      for (const rt_test::MasterLayer& layer : s.master.layers) {
+        LayerRecord rec;
+        rec.in_hidden = download<uint16_t>(hv);
+        rec.in_residual = download<uint16_t>(rv);
+        rt.forward_layer(layer.layer, hv, rv, pv);
+        CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(rt.cuda_stream())));
+        rec.out_hidden = download<uint16_t>(hv);
+        rec.out_residual = download<uint16_t>(rv);
+        rec.topk = download<int32_t>(rt.last_layer_trace().topk);
+        records[step].push_back(rec);
+      }
+    }
+    rt.close();
+  }
+
+  // TP = 2: every layer from the TP = 1 input; outputs per rank.
+  auto comms = make_nccl_communicators_in_process({0, 1}, std::chrono::seconds(60));
+  std::vector<std::vector<std::vector<uint16_t>>> out_hidden(2), out_residual(2);
+  std::vector<int64_t> selection_mismatches(2, 0);
+  std::vector<std::vector<uint16_t>> graph_eager(2), graph_replay(2);
+  run_threads(2, [&](int r) {
+    cuda::DeviceGuard guard(r);
+    rt_test::RankModel host = rt_test::make_rank_model(s.master, r, 2, false);
+    DeviceModel dev = upload_model(host, r);
+    Runtime rt([](const std::string&) {});
+    M3MSA_CHECK_INTERNAL(rt.prepare(dev.weights, s.config, *comms[static_cast<std::size_t>(r)]) ==
+                             PrepareResult::kActive,
+                         "rank ", r, " prepare: ", rt.stats().to_json());
+    DeviceTensor hidden(DType::kBF16, {16, H}, r), residual(DType::kBF16, {16, H}, r);
+    DeviceTensor positions(DType::kI64, {16}, r);
+    for (std::size_t step = 0; step < s.steps.size(); ++step) {
+      const StepMeta& meta = s.steps[step];
+      const int64_t rows = meta.batch.num_rows();
+      const TensorView hv =
+          TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}, Device::cuda(r));
+      const TensorView rv =
+          TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}, Device::cuda(r));
+      const TensorView pv =
+          TensorView::contiguous(positions.data(), DType::kI64, {rows}, Device::cuda(r));
+      upload_into(pv, meta.positions.data(), meta.positions.nbytes());
+      M3MSA_CHECK_INTERNAL(rt.begin_step(meta.batch), "rank ", r, " refused step ", step);
+      for (std::size_t l = 0; l < s.master.layers.size(); ++l) {
+        const LayerRecord& rec = records[step][l];
+        upload_into(hv, rec.in_hidden.data(), rec.in_hidden.size() * 2);
+        upload_into(rv, rec.in_residual.data(), rec.in_residual.size() * 2);
+        rt.forward_layer(s.master.layers[l].layer, hv, rv, pv);
+        CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(rt.cuda_stream())));
+        out_hidden[static_cast<std::size_t>(r)].push_back(download<uint16_t>(hv));
+        out_residual[static_cast<std::size_t>(r)].push_back(download<uint16_t>(rv));
+        // This rank's index head is global head r of TP = 1.
+        const std::vector<int32_t> topk = download<int32_t>(rt.last_layer_trace().topk);
+        for (int64_t row = 0; row < rows; ++row) {
+          for (int i = 0; i < sc1.topk; ++i) {
+            const int32_t want =
+                rec.topk[static_cast<std::size_t>((row * sc1.index_heads + r) * sc1.topk + i)];
+            const int32_t got = topk[static_cast<std::size_t>(row * sc1.topk + i)];
+            selection_mismatches[static_cast<std::size_t>(r)] += want != got;
+          }
+        }
+      }
+    }
+    // A whole step through a graph at TP = 2 (NCCL inside): replay == eager on these caches.
+    {
+      StepGraphs graphs(rt);
+      const StepMeta& meta = s.steps[0];
+      const int64_t rows = meta.batch.num_rows();
+      for (int pass = 0; pass < 2; ++pass) {
+        upload_into(graphs.hidden(), s.hidden_in[0].data(), s.hidden_in[0].size() * 2);
+        upload_into(graphs.residual(), s.residual_in[0].data(), s.residual_in[0].size() * 2);
+        upload_into(graphs.positions(), meta.positions.data(), meta.positions.nbytes());
+        // The same step twice writes the same cache slots with the same values, so the second
+        // pass sees the caches the first one left: eager first, then the graph.
+        M3MSA_CHECK_INTERNAL(pass == 0 ? graphs.run_eager(meta.batch) : graphs.run(meta.batch),
+                             "rank ", r, " graph step refused");
+        CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(rt.cuda_stream())));
+        std::vector<uint16_t> h = download<uint16_t>(graphs.hidden());
+        h.resize(static_cast<std::size_t>(rows * H));
+        (pass == 0 ? graph_eager : graph_replay)[static_cast<std::size_t>(r)] = h;
+      }
+    }
+    rt.close();
+  });
+
+  Check c;
+  std::size_t i = 0;
+  for (std::size_t step = 0; step < s.steps.size(); ++step) {
+    const int64_t rows = s.steps[step].batch.num_rows();
+    for (std::size_t l = 0; l < s.master.layers.size(); ++l, ++i) {
+      const LayerRecord& rec = records[step][l];
+      EXPECT_EQ(out_hidden[0][i], out_hidden[1][i])
+          << "ranks differ: step " << step << " layer " << l;
+      EXPECT_EQ(out_residual[0][i], out_residual[1][i]) << "ranks differ: step " << step;
+      const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(l);
+      compare_bf16(c, out_residual[0][i].data(), rec.out_residual.data(), rows, H, kTpAbsTol,
+                   kTpRelTol, {}, where + " residual");
+      compare_bf16(c, out_hidden[0][i].data(), rec.out_hidden.data(), rows, H, kTpAbsTol, kTpRelTol,
+                   {}, where + " hidden");
+    }
+  }
+  EXPECT_EQ(c.bad, 0) << c.first << " (worst " << c.worst << " of the tolerance)";
+  EXPECT_EQ(selection_mismatches[0], 0) << "rank 0 selections differ from TP = 1 head 0";
+  EXPECT_EQ(selection_mismatches[1], 0) << "rank 1 selections differ from TP = 1 head 1";
+  EXPECT_EQ(graph_eager[0], graph_replay[0]) << "TP = 2 graph replay differs from eager";
+  EXPECT_EQ(graph_eager[0], graph_eager[1]) << "TP = 2 ranks differ";
+  std::printf("[ info ] TP = 2 vs TP = 1: worst error / tolerance %.3f\n", c.worst);
+}
+
+}  // namespace
+}  // namespace m3msa

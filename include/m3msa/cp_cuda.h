@@ -21,6 +21,23 @@
 // metadata within the plan. The rule of cp.md holds: every rank makes the same calls with the
 // same shapes in the same order.
 //
+// When the rule is broken (cp.md "No silent hang"): every nomination carries a tagged call word
+// (a digest of layer, num_reqs, q_len, table width and cache dtype), so
+//  - a rank that skips a call, or whose process died, makes the others' check() throw kTimeout
+//    naming it within the spin budget (peer, nccl: the device watchdog; for the NCCL transports a
+//    collective that never completes is bounded by CudaCpConfig::host_timeout on the host, then
+//    the NCCL communicator is aborted);
+//  - a rank that passes another shape or layer for the same call makes the others' check() throw
+//    kInvalidArgument naming it, as soon as its nominations land (nothing is merged from them);
+//  - mismatched configurations are refused by the constructor's host agreement.
+// After any of these the buffer set is failed: every indexer on it refuses further calls, and
+// its device memory is left allocated (a peer may still store into it) instead of freed.
+// (kReplicated exchanges nothing, so it has nothing to check.)
+//
+// M3MSA_CP_DEBUG=1 logs to stderr: the buffer set mapping, every select() (layer, shape, digest),
+// and after every exchange a device line per rank with the generation completed, its tag and
+// parity, and the call word each source left (so a stuck run shows who is behind).
+//
 // Works in every build: without CUDA the constructors throw Error(kUnsupported).
 #pragma once
 
@@ -41,9 +58,15 @@ namespace m3msa {
 // ---- NCCL communicator ----
 
 // Communicator over NCCL: all_gather of byte records (a length all-gather, then a padded byte
-// all-gather, through device buffers) and all_reduce_sum, plus the raw ncclComm_t for device-side
-// collectives. Every wait is bounded by `timeout`: on expiry the communicator aborts its NCCL
-// communicator (ncclCommAbort) and throws kTimeout; the communicator is then broken.
+// all-gather, through persistent device buffers and pinned host staging) and all_reduce_sum, plus
+// the raw ncclComm_t for device-side collectives. Every wait is bounded by `timeout`: the host
+// never blocks in a CUDA call that waits for a collective (copies go to pinned memory and the
+// stream is polled together with ncclCommGetAsyncError), and on expiry the communicator aborts
+// its NCCL communicator (ncclCommAbort, itself bounded) and throws kTimeout; the communicator is
+// then broken. The factories set NCCL_RUNTIME_CONNECT=0 (unless the environment sets it), so
+// every NCCL connection is made inside ncclCommInit*: a later collective never blocks the host in
+// a lazy connection to a peer that is not there. Destruction is bounded too: a destroy or abort
+// that does not return within `timeout` is left behind (logged), never waited for.
 class NcclCommunicator : public Communicator {
  public:
   ~NcclCommunicator() override;
@@ -54,10 +77,20 @@ class NcclCommunicator : public Communicator {
   void all_reduce_sum(float* data, std::size_t count, std::string_view tag) override;
 
   int device() const { return device_; }
-  void* nccl_comm() const { return comm_; }  // ncclComm_t
+  void* nccl_comm() const { return comm_; }  // ncclComm_t (null once aborted or abandoned)
   // Waits (bounded by timeout) for `stream` (a cudaStream_t), polling NCCL's async error; throws
   // kTimeout after aborting the communicator, kInternal on an NCCL error.
   void wait(void* stream, std::string_view what);
+  // Throws kInternal (and marks the communicator broken) if NCCL reports an asynchronous error.
+  void check_async_error(std::string_view what);
+  // Aborts the NCCL communicator (bounded by timeout; ncclCommAbort unblocks the kernels of its
+  // collectives still waiting for a peer) and marks the communicator broken.
+  void abort(std::string_view why);
+  // For survivors of a rank that died: marks the communicator broken and forgets the NCCL
+  // communicator and its buffers without destroying them (ncclCommDestroy / ncclCommAbort may
+  // wait for the dead rank); they stay allocated until the process exits.
+  void abandon();
+  bool broken() const { return broken_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
 
   struct Impl;
@@ -75,6 +108,7 @@ class NcclCommunicator : public Communicator {
   int device_ = 0;
   std::chrono::milliseconds timeout_;
   bool broken_ = false;
+  bool abandoned_ = false;
   std::unique_ptr<Impl> impl_;
 };
 
@@ -102,13 +136,31 @@ struct CudaCpConfig {
   int64_t max_context = 0;  // tokens per request (sizes the shard tables and score tensors)
   CpTransport transport = CpTransport::kPeer;
   std::chrono::microseconds spin_budget = kDefaultCpSpinBudget;  // bound on every device wait
+  // Bound on check()'s host wait for the stream. The device waits of peer and nccl are bounded
+  // by spin_budget; this bounds what has no device-side bound (an NCCL collective whose peer
+  // never joins) and anything else queued before check() on that stream.
+  std::chrono::milliseconds host_timeout{10000};
 };
 
-// Per-rank stats of the last synchronizing check (for tests and tools).
+// What check() found, when it threw (tests and tools; see the fault list above).
+struct CudaCpFault {
+  enum class Kind { kTimeout, kShapeMismatch, kHostTimeout } kind = Kind::kTimeout;
+  int layer = -1;
+  int row = -1;
+  int head = -1;
+  int source = -1;  // the rank named (-1: not known, e.g. a stuck NCCL collective with P > 2)
+  uint32_t expected_tag = 0;
+  uint32_t seen_tag = 0;
+  uint64_t expected_word = 0;  // this rank's call word (digest << 32 | num_reqs << 8 | q_len)
+  uint64_t seen_word = 0;      // the named rank's (shape mismatch)
+};
+
+// Per-rank facts about the buffer set (for tests and tools).
 struct CudaCpInfo {
   CpBufferKey key;
-  std::size_t buffer_bytes_per_rank = 0;
-  int buffer_sets = 0;  // sets alive in this process for this communicator
+  std::size_t buffer_bytes_per_rank = 0;  // candidates + call words (peer; 0 otherwise)
+  std::size_t word_bytes_per_rank = 0;    // the call words: 2 * P * merged_heads * max_rows * 8
+  int buffer_sets = 0;                    // sets alive in this process for this communicator
   bool peer_mapped_by_ipc = false;
 };
 
@@ -116,7 +168,9 @@ struct CudaCpInfo {
 // construct with the same config and the same CudaCpConfig; a mismatch throws kInvalidArgument on
 // every rank naming both shapes). For kNccl and kAllReduceMax `comm` must be an NcclCommunicator.
 // Indexers of one rank with the same buffer key (say, one per layer) share one buffer set and one
-// generation counter, so they must be driven in one stream order.
+// generation counter, so they must be driven in one stream order. `comm` must outlive the
+// indexer. Destroying the last indexer of a set is collective too when the ranks are processes
+// (their CUDA IPC mappings are closed everywhere before any rank frees its buffer).
 class CudaCpIndexer {
  public:
   CudaCpIndexer(Communicator& comm, int device, const SparseConfig& config, const CudaCpConfig& cp);
@@ -134,11 +188,15 @@ class CudaCpIndexer {
   void score(const IndexerArgs& args, void* stream);
   void exchange(int layer, const IndexerArgs& args, void* stream);
 
-  // Synchronizes `stream` and throws the device error of a timed-out wait, if any: kTimeout naming
-  // the rank that never delivered (the record stays readable through last_timeout()). A rank that
-  // timed out is out of lockstep: further calls throw kInvalidArgument.
+  // Waits for `stream` (bounded by CudaCpConfig::host_timeout, polling) and throws what the
+  // exchange found: kTimeout naming the rank that never delivered (the record stays readable
+  // through last_timeout() / last_fault()), kInvalidArgument naming a rank that passed another
+  // shape, kTimeout when the stream did not finish in time (NCCL communicator aborted). A rank
+  // that failed is out of lockstep: further calls on its buffer set throw kInvalidArgument.
+  // Not while `stream` is capturing.
   void check(void* stream);
   std::optional<CpTimeoutRecord> last_timeout() const;
+  std::optional<CudaCpFault> last_fault() const;
 
   int rank() const;
   const std::vector<int>& merged_heads() const;

@@ -1,11 +1,16 @@
 // Communicator over NCCL (include/m3msa/cp_cuda.h): ranks as threads (ncclCommInitAll) or as
 // processes (a TCP exchange of the ncclUniqueId on MASTER_ADDR:MASTER_PORT). Host records travel
-// through device buffers: a fixed-size header all-gather (tag + length), then one padded byte
-// all-gather. Every wait polls the stream and ncclCommGetAsyncError against a deadline; on expiry
-// the communicator is aborted (ncclCommAbort), so a missing peer is an error, never a hang.
+// through persistent device buffers and pinned host staging: a fixed-size header all-gather
+// (tag + length), then one padded byte all-gather. The host never blocks inside a CUDA call that
+// waits for a collective: every wait polls the stream and ncclCommGetAsyncError against a
+// deadline, and on expiry the communicator is aborted (ncclCommAbort, on a helper thread, itself
+// bounded), so a missing peer is an error, never a hang. M3MSA_CP_DEBUG=1 logs every wait.
 // Without CUDA this file only holds stubs that throw kUnsupported.
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <cstring>
+#include <memory>
 #include <sstream>
 #include <thread>
 
@@ -185,10 +190,83 @@ void bootstrap_unique_id(ncclUniqueId& id, int rank, int world_size, const std::
   }
 }
 
+bool comm_debug() {
+  static const bool on = [] {
+    const char* v = std::getenv("M3MSA_CP_DEBUG");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+// Runs `fn` on a helper thread and waits for it at most `timeout`. Returns whether it finished;
+// if not, the thread is left running detached (the caller logs and leaks what it guarded).
+template <typename Fn>
+bool run_bounded(Fn fn, std::chrono::milliseconds timeout) {
+  auto finished = std::make_shared<std::atomic<bool>>(false);
+  std::thread worker([fn, finished] {
+    fn();
+    finished->store(true);
+  });
+  const Clock::time_point deadline = Clock::now() + timeout;
+  while (!finished->load() && Clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (finished->load()) {
+    worker.join();
+    return true;
+  }
+  worker.detach();
+  return false;
+}
+
+// NCCL connects every peer inside ncclCommInit* (not lazily at a collective's first call, which
+// would block the host in the call until the peer makes the same call).
+void connect_at_init() {
+  ::setenv("NCCL_RUNTIME_CONNECT", "0", 0);
+}
+
 }  // namespace
 
+// Persistent staging for the host collectives: device buffer [P + 1] x slot (the all-gather's
+// output, then this rank's input) and pinned host memory of the same size. Buffers only grow;
+// a replaced buffer is kept until destruction, because freeing device memory synchronizes the
+// whole device, which must never wait on a collective stuck elsewhere.
 struct NcclCommunicator::Impl {
   cudaStream_t stream = nullptr;
+  void* device_buffer = nullptr;
+  uint8_t* host_buffer = nullptr;
+  std::size_t bytes = 0;
+  std::vector<void*> retired_device;
+  std::vector<void*> retired_host;
+
+  void reserve(std::size_t need) {
+    if (need <= bytes) return;
+    const std::size_t grown = std::max<std::size_t>(need, std::max<std::size_t>(2 * bytes, 4096));
+    void* d = nullptr;
+    void* h = nullptr;
+    CUDA_COMM_CHECK(cudaMalloc(&d, grown));
+    const cudaError_t e = cudaMallocHost(&h, grown);
+    if (e != cudaSuccess) {
+      retired_device.push_back(d);
+      CUDA_COMM_CHECK(e);
+    }
+    if (device_buffer) retired_device.push_back(device_buffer);
+    if (host_buffer) retired_host.push_back(host_buffer);
+    device_buffer = d;
+    host_buffer = static_cast<uint8_t*>(h);
+    bytes = grown;
+  }
+  void release() {
+    if (device_buffer) retired_device.push_back(device_buffer);
+    if (host_buffer) retired_host.push_back(host_buffer);
+    for (void* d : retired_device) cudaFree(d);
+    for (void* h : retired_host) cudaFreeHost(h);
+    retired_device.clear();
+    retired_host.clear();
+    device_buffer = nullptr;
+    host_buffer = nullptr;
+    bytes = 0;
+  }
 };
 
 NcclCommunicator::NcclCommunicator(void* comm, int rank, int world_size, int device,
@@ -201,18 +279,37 @@ NcclCommunicator::NcclCommunicator(void* comm, int rank, int world_size, int dev
       impl_(std::make_unique<Impl>()) {
   DeviceScope scope(device_);
   CUDA_COMM_CHECK(cudaStreamCreateWithFlags(&impl_->stream, cudaStreamNonBlocking));
+  impl_->reserve(kHeaderBytes * static_cast<std::size_t>(world_size_ + 1));
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  if (abandoned_) return;  // see abandon(): nothing is destroyed, nothing is waited for
   DeviceScope scope(device_);
-  if (impl_ && impl_->stream) cudaStreamDestroy(impl_->stream);
   if (comm_ != nullptr) {
     ncclComm_t comm = static_cast<ncclComm_t>(comm_);
-    if (broken_) {
-      ncclCommAbort(comm);
-    } else {
-      ncclCommDestroy(comm);
+    const bool aborting = broken_;
+    const bool done = run_bounded(
+        [comm, aborting] {
+          if (aborting) {
+            ncclCommAbort(comm);
+          } else {
+            ncclCommDestroy(comm);
+          }
+        },
+        timeout_);
+    if (!done) {
+      std::fprintf(stderr,
+                   "m3msa nccl: rank %d: %s did not return within %lld ms (a peer is gone?); "
+                   "the communicator and its buffers are left allocated\n",
+                   rank_, aborting ? "ncclCommAbort" : "ncclCommDestroy",
+                   static_cast<long long>(timeout_.count()));
+      return;
     }
+  }
+  if (broken_) return;  // a collective may still be stuck on the device: free nothing
+  if (impl_) {
+    if (impl_->stream) cudaStreamDestroy(impl_->stream);
+    impl_->release();
   }
 }
 
@@ -220,32 +317,65 @@ std::string NcclCommunicator::name() const {
   return detail::concat("nccl(rank ", rank_, " of ", world_size_, ", device ", device_, ")");
 }
 
+void NcclCommunicator::check_async_error(std::string_view what) {
+  if (comm_ == nullptr) return;
+  ncclResult_t async = ncclSuccess;
+  ncclCommGetAsyncError(static_cast<ncclComm_t>(comm_), &async);
+  if (async != ncclSuccess && async != ncclInProgress) {
+    broken_ = true;
+    throw Error(ErrorCode::kInternal,
+                detail::concat(what, ": NCCL error ", ncclGetErrorString(async), " on ", name()),
+                __FILE__, __LINE__, rank_);
+  }
+}
+
+void NcclCommunicator::abort(std::string_view why) {
+  broken_ = true;
+  if (comm_ == nullptr) return;
+  ncclComm_t comm = static_cast<ncclComm_t>(comm_);
+  comm_ = nullptr;
+  // ncclCommAbort first raises the abort flag the kernels poll, then reclaims resources, which
+  // can wait for the other ranks; past the timeout the reclaim is left behind.
+  if (!run_bounded([comm] { ncclCommAbort(comm); }, timeout_)) {
+    std::fprintf(
+        stderr, "m3msa nccl: rank %d: ncclCommAbort (%.*s) did not return within %lld ms\n", rank_,
+        static_cast<int>(why.size()), why.data(), static_cast<long long>(timeout_.count()));
+  } else if (comm_debug()) {
+    std::fprintf(stderr, "m3msa nccl: rank %d: communicator aborted (%.*s)\n", rank_,
+                 static_cast<int>(why.size()), why.data());
+  }
+}
+
+void NcclCommunicator::abandon() {
+  broken_ = true;
+  abandoned_ = true;
+  comm_ = nullptr;
+}
+
 void NcclCommunicator::wait(void* stream, std::string_view what) {
   M3MSA_CHECK_ARG(!broken_, name(), ": broken by an earlier failure; rebuild the group");
-  const Clock::time_point deadline = Clock::now() + timeout_;
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point deadline = start + timeout_;
   auto s = static_cast<cudaStream_t>(stream);
-  ncclComm_t comm = static_cast<ncclComm_t>(comm_);
   for (uint32_t spins = 0;; ++spins) {
     const cudaError_t q = cudaStreamQuery(s);
-    if (q == cudaSuccess) return;
+    if (q == cudaSuccess) {
+      if (comm_debug()) {
+        std::fprintf(stderr, "m3msa nccl: rank %d: %.*s done after %.3f ms\n", rank_,
+                     static_cast<int>(what.size()), what.data(),
+                     std::chrono::duration<double, std::milli>(Clock::now() - start).count());
+      }
+      return;
+    }
     if (q != cudaErrorNotReady) {
       broken_ = true;
       throw Error(ErrorCode::kInternal,
                   detail::concat(what, ": CUDA error ", cudaGetErrorName(q), " on ", name()),
                   __FILE__, __LINE__, rank_);
     }
-    ncclResult_t async = ncclSuccess;
-    ncclCommGetAsyncError(comm, &async);
-    if (async != ncclSuccess && async != ncclInProgress) {
-      broken_ = true;
-      throw Error(ErrorCode::kInternal,
-                  detail::concat(what, ": NCCL error ", ncclGetErrorString(async), " on ", name()),
-                  __FILE__, __LINE__, rank_);
-    }
+    check_async_error(what);
     if (Clock::now() >= deadline) {
-      broken_ = true;
-      ncclCommAbort(comm);  // unblocks the kernel waiting for the missing peer
-      comm_ = nullptr;
+      abort(what);  // unblocks the kernel waiting for the missing peer
       throw Error(ErrorCode::kTimeout,
                   detail::concat(what, ": rank ", rank_, " timed out after ", timeout_.count(),
                                  " ms waiting for its peers (a rank never arrived); the NCCL "
@@ -262,27 +392,27 @@ std::vector<ByteRecord> NcclCommunicator::all_gather(const ByteRecord& record,
   DeviceScope scope(device_);
   ncclComm_t comm = static_cast<ncclComm_t>(comm_);
   const std::size_t P = static_cast<std::size_t>(world_size_);
+  Impl& m = *impl_;
   // Round 1: the headers (tag + length), so every rank can check the tags and size round 2.
-  std::vector<uint8_t> header(kHeaderBytes, 0);
-  std::memcpy(header.data(), tag.data(), std::min(tag.size(), kTagBytes - 1));
+  // Every copy goes through pinned memory: a copy to pageable memory would block the host until
+  // the collective before it finished, out of reach of the bounded wait.
+  m.reserve(kHeaderBytes * (P + 1));
+  uint8_t* header = m.host_buffer + kHeaderBytes * P;
+  std::memset(header, 0, kHeaderBytes);
+  std::memcpy(header, tag.data(), std::min(tag.size(), kTagBytes - 1));
   const uint64_t length = record.size();
-  std::memcpy(header.data() + kTagBytes, &length, 8);
-  void* d_header = nullptr;
-  CUDA_COMM_CHECK(cudaMalloc(&d_header, kHeaderBytes * (P + 1)));
-  std::vector<uint8_t> headers(kHeaderBytes * P);
-  try {
-    auto* send = static_cast<uint8_t*>(d_header) + kHeaderBytes * P;
+  std::memcpy(header + kTagBytes, &length, 8);
+  {
+    auto* send = static_cast<uint8_t*>(m.device_buffer) + kHeaderBytes * P;
     CUDA_COMM_CHECK(
-        cudaMemcpyAsync(send, header.data(), kHeaderBytes, cudaMemcpyHostToDevice, impl_->stream));
-    NCCL_COMM_CHECK(ncclAllGather(send, d_header, kHeaderBytes, ncclUint8, comm, impl_->stream));
-    CUDA_COMM_CHECK(cudaMemcpyAsync(headers.data(), d_header, kHeaderBytes * P,
+        cudaMemcpyAsync(send, header, kHeaderBytes, cudaMemcpyHostToDevice, impl_->stream));
+    NCCL_COMM_CHECK(
+        ncclAllGather(send, m.device_buffer, kHeaderBytes, ncclUint8, comm, impl_->stream));
+    CUDA_COMM_CHECK(cudaMemcpyAsync(m.host_buffer, m.device_buffer, kHeaderBytes * P,
                                     cudaMemcpyDeviceToHost, impl_->stream));
     wait(impl_->stream, detail::concat("all_gather '", tag, "' (headers)"));
-  } catch (...) {
-    cudaFree(d_header);
-    throw;
   }
-  cudaFree(d_header);
+  const std::vector<uint8_t> headers(m.host_buffer, m.host_buffer + kHeaderBytes * P);
   uint64_t max_length = 0;
   std::vector<uint64_t> lengths(P);
   bool same_tag = true;
@@ -305,28 +435,21 @@ std::vector<ByteRecord> NcclCommunicator::all_gather(const ByteRecord& record,
   std::vector<ByteRecord> out(P);
   if (max_length == 0) return out;
   // Round 2: the payloads, padded to the longest.
-  void* d_data = nullptr;
-  CUDA_COMM_CHECK(cudaMalloc(&d_data, max_length * (P + 1)));
-  std::vector<uint8_t> all(max_length * P);
-  try {
-    auto* send = static_cast<uint8_t*>(d_data) + max_length * P;
-    CUDA_COMM_CHECK(cudaMemsetAsync(send, 0, max_length, impl_->stream));
-    if (!record.empty()) {
-      CUDA_COMM_CHECK(cudaMemcpyAsync(send, record.data(), record.size(), cudaMemcpyHostToDevice,
-                                      impl_->stream));
-    }
-    NCCL_COMM_CHECK(ncclAllGather(send, d_data, max_length, ncclUint8, comm, impl_->stream));
-    CUDA_COMM_CHECK(
-        cudaMemcpyAsync(all.data(), d_data, max_length * P, cudaMemcpyDeviceToHost, impl_->stream));
+  m.reserve(max_length * (P + 1));
+  {
+    uint8_t* mine = m.host_buffer + max_length * P;
+    std::memset(mine, 0, max_length);
+    if (!record.empty()) std::memcpy(mine, record.data(), record.size());
+    auto* send = static_cast<uint8_t*>(m.device_buffer) + max_length * P;
+    CUDA_COMM_CHECK(cudaMemcpyAsync(send, mine, max_length, cudaMemcpyHostToDevice, impl_->stream));
+    NCCL_COMM_CHECK(
+        ncclAllGather(send, m.device_buffer, max_length, ncclUint8, comm, impl_->stream));
+    CUDA_COMM_CHECK(cudaMemcpyAsync(m.host_buffer, m.device_buffer, max_length * P,
+                                    cudaMemcpyDeviceToHost, impl_->stream));
     wait(impl_->stream, detail::concat("all_gather '", tag, "'"));
-  } catch (...) {
-    cudaFree(d_data);
-    throw;
   }
-  cudaFree(d_data);
   for (std::size_t r = 0; r < P; ++r) {
-    out[r].assign(all.begin() + static_cast<std::ptrdiff_t>(r * max_length),
-                  all.begin() + static_cast<std::ptrdiff_t>(r * max_length + lengths[r]));
+    out[r].assign(m.host_buffer + r * max_length, m.host_buffer + r * max_length + lengths[r]);
   }
   return out;
 }
@@ -349,21 +472,18 @@ void NcclCommunicator::all_reduce_sum(float* data, std::size_t count, std::strin
   if (!same) throw Error(ErrorCode::kInvalidArgument, msg.str(), __FILE__, __LINE__, rank_);
   if (count == 0) return;
   DeviceScope scope(device_);
-  void* d = nullptr;
-  CUDA_COMM_CHECK(cudaMalloc(&d, count * sizeof(float)));
-  try {
-    CUDA_COMM_CHECK(
-        cudaMemcpyAsync(d, data, count * sizeof(float), cudaMemcpyHostToDevice, impl_->stream));
-    NCCL_COMM_CHECK(ncclAllReduce(d, d, count, ncclFloat32, ncclSum, static_cast<ncclComm_t>(comm_),
+  Impl& m = *impl_;
+  const std::size_t bytes = count * sizeof(float);
+  m.reserve(bytes);
+  std::memcpy(m.host_buffer, data, bytes);
+  CUDA_COMM_CHECK(cudaMemcpyAsync(m.device_buffer, m.host_buffer, bytes, cudaMemcpyHostToDevice,
                                   impl_->stream));
-    CUDA_COMM_CHECK(
-        cudaMemcpyAsync(data, d, count * sizeof(float), cudaMemcpyDeviceToHost, impl_->stream));
-    wait(impl_->stream, detail::concat("all_reduce_sum '", tag, "'"));
-  } catch (...) {
-    cudaFree(d);
-    throw;
-  }
-  cudaFree(d);
+  NCCL_COMM_CHECK(ncclAllReduce(m.device_buffer, m.device_buffer, count, ncclFloat32, ncclSum,
+                                static_cast<ncclComm_t>(comm_), impl_->stream));
+  CUDA_COMM_CHECK(cudaMemcpyAsync(m.host_buffer, m.device_buffer, bytes, cudaMemcpyDeviceToHost,
+                                  impl_->stream));
+  wait(impl_->stream, detail::concat("all_reduce_sum '", tag, "'"));
+  std::memcpy(data, m.host_buffer, bytes);
 }
 
 std::vector<std::unique_ptr<NcclCommunicator>> make_nccl_communicators_in_process(
@@ -371,6 +491,7 @@ std::vector<std::unique_ptr<NcclCommunicator>> make_nccl_communicators_in_proces
   M3MSA_CHECK_ARG(!devices.empty(), "make_nccl_communicators_in_process: no devices");
   M3MSA_CHECK_ARG(timeout.count() > 0, "NCCL communicator timeout must be > 0 ms");
   const int n = static_cast<int>(devices.size());
+  connect_at_init();
   std::vector<ncclComm_t> comms(devices.size(), nullptr);
   NCCL_COMM_CHECK(ncclCommInitAll(comms.data(), n, devices.data()));
   std::vector<std::unique_ptr<NcclCommunicator>> out;
@@ -395,6 +516,7 @@ std::unique_ptr<NcclCommunicator> make_nccl_communicator_from_env(
   M3MSA_CHECK_SUPPORTED(devices > 0, "NCCL communicator: no CUDA device visible");
   const int device = local_rank % devices;
   ncclUniqueId id{};
+  connect_at_init();
   if (rank == 0) NCCL_COMM_CHECK(ncclGetUniqueId(&id));
   if (world_size > 1) bootstrap_unique_id(id, rank, world_size, addr, port, timeout);
   DeviceScope scope(device);
@@ -420,6 +542,16 @@ void NcclCommunicator::all_reduce_sum(float*, std::size_t, std::string_view) {
 }
 void NcclCommunicator::wait(void*, std::string_view) {
   M3MSA_THROW(ErrorCode::kUnsupported, "NCCL communicator: built without CUDA");
+}
+void NcclCommunicator::check_async_error(std::string_view) {
+  M3MSA_THROW(ErrorCode::kUnsupported, "NCCL communicator: built without CUDA");
+}
+void NcclCommunicator::abort(std::string_view) {
+  broken_ = true;
+}
+void NcclCommunicator::abandon() {
+  broken_ = true;
+  abandoned_ = true;
 }
 std::vector<std::unique_ptr<NcclCommunicator>> make_nccl_communicators_in_process(
     const std::vector<int>&, std::chrono::milliseconds) {

@@ -7,17 +7,30 @@
 // candidate buffer [2][P][merged][max_rows][k] u64 (zeroed once, never cleared) and the addresses
 // of every peer's: exchanged through the communicator, mapped by peer access when all ranks are
 // threads of one process, by CUDA IPC handles otherwise. Addresses stay fixed for the set's life,
-// so captured graphs keep addressing the same slots.
+// so captured graphs keep addressing the same slots. Each rank's buffer also holds the tagged call
+// words [2][P][merged][max_rows] after the candidates (cp_kernels.cuh "Call words").
+//
+// Lifetime across processes: an exporter must not free a buffer another process still maps, so
+// the last indexer of a set closes its IPC mappings, meets the other ranks (host all-gather,
+// bounded) and only then frees. A failed set (a timeout, a mismatch) frees nothing: a peer out
+// of lockstep may still store into it, and a dead peer cannot meet.
+//
+// Host waits: check() polls the stream against CudaCpConfig::host_timeout (never an unbounded
+// cudaStreamSynchronize: a stream holding an NCCL collective whose peer never joins would never
+// finish), then aborts the NCCL communicator of the NCCL transports.
 #include <cuda_runtime.h>
 #include <nccl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <thread>
 #include <tuple>
 
 #include "cuda/common.cuh"
@@ -44,8 +57,44 @@ using cuda::narrow_int;
     }                                                                             \
   } while (0)
 
+using Clock = std::chrono::steady_clock;
+
 int64_t ceil_div(int64_t a, int64_t b) {
   return (a + b - 1) / b;
+}
+
+// M3MSA_CP_DEBUG=1: the diagnostics of cp_cuda.h ("M3MSA_CP_DEBUG").
+bool cp_debug() {
+  static const bool on = [] {
+    const char* v = std::getenv("M3MSA_CP_DEBUG");
+    return v != nullptr && std::string(v) == "1";
+  }();
+  return on;
+}
+
+// FNV-1a over the call's shape: what every rank must pass identically for one call.
+uint32_t call_digest(int layer, const IndexerArgs& args) {
+  uint32_t h = 2166136261u;
+  auto mix = [&](int64_t v) {
+    for (int i = 0; i < 8; ++i) {
+      h ^= static_cast<uint32_t>((static_cast<uint64_t>(v) >> (8 * i)) & 0xFFu);
+      h *= 16777619u;
+    }
+  };
+  mix(layer);
+  mix(args.batch.num_reqs);
+  mix(args.batch.q_len);
+  mix(args.batch.index_block_table.defined() ? args.batch.index_block_table.shape[1] : -1);
+  mix(static_cast<int64_t>(args.index_cache.data.dtype));
+  return h;
+}
+
+std::string describe_word(uint64_t word) {
+  char text[96];
+  std::snprintf(text, sizeof(text), "digest 0x%08x, num_reqs %u, q_len %u",
+                static_cast<unsigned>(word >> 32), static_cast<unsigned>((word >> 8) & 0xFFFFu),
+                static_cast<unsigned>(word & 0xFFu));
+  return text;
 }
 
 // What every rank must agree on before the setup shares anything.
@@ -94,18 +143,52 @@ struct BufferSet {
   CpBufferKey key;
   CpTransport transport = CpTransport::kPeer;
   int device = 0;
-  DeviceBuffer candidates;       // peer: this rank's [2][P][merged][max_rows][k] u64
-  DeviceBuffer control;          // cuda::cp::CpControl
+  Communicator* comm = nullptr;  // outlives the set (cp_cuda.h)
+  void* candidates = nullptr;    // peer: [2][P][merged][max_rows][k] u64, then the call words
+  std::size_t candidate_bytes = 0;
+  std::size_t word_bytes = 0;    // [2][P][merged][max_rows] u64
+  void* control = nullptr;       // cuda::cp::CpControl
   std::vector<uint64_t*> peers;  // by rank: candidate buffers (own included)
   std::vector<void*> ipc_opened;
   bool by_ipc = false;
+  // Set by the first check() that finds a fault; every indexer on the set refuses calls after it.
+  std::atomic<bool> failed{false};
 
   ~BufferSet() {
-    DeviceGuard guard(device);
-    cudaDeviceSynchronize();  // no call may still be storing into or reading a mapped buffer
-    for (void* p : ipc_opened) cudaIpcCloseMemHandle(p);
+    int previous = 0;
+    cudaGetDevice(&previous);
+    cudaSetDevice(device);
+    if (failed.load()) {
+      if (cp_debug()) {
+        std::fprintf(stderr, "m3msa cp[rank %d]: failed buffer set %s left allocated (%zu bytes)\n",
+                     comm ? comm->rank() : -1, key.to_string().c_str(),
+                     candidate_bytes + word_bytes);
+      }
+    } else {
+      cudaDeviceSynchronize();  // no call may still be storing into or reading a mapped buffer
+      for (void* p : ipc_opened) cudaIpcCloseMemHandle(p);
+      bool may_free = true;
+      if (by_ipc && comm != nullptr) {
+        // Every process has closed its mapping of our buffer before we free it (CUDA: freeing
+        // an exported allocation that is still mapped elsewhere is undefined).
+        try {
+          comm->all_gather({}, "cp/peer-buffers-closed");
+        } catch (const std::exception& e) {
+          may_free = false;
+          std::fprintf(stderr,
+                       "m3msa cp[rank %d]: buffer set %s left allocated: the ranks did not meet "
+                       "to release it (%s)\n",
+                       comm->rank(), key.to_string().c_str(), e.what());
+        }
+      }
+      if (may_free) {
+        if (candidates) cudaFree(candidates);
+        if (control) cudaFree(control);
+      }
+    }
+    cudaSetDevice(previous);
   }
-  cuda::cp::CpControl* ctl() const { return control.as<cuda::cp::CpControl>(); }
+  cuda::cp::CpControl* ctl() const { return static_cast<cuda::cp::CpControl*>(control); }
 };
 
 struct RegistryKey {
@@ -137,73 +220,105 @@ std::shared_ptr<BufferSet> create_set(Communicator& comm, int device, CpTranspor
   set->key = key;
   set->transport = transport;
   set->device = device;
+  set->comm = &comm;
   DeviceGuard guard(device);
-  set->control = DeviceBuffer(sizeof(cuda::cp::CpControl));
-  CUDA_CHECK(cudaMemset(set->control.data(), 0, sizeof(cuda::cp::CpControl)));
-  if (transport != CpTransport::kPeer) return set;
+  CUDA_CHECK(cudaMalloc(&set->control, sizeof(cuda::cp::CpControl)));
+  CUDA_CHECK(cudaMemset(set->control, 0, sizeof(cuda::cp::CpControl)));
+  if (transport != CpTransport::kPeer) {
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return set;
+  }
 
-  set->candidates = DeviceBuffer(key.bytes_per_rank());
-  CUDA_CHECK(cudaMemset(set->candidates.data(), 0, key.bytes_per_rank()));  // zeroed once
-  CUDA_CHECK(cudaDeviceSynchronize());
-  cudaIpcMemHandle_t handle{};
-  CUDA_CHECK(cudaIpcGetMemHandle(&handle, set->candidates.data()));
-  RecordWriter w;
-  w.i64(static_cast<int64_t>(::getpid())).i64(device);
-  w.i64(static_cast<int64_t>(reinterpret_cast<uintptr_t>(set->candidates.data())));
-  w.str(std::string_view(reinterpret_cast<const char*>(&handle), sizeof(handle)));
-  const std::vector<ByteRecord> all = comm.all_gather(w.take(), "cp/peer-buffers");
-  const int P = comm.world_size();
-  std::vector<int64_t> pids(static_cast<std::size_t>(P)), devices(pids.size()), ptrs(pids.size());
-  std::vector<std::string> handles(pids.size());
-  for (int r = 0; r < P; ++r) {
-    RecordReader reader(all[static_cast<std::size_t>(r)], "CP peer-buffer record");
-    pids[static_cast<std::size_t>(r)] = reader.i64();
-    devices[static_cast<std::size_t>(r)] = reader.i64();
-    ptrs[static_cast<std::size_t>(r)] = reader.i64();
-    handles[static_cast<std::size_t>(r)] = reader.str();
-  }
-  const bool one_process =
-      std::all_of(pids.begin(), pids.end(), [&](int64_t pid) { return pid == pids[0]; });
-  set->by_ipc = !one_process;
-  set->peers.resize(static_cast<std::size_t>(P));
-  for (int r = 0; r < P; ++r) {
-    const auto ur = static_cast<std::size_t>(r);
-    if (r == comm.rank()) {
-      set->peers[ur] = set->candidates.as<uint64_t>();
-      continue;
+  // A set that fails half-made is left as it is (its destructor would wait for ranks that may
+  // never meet it).
+  try {
+    set->candidate_bytes = key.bytes_per_rank();
+    set->word_bytes =
+        std::size_t{2} * key.world_size * key.merged_heads * key.max_rows * sizeof(uint64_t);
+    const std::size_t bytes = set->candidate_bytes + set->word_bytes;
+    CUDA_CHECK(cudaMalloc(&set->candidates, bytes));
+    CUDA_CHECK(cudaMemset(set->candidates, 0, bytes));  // zeroed once: tag 0 is never expected
+    CUDA_CHECK(cudaDeviceSynchronize());
+    cudaIpcMemHandle_t handle{};
+    CUDA_CHECK(cudaIpcGetMemHandle(&handle, set->candidates));
+    RecordWriter w;
+    w.i64(static_cast<int64_t>(::getpid())).i64(device);
+    w.i64(static_cast<int64_t>(reinterpret_cast<uintptr_t>(set->candidates)));
+    w.str(std::string_view(reinterpret_cast<const char*>(&handle), sizeof(handle)));
+    const std::vector<ByteRecord> all = comm.all_gather(w.take(), "cp/peer-buffers");
+    const int P = comm.world_size();
+    std::vector<int64_t> pids(static_cast<std::size_t>(P)), devices(pids.size()), ptrs(pids.size());
+    std::vector<std::string> handles(pids.size());
+    for (int r = 0; r < P; ++r) {
+      RecordReader reader(all[static_cast<std::size_t>(r)], "CP peer-buffer record");
+      pids[static_cast<std::size_t>(r)] = reader.i64();
+      devices[static_cast<std::size_t>(r)] = reader.i64();
+      ptrs[static_cast<std::size_t>(r)] = reader.i64();
+      handles[static_cast<std::size_t>(r)] = reader.str();
     }
-    if (one_process) {
-      const int peer_device = static_cast<int>(devices[ur]);
-      if (peer_device != device) {
-        int can = 0;
-        CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer_device));
-        M3MSA_CHECK_SUPPORTED(can, "CP peer transport: device ", device, " cannot access device ",
-                              peer_device, " (no peer access); use transport nccl");
-        const cudaError_t e = cudaDeviceEnablePeerAccess(peer_device, 0);
-        if (e == cudaErrorPeerAccessAlreadyEnabled) {
-          cudaGetLastError();  // clear the sticky-free "already enabled" status
-        } else {
-          CUDA_CHECK(e);
-        }
+    const bool one_process =
+        std::all_of(pids.begin(), pids.end(), [&](int64_t pid) { return pid == pids[0]; });
+    set->by_ipc = !one_process;
+    set->peers.resize(static_cast<std::size_t>(P));
+    for (int r = 0; r < P; ++r) {
+      const auto ur = static_cast<std::size_t>(r);
+      if (r == comm.rank()) {
+        set->peers[ur] = static_cast<uint64_t*>(set->candidates);
+        continue;
       }
-      set->peers[ur] = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(ptrs[ur]));
-    } else {
-      cudaIpcMemHandle_t peer_handle{};
-      M3MSA_CHECK_INTERNAL(handles[ur].size() == sizeof(peer_handle), "IPC handle of rank ", r,
-                           " has ", handles[ur].size(), " bytes");
-      std::memcpy(&peer_handle, handles[ur].data(), sizeof(peer_handle));
-      void* mapped = nullptr;
-      CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, peer_handle, cudaIpcMemLazyEnablePeerAccess));
-      set->ipc_opened.push_back(mapped);
-      set->peers[ur] = static_cast<uint64_t*>(mapped);
+      if (one_process) {
+        const int peer_device = static_cast<int>(devices[ur]);
+        if (peer_device != device) {
+          int can = 0;
+          CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer_device));
+          M3MSA_CHECK_SUPPORTED(can, "CP peer transport: device ", device, " cannot access device ",
+                                peer_device, " (no peer access); use transport nccl");
+          const cudaError_t e = cudaDeviceEnablePeerAccess(peer_device, 0);
+          if (e == cudaErrorPeerAccessAlreadyEnabled) {
+            cudaGetLastError();  // clear the sticky-free "already enabled" status
+          } else {
+            CUDA_CHECK(e);
+          }
+        }
+        set->peers[ur] = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(ptrs[ur]));
+      } else {
+        const int peer_device = static_cast<int>(devices[ur]);
+        int can = 0;
+        if (peer_device != device) {
+          CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer_device));
+          M3MSA_CHECK_SUPPORTED(can, "CP peer transport: device ", device, " cannot access device ",
+                                peer_device, " of rank ", r,
+                                " (no peer access); use transport nccl");
+        }
+        cudaIpcMemHandle_t peer_handle{};
+        M3MSA_CHECK_INTERNAL(handles[ur].size() == sizeof(peer_handle), "IPC handle of rank ", r,
+                             " has ", handles[ur].size(), " bytes");
+        std::memcpy(&peer_handle, handles[ur].data(), sizeof(peer_handle));
+        void* mapped = nullptr;
+        CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, peer_handle, cudaIpcMemLazyEnablePeerAccess));
+        set->ipc_opened.push_back(mapped);
+        set->peers[ur] = static_cast<uint64_t*>(mapped);
+      }
+      if (cp_debug()) {
+        std::fprintf(
+            stderr,
+            "m3msa cp[rank %d]: peer buffer of rank %d (pid %lld, device %lld, its address "
+            "0x%llx) mapped here at %p by %s\n",
+            comm.rank(), r, static_cast<long long>(pids[ur]), static_cast<long long>(devices[ur]),
+            static_cast<unsigned long long>(ptrs[ur]), static_cast<void*>(set->peers[ur]),
+            one_process ? "peer access" : "CUDA IPC");
+      }
     }
-  }
-  // Nobody may store into a buffer before its owner has zeroed it (done above, synchronously).
-  comm.all_gather({}, "cp/peer-buffers-ready");
-  if (comm.rank() == 0) {
-    std::fprintf(stderr, "m3msa cp: buffer set %s (%s): %zu bytes per rank, mapped by %s\n",
-                 key.to_string().c_str(), cp_transport_name(transport), key.bytes_per_rank(),
-                 one_process ? "peer access" : "CUDA IPC");
+    // Nobody may store into a buffer before its owner has zeroed it (done above, synchronously).
+    comm.all_gather({}, "cp/peer-buffers-ready");
+    if (comm.rank() == 0 || cp_debug()) {
+      std::fprintf(stderr, "m3msa cp: buffer set %s (%s): %zu bytes per rank, mapped by %s\n",
+                   key.to_string().c_str(), cp_transport_name(transport), bytes,
+                   one_process ? "peer access" : "CUDA IPC");
+    }
+  } catch (...) {
+    set->failed.store(true);
+    throw;
   }
   return set;
 }
@@ -220,12 +335,10 @@ ScoreKernel score_kernel(bool fp8, int tiles) {
   }
 }
 
-// Dynamic shared memory of the scoring kernel: its cp.async ring, then the units' prefix sums.
+// Dynamic shared memory of the scoring kernel: the units' prefix sums.
 // Must equal dynamic_smem_bytes() of indexer.cu (the one-GPU launcher), which it mirrors.
 std::size_t score_smem_bytes(int max_units) {
-  static_assert(cuda::idx::Tile<false>::kRingBytes == cuda::idx::Tile<true>::kRingBytes);
-  return cuda::idx::Tile<false>::kRingBytes +
-         static_cast<std::size_t>(max_units + 1) * sizeof(int32_t);
+  return static_cast<std::size_t>(max_units + 1) * sizeof(int32_t);
 }
 
 }  // namespace
@@ -242,8 +355,10 @@ struct CudaCpIndexer::Impl {
   int64_t max_cols = 0;    // global table columns the plan serves
   int64_t local_cols = 0;  // shard table / score columns
   std::shared_ptr<BufferSet> set;
-  bool failed = false;
   std::optional<CpTimeoutRecord> timeout;
+  std::optional<CudaCpFault> fault;
+  int last_layer = -1;      // of the last call queued (for messages)
+  uint64_t host_calls = 0;  // calls queued by this indexer (for the debug log)
   int grid_sm = 0;
   // Peer: nominate and merge in one launch (M3MSA_CP_SPLIT_EXCHANGE=1: two launches, to compare).
   bool fused_exchange = true;
@@ -252,14 +367,19 @@ struct CudaCpIndexer::Impl {
   cuda::IndexerPlan plan;  // replicated: the one-GPU indexer
   DeviceBuffer plan_workspace;
 
-  cuda::cp::CpParams params(const IndexerArgs& args) const;
+  cuda::cp::CpParams params(int layer, const IndexerArgs& args) const;
   void check_args(const IndexerArgs& args) const;
+  [[noreturn]] void fail(ErrorCode code, const CudaCpFault& fault, const std::string& message);
+  std::string read_control_for_diagnosis() const;
   void launch_score(const IndexerArgs& args, cudaStream_t stream);
   void launch_exchange(int layer, const IndexerArgs& args, cudaStream_t stream);
 };
 
-cuda::cp::CpParams CudaCpIndexer::Impl::params(const IndexerArgs& args) const {
+cuda::cp::CpParams CudaCpIndexer::Impl::params(int layer, const IndexerArgs& args) const {
   cuda::cp::CpParams p;
+  p.layer = layer;
+  p.call_word =
+      cuda::cp::call_word_of(call_digest(layer, args), args.batch.num_reqs, args.batch.q_len);
   const BatchMeta& batch = args.batch;
   p.seq_lens = batch.seq_lens.ptr<const int32_t>();
   p.block_table = batch.index_block_table.ptr<const int32_t>();
@@ -293,21 +413,31 @@ cuda::cp::CpParams CudaCpIndexer::Impl::params(const IndexerArgs& args) const {
     p.source_stride = p.head_stride * static_cast<int64_t>(heads.size());
     p.parity_stride = p.source_stride * cp.world_size;
     p.cand_head_base = 0;
+    // Call words [2][P][merged][max_rows] after the candidates [2][P][merged][max_rows][k].
+    p.word_offset = 2 * p.parity_stride;
+    p.word_source_stride = int64_t{max_rows} * static_cast<int64_t>(heads.size());
+    p.word_parity_stride = p.word_source_stride * cp.world_size;
   } else if (cp.transport == CpTransport::kNccl) {
+    // One source's block: [H][max_rows][k] keys, then [H][max_rows] call words.
     p.dest[0] = send.as<uint64_t>();
     p.dest_local = 1;
     p.cand = recv.as<uint64_t>();
     p.head_stride = int64_t{max_rows} * k;
-    p.source_stride = p.head_stride * config.index_heads;
+    p.source_stride = int64_t{max_rows} * (k + 1) * config.index_heads;
     p.parity_stride = 0;
     p.cand_head_base = heads.front();
+    p.word_offset = p.head_stride * config.index_heads;
+    p.word_source_stride = p.source_stride;
+    p.word_parity_stride = 0;
   }
   return p;
 }
 
 void CudaCpIndexer::Impl::check_args(const IndexerArgs& args) const {
-  M3MSA_CHECK_ARG(!failed, "CP rank ", rank,
+  M3MSA_CHECK_ARG(!set->failed.load(), "CP rank ", rank,
                   ": an earlier call failed and the ranks are out of lockstep; rebuild the group");
+  M3MSA_CHECK_ARG(nccl == nullptr || !nccl->broken(), "CP rank ", rank, ": its ", nccl->name(),
+                  " is broken by an earlier failure; rebuild the group");
   const BatchMeta& batch = args.batch;
   M3MSA_CHECK_SUPPORTED(batch.kind == BatchKind::kDecode, "CUDA CP indexer: decode only");
   M3MSA_CHECK_ARG(batch.num_reqs >= 0 && batch.num_reqs <= cp.max_reqs,
@@ -352,7 +482,7 @@ void CudaCpIndexer::Impl::launch_score(const IndexerArgs& args, cudaStream_t str
     cuda::launch_indexer(plan, config, full, IndexerVariant::kFused, plan_workspace.data(), stream);
     return;
   }
-  cuda::cp::CpParams p = params(args);
+  cuda::cp::CpParams p = params(-1, args);
   cuda::cp::cp_shard_tables_kernel<<<cp.max_reqs, cuda::cp::kThreads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
   if (batch.num_reqs == 0) return;
@@ -387,6 +517,8 @@ void CudaCpIndexer::Impl::launch_exchange(int layer, const IndexerArgs& args, cu
   DeviceGuard guard(device);
   const int merged = static_cast<int>(heads.size());
   const int H = config.index_heads;
+  last_layer = layer;
+  ++host_calls;
   if (cp.transport == CpTransport::kReplicated) {
     const int64_t total = args.batch.num_rows() * merged * config.topk;
     if (total == 0) return;
@@ -397,38 +529,54 @@ void CudaCpIndexer::Impl::launch_exchange(int layer, const IndexerArgs& args, cu
     CUDA_CHECK_LAUNCH();
     return;
   }
-  cuda::cp::CpParams p = params(args);
-  p.layer = layer;
+  const cuda::cp::CpParams p = params(layer, args);
+  if (cp_debug()) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
+    std::fprintf(stderr,
+                 "m3msa cp[rank %d]: %s call %llu layer %d (%s): num_reqs %d q_len %d table_cols "
+                 "%lld, call word %016llx\n",
+                 rank, cp_transport_name(cp.transport), static_cast<unsigned long long>(host_calls),
+                 layer, capturing == cudaStreamCaptureStatusNone ? "eager" : "captured",
+                 args.batch.num_reqs, args.batch.q_len, static_cast<long long>(p.table_cols),
+                 static_cast<unsigned long long>(p.call_word));
+  }
   const int merge_grid =
       narrow_int(ceil_div(int64_t{max_rows} * merged, cuda::cp::kWarps), "merge CTAs");
   if (cp.transport == CpTransport::kAllReduceMax) {
     const dim3 grid(narrow_int(ceil_div(max_cols, 256), "scatter CTAs"), max_rows * H);
     cuda::cp::cp_scatter_scores_kernel<<<grid, cuda::cp::kThreads, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH();
-    NCCL_CHECK(ncclAllReduce(full_scores.data(), full_scores.data(),
-                             static_cast<std::size_t>(max_rows) * H * max_cols, ncclFloat32,
-                             ncclMax, static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
+    // The scores, then the [P][2] digest slots after them (cp_kernels.cuh).
+    const std::size_t count = static_cast<std::size_t>(max_rows) * H * max_cols +
+                              2 * static_cast<std::size_t>(cp.world_size);
+    NCCL_CHECK(ncclAllReduce(full_scores.data(), full_scores.data(), count, ncclFloat32, ncclMax,
+                             static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
     cuda::cp::cp_select_full_kernel<<<merge_grid, cuda::cp::kThreads, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH();
-    return;
+  } else {
+    const int nominate_grid =
+        narrow_int(ceil_div(int64_t{max_rows} * H, cuda::cp::kWarps), "nominate CTAs");
+    if (cp.transport == CpTransport::kPeer && fused_exchange) {
+      cuda::cp::cp_exchange_kernel<<<nominate_grid + merge_grid, cuda::cp::kThreads, 0, stream>>>(
+          p, nominate_grid);
+      CUDA_CHECK_LAUNCH();
+    } else {
+      cuda::cp::cp_nominate_kernel<<<nominate_grid, cuda::cp::kThreads, 0, stream>>>(p);
+      CUDA_CHECK_LAUNCH();
+      if (cp.transport == CpTransport::kNccl) {
+        NCCL_CHECK(ncclAllGather(send.data(), recv.data(),
+                                 static_cast<std::size_t>(H) * max_rows * (config.topk + 1),
+                                 ncclUint64, static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
+      }
+      cuda::cp::cp_merge_kernel<<<merge_grid, cuda::cp::kThreads, 0, stream>>>(p);
+      CUDA_CHECK_LAUNCH();
+    }
   }
-  const int nominate_grid =
-      narrow_int(ceil_div(int64_t{max_rows} * H, cuda::cp::kWarps), "nominate CTAs");
-  if (cp.transport == CpTransport::kPeer && fused_exchange) {
-    cuda::cp::cp_exchange_kernel<<<nominate_grid + merge_grid, cuda::cp::kThreads, 0, stream>>>(
-        p, nominate_grid);
+  if (cp_debug()) {
+    cuda::cp::cp_debug_kernel<<<1, 1, 0, stream>>>(p, static_cast<int>(cp.transport));
     CUDA_CHECK_LAUNCH();
-    return;
   }
-  cuda::cp::cp_nominate_kernel<<<nominate_grid, cuda::cp::kThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
-  if (cp.transport == CpTransport::kNccl) {
-    NCCL_CHECK(ncclAllGather(send.data(), recv.data(),
-                             static_cast<std::size_t>(H) * max_rows * config.topk, ncclUint64,
-                             static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
-  }
-  cuda::cp::cp_merge_kernel<<<merge_grid, cuda::cp::kThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
 }
 
 CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig& config,
@@ -450,6 +598,7 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
     M3MSA_CHECK_ARG(cp.max_context >= 1, "CudaCpConfig.max_context must be >= 1, got ",
                     cp.max_context);
     M3MSA_CHECK_ARG(cp.spin_budget.count() > 0, "CudaCpConfig.spin_budget must be > 0 us");
+    M3MSA_CHECK_ARG(cp.host_timeout.count() > 0, "CudaCpConfig.host_timeout must be > 0 ms");
     M3MSA_CHECK_SUPPORTED(cp.max_q_len * config.index_heads <= cuda::idx::kMaxVectors,
                           "CUDA CP: max_q_len * index_heads must be <= ", cuda::idx::kMaxVectors);
     // The shard tables rely on every scored block being fully visible (cp_kernels.cuh).
@@ -549,11 +698,14 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
       CUDA_CHECK(cudaMemset(m.local_table.data(), 0, m.local_table.bytes()));
       CUDA_CHECK(cudaMemset(m.scores.data(), 0, m.scores.bytes()));
       if (cp.transport == CpTransport::kNccl) {
-        m.send = DeviceBuffer(sizeof(uint64_t) * H * m.max_rows * k);
-        m.recv = DeviceBuffer(sizeof(uint64_t) * cp.world_size * H * m.max_rows * k);
+        // Per source: [H][max_rows][k] keys, then [H][max_rows] call words.
+        m.send = DeviceBuffer(sizeof(uint64_t) * H * m.max_rows * (k + 1));
+        m.recv = DeviceBuffer(sizeof(uint64_t) * cp.world_size * H * m.max_rows * (k + 1));
       }
       if (cp.transport == CpTransport::kAllReduceMax) {
-        m.full_scores = DeviceBuffer(sizeof(float) * m.max_rows * H * m.max_cols);
+        // The scores, then [P][2] digest slots (sized for the largest world).
+        m.full_scores =
+            DeviceBuffer(sizeof(float) * (m.max_rows * H * m.max_cols + 2 * cuda::cp::kMaxWorld));
       }
     }
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -563,7 +715,19 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
   }
 }
 
-CudaCpIndexer::~CudaCpIndexer() = default;
+CudaCpIndexer::~CudaCpIndexer() {
+  if (impl_ && impl_->set && impl_->set->failed.load()) {
+    // After a failure, work that still addresses these buffers may be left on the device (an
+    // aborted collective), and freeing would synchronize the whole device: leave them allocated,
+    // like the failed set itself.
+    Impl& m = *impl_;
+    auto* left = new std::vector<DeviceBuffer>();
+    for (DeviceBuffer* b : {&m.local_seq_lens, &m.local_table, &m.scores, &m.full_scores, &m.send,
+                            &m.recv, &m.full_topk, &m.plan_workspace}) {
+      left->push_back(std::move(*b));
+    }
+  }
+}
 
 void CudaCpIndexer::select(int layer, const IndexerArgs& args, void* stream) {
   try {
@@ -577,34 +741,175 @@ void CudaCpIndexer::select(int layer, const IndexerArgs& args, void* stream) {
 }
 
 void CudaCpIndexer::score(const IndexerArgs& args, void* stream) {
-  impl_->check_args(args);
-  impl_->launch_score(args, static_cast<cudaStream_t>(stream));
+  try {
+    impl_->check_args(args);
+    impl_->launch_score(args, static_cast<cudaStream_t>(stream));
+  } catch (const Error& error) {
+    if (error.rank() >= 0) throw;
+    throw error.with_rank(impl_->rank);
+  }
 }
 
 void CudaCpIndexer::exchange(int layer, const IndexerArgs& args, void* stream) {
-  impl_->check_args(args);
-  impl_->launch_exchange(layer, args, static_cast<cudaStream_t>(stream));
+  try {
+    impl_->check_args(args);
+    impl_->launch_exchange(layer, args, static_cast<cudaStream_t>(stream));
+  } catch (const Error& error) {
+    if (error.rank() >= 0) throw;
+    throw error.with_rank(impl_->rank);
+  }
+}
+
+void CudaCpIndexer::Impl::fail(ErrorCode code, const CudaCpFault& f, const std::string& message) {
+  set->failed.store(true);
+  fault = f;
+  if (f.kind == CudaCpFault::Kind::kTimeout) {
+    timeout = CpTimeoutRecord{f.layer, f.row, f.head, f.source, f.expected_tag, f.seen_tag};
+  }
+  if (cp_debug()) std::fprintf(stderr, "m3msa cp[rank %d]: %s\n", rank, message.c_str());
+  throw Error(code, message, __FILE__, __LINE__, rank);
+}
+
+// The control block read on a private stream into pinned memory, bounded (the call's stream may
+// still be busy); for the message of a host timeout.
+std::string CudaCpIndexer::Impl::read_control_for_diagnosis() const {
+  cudaStream_t side = nullptr;
+  void* host = nullptr;
+  if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) != cudaSuccess) return "";
+  if (cudaMallocHost(&host, sizeof(cuda::cp::CpControl)) != cudaSuccess) {
+    cudaStreamDestroy(side);
+    return "";
+  }
+  std::string text = "control block unreadable";
+  if (cudaMemcpyAsync(host, set->ctl(), sizeof(cuda::cp::CpControl), cudaMemcpyDeviceToHost,
+                      side) == cudaSuccess) {
+    const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(500);
+    while (cudaStreamQuery(side) == cudaErrorNotReady && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    if (cudaStreamQuery(side) == cudaSuccess) {
+      const auto* c = static_cast<const cuda::cp::CpControl*>(host);
+      text = detail::concat("this rank's calls completed: ", c->generation,
+                            ", merge CTAs of the current call arrived: ", c->done,
+                            ", device error flag: ", c->error.flag);
+      cudaFreeHost(host);  // the copy finished: safe to free
+    }
+  }
+  cudaStreamDestroy(side);
+  return text;
 }
 
 void CudaCpIndexer::check(void* stream) {
   Impl& m = *impl_;
   DeviceGuard guard(m.device);
-  CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  auto s = static_cast<cudaStream_t>(stream);
+  const Clock::time_point start = Clock::now();
+  const Clock::time_point deadline = start + m.cp.host_timeout;
+  Clock::time_point next_note = start + std::chrono::seconds(1);
+  bool done = false;
+  for (uint32_t polls = 0;; ++polls) {
+    const cudaError_t q = cudaStreamQuery(s);
+    if (q == cudaSuccess) {
+      done = true;
+      break;
+    }
+    if (q != cudaErrorNotReady) {
+      m.set->failed.store(true);
+      throw Error(ErrorCode::kInternal,
+                  detail::concat("CP rank ", m.rank, ": CUDA error ", cudaGetErrorName(q), " (",
+                                 cudaGetErrorString(q), ") while waiting for layer ", m.last_layer),
+                  __FILE__, __LINE__, m.rank);
+    }
+    if (m.nccl != nullptr) {
+      try {
+        m.nccl->check_async_error("CP check");
+      } catch (const Error&) {
+        m.set->failed.store(true);
+        throw;
+      }
+    }
+    const Clock::time_point now = Clock::now();
+    if (now >= deadline) break;
+    if (cp_debug() && now >= next_note) {
+      std::fprintf(stderr, "m3msa cp[rank %d]: check(): still waiting for layer %d after %.0f ms\n",
+                   m.rank, m.last_layer,
+                   std::chrono::duration<double, std::milli>(now - start).count());
+      next_note = now + std::chrono::seconds(1);
+    }
+    if (polls > 64) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+  if (!done) {
+    // The device waits of peer / nccl end within the spin budget, so what is left is a collective
+    // that waits for a rank that never joined (or work queued before this call).
+    const std::string control = m.read_control_for_diagnosis();
+    const int P = m.cp.world_size;
+    std::string missing = "a rank that never joined";
+    CudaCpFault f;
+    f.kind = CudaCpFault::Kind::kHostTimeout;
+    f.layer = m.last_layer;
+    if (P == 2) {
+      f.source = 1 - m.rank;
+      missing = detail::concat("rank ", f.source, " never joined");
+    }
+    std::string what;
+    if (m.nccl != nullptr) {
+      m.nccl->abort("CP check timed out");
+      what = detail::concat("its NCCL collective never completed: ", missing,
+                            " (the NCCL communicator was aborted)");
+    } else {
+      what = detail::concat(
+          "no device wait of the exchange outlives its spin budget, so the stream is held by "
+          "other work or a kernel that could not be scheduled (",
+          missing, "?)");
+    }
+    m.fail(ErrorCode::kTimeout, f,
+           detail::concat("CP rank ", m.rank, ": layer ", m.last_layer, " did not complete within ",
+                          m.cp.host_timeout.count(), " ms: ", what, "; ", control));
+  }
   cuda::cp::CpDeviceError e{};
-  CUDA_CHECK(cudaMemcpy(&e, &m.set->ctl()->error, sizeof(e), cudaMemcpyDeviceToHost));
+  cuda::cp::CpControl* ctl = m.set->ctl();
+  // The stream is idle, so this copy (into pageable memory, returning when it completes) is quick.
+  CUDA_CHECK(cudaMemcpyAsync(&e, &ctl->error, sizeof(e), cudaMemcpyDeviceToHost, s));
+  CUDA_CHECK(cudaStreamSynchronize(s));
+  if (cp_debug()) {
+    std::fprintf(stderr, "m3msa cp[rank %d]: check(): layer %d done after %.3f ms, error flag %u\n",
+                 m.rank, m.last_layer,
+                 std::chrono::duration<double, std::milli>(Clock::now() - start).count(), e.flag);
+  }
   if (e.flag == 0) return;
-  m.failed = true;
-  m.timeout = CpTimeoutRecord{e.layer, e.row, e.head, e.source, e.expected_tag, e.seen_tag};
-  throw Error(
-      ErrorCode::kTimeout,
+  CudaCpFault f;
+  f.layer = e.layer;
+  f.row = e.row;
+  f.head = e.head;
+  f.source = e.source;
+  f.expected_tag = e.expected_tag;
+  f.seen_tag = e.seen_tag;
+  f.expected_word = e.expected_word;
+  f.seen_word = e.seen_word;
+  if (e.kind == cuda::cp::kFaultShapeMismatch) {
+    f.kind = CudaCpFault::Kind::kShapeMismatch;
+    m.fail(ErrorCode::kInvalidArgument, f,
+           detail::concat("rank ", e.source, " passed another shape for the same call (layer ",
+                          e.layer, " on this rank): its call has ", describe_word(e.seen_word),
+                          ", this rank's has ", describe_word(e.expected_word),
+                          " (the digest covers layer, num_reqs, q_len, table width and cache "
+                          "dtype); every rank must make the same calls with the same shapes in "
+                          "the same order"));
+  }
+  f.kind = CudaCpFault::Kind::kTimeout;
+  m.fail(
+      ErrorCode::kTimeout, f,
       detail::concat("rank ", e.source, " never delivered layer ", e.layer, " row ", e.row,
                      " head ", e.head, " (expected tag ", e.expected_tag, ", saw tag ", e.seen_tag,
-                     ") within the spin budget of ", m.cp.spin_budget.count(), " us"),
-      __FILE__, __LINE__, m.rank);
+                     ") within the spin budget of ", m.cp.spin_budget.count(), " us"));
 }
 
 std::optional<CpTimeoutRecord> CudaCpIndexer::last_timeout() const {
   return impl_->timeout;
+}
+
+std::optional<CudaCpFault> CudaCpIndexer::last_fault() const {
+  return impl_->fault;
 }
 
 int CudaCpIndexer::rank() const {
@@ -618,7 +923,8 @@ const std::vector<int>& CudaCpIndexer::merged_heads() const {
 CudaCpInfo CudaCpIndexer::info() const {
   CudaCpInfo info;
   info.key = impl_->set->key;
-  info.buffer_bytes_per_rank = impl_->set->candidates.bytes();
+  info.buffer_bytes_per_rank = impl_->set->candidate_bytes + impl_->set->word_bytes;
+  info.word_bytes_per_rank = impl_->set->word_bytes;
   info.peer_mapped_by_ipc = impl_->set->by_ipc;
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   for (const auto& [key, weak] : registry()) {

@@ -9,6 +9,15 @@
 // of a row is its own, which is forced whenever local_blocks >= 1 (checked on the host). The dot
 // products and maxima of a block are then computed by the same code in the same order as on one
 // GPU, so every key, and so every selection, is bit-identical.
+//
+// Call words (lockstep check). Next to its k keys, each nomination carries one more tagged 64-bit
+// word describing the call that made it: a 32-bit digest of (layer, num_reqs, q_len, table width,
+// cache dtype) and the batch shape in plain bits. It is its own arrival flag like the keys, so
+// once it carries this call's tag it describes the sender's current call; a consumer whose own
+// word differs has found a rank that passed another shape (or another layer) for the same call
+// and records it instead of merging what it got. The allreduce-max transport carries the same
+// digests through its all-reduce (one slot per rank). Keys themselves are untouched, so the
+// selections stay bit-identical.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -25,7 +34,11 @@ inline constexpr int kWarps = 8;
 inline constexpr int kThreads = 256;
 inline constexpr int kMaxCand = kMaxWorld * 32;  // P * k candidates of one (row, head)
 
-// Device error record of a timed-out wait (cp.md "No silent hang"); the first writer wins.
+// What a failed wait found (CpDeviceError::kind).
+inline constexpr uint32_t kFaultTimeout = 1;        // a source never delivered within the budget
+inline constexpr uint32_t kFaultShapeMismatch = 2;  // a source's call word differs from ours
+
+// Device error record of a failed wait (cp.md "No silent hang"); the first writer wins.
 struct CpDeviceError {
   uint32_t flag;  // 0: none
   int32_t layer;
@@ -34,7 +47,9 @@ struct CpDeviceError {
   int32_t source;
   uint32_t expected_tag;
   uint32_t seen_tag;
-  uint32_t pad;
+  uint32_t kind;           // kFault*
+  uint64_t expected_word;  // this rank's call word (tag included)
+  uint64_t seen_word;      // the source's call word found at the slot (mismatch) or 0
 };
 
 // Per buffer set, in the rank's own memory.
@@ -78,13 +93,28 @@ struct CpParams {
   int64_t source_stride = 0;
   int64_t head_stride = 0;  // per merged head (peer) / per global head (nccl)
   int cand_head_base = 0;   // head index of merged head 0 in the cand layout (0 / head0)
+  // Call words: element offset of the word region from dest[r] / cand, and its strides (the
+  // head stride is max_rows). Peer: [2][P][merged][max_rows] after the keys; nccl: [H][max_rows]
+  // after each source's keys.
+  int64_t word_offset = 0;
+  int64_t word_parity_stride = 0;
+  int64_t word_source_stride = 0;
+  uint64_t call_word = 0;  // this call's word without its tag (call_word_of)
   int layer = 0;
   uint64_t budget_ns = 0;
   int32_t* topk_idx = nullptr;  // [live_rows, merged, k] i32 out
   // allreduce-max.
-  float* full_scores = nullptr;  // [max_rows, H, full_cols] f32
+  float* full_scores = nullptr;  // [max_rows, H, full_cols] f32, then [P][2] digest halves
   int64_t full_cols = 0;
 };
+
+// The call word (without tag): bits 63..32 the digest, 23..8 num_reqs, 7..0 q_len (both as far
+// as they fit; the digest covers them whole). Bits 31..24 carry the generation tag on the wire.
+__host__ __device__ inline uint64_t call_word_of(uint32_t digest, int num_reqs, int q_len) {
+  return (static_cast<uint64_t>(digest) << 32) |
+         (static_cast<uint64_t>(static_cast<uint32_t>(num_reqs) & 0xFFFFu) << 8) |
+         (static_cast<uint64_t>(static_cast<uint32_t>(q_len) & 0xFFu));
+}
 
 __device__ __forceinline__ int row_pos(const CpParams& p, int row) {
   if (row >= p.live_rows) return -1;
@@ -146,9 +176,11 @@ __global__ void __launch_bounds__(kThreads)
 // Nominate. Purpose: each (row, head) of the buffer's max_rows gets this shard's best k keys,
 // descending, 0-padded, tagged with generation tag g % 255 + 1, stored (system scope, one 64-bit
 // store per key: each slot is its own arrival flag) into every consumer's slice
-// [parity][this shard][consumer-local head][row][k]; or into a local send buffer
-// [H][max_rows][k] for the NCCL transport. Rows past the live batch send tagged empties so every
-// consumer's wait is met. Grid: ceil(max_rows * H / 8) CTAs of 8 warps, one warp per (row, head).
+// [parity][this shard][consumer-local head][row][k], plus the tagged call word of the (row, head)
+// in the consumer's word region; or into a local send buffer ([H][max_rows][k] keys, then
+// [H][max_rows] words) for the NCCL transport. Rows past the live batch send tagged empties so
+// every consumer's wait is met. Grid: ceil(max_rows * H / 8) CTAs of 8 warps, one warp per
+// (row, head).
 __device__ __forceinline__ void nominate_item(const CpParams& p, int item, uint32_t generation,
                                               uint64_t* scratch) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -172,25 +204,28 @@ __device__ __forceinline__ void nominate_item(const CpParams& p, int item, uint3
   const uint64_t key = cnt > 0 ? idx::warp_top_keys(get, cnt, k, scratch) : 0;
   if (lane >= k) return;
   const uint64_t wire = with_tag(key, tag);
+  const uint64_t word = with_tag(p.call_word, tag);
   if (p.dest_local) {
     store_sys(p.dest[0] + (static_cast<int64_t>(head) * p.max_rows + row) * k + lane, wire);
+    if (lane == 0) {
+      store_sys(p.dest[0] + p.word_offset + static_cast<int64_t>(head) * p.max_rows + row, word);
+    }
     return;
   }
   // Consumers of `head` (cp_consumers) and the head's index among each one's merged heads.
-  if (p.world <= p.heads) {
-    const int per = p.heads / p.world;
-    const int consumer = head / per;
-    const int local_head = head % per;
-    uint64_t* slot = p.dest[consumer] + parity * p.parity_stride + p.rank * p.source_stride +
-                     local_head * p.head_stride + static_cast<int64_t>(row) * k + lane;
-    store_sys(slot, wire);
-  } else {
-    const int per_head = p.world / p.heads;
-    for (int i = 0; i < per_head; ++i) {
-      const int consumer = head * per_head + i;
-      uint64_t* slot = p.dest[consumer] + parity * p.parity_stride + p.rank * p.source_stride +
-                       static_cast<int64_t>(row) * k + lane;
-      store_sys(slot, wire);
+  const int per_head = p.world <= p.heads ? 1 : p.world / p.heads;
+  const int first_consumer = p.world <= p.heads ? head / (p.heads / p.world) : head * per_head;
+  const int local_head = p.world <= p.heads ? head % (p.heads / p.world) : 0;
+  for (int i = 0; i < per_head; ++i) {
+    uint64_t* base = p.dest[first_consumer + i];
+    store_sys(base + parity * p.parity_stride + p.rank * p.source_stride +
+                  local_head * p.head_stride + static_cast<int64_t>(row) * k + lane,
+              wire);
+    if (lane == 0) {
+      store_sys(base + p.word_offset + parity * p.word_parity_stride +
+                    p.rank * p.word_source_stride + static_cast<int64_t>(local_head) * p.max_rows +
+                    row,
+                word);
     }
   }
 }
@@ -208,12 +243,55 @@ __global__ void __launch_bounds__(kThreads) cp_nominate_kernel(const __grid_cons
 
 // ---------------------------------------------------------------------------------------------
 // Merge. Purpose: for each (row, merged head) of the buffer's max_rows, wait until every source's
-// k slots carry this call's tag, strip the tags and select the exact top k of the P * k
-// candidates (cp.md "Exactness"); live rows write topk_idx. The wait is bounded: the timer is read
-// only after a first miss, then every 32 polls; on expiry (or when another warp already gave up)
-// the warp records (layer, row, head, source, expected tag, seen tag) once and leaves. The last
-// CTA to finish bumps the generation counter for the next call.
-// Grid: ceil(max_rows * merged / 8) CTAs of 8 warps, one warp per (row, merged head).
+// k slots and call word carry this call's tag, check the word against this rank's (a different
+// one is a rank that passed another shape: recorded, nothing merged), strip the tags and select
+// the exact top k of the P * k candidates (cp.md "Exactness"); live rows write topk_idx. Every
+// wait is bounded: the timer is read only after a first miss, then every 32 polls; on expiry (or
+// when another warp already gave up) the warp records (layer, row, head, source, expected tag,
+// seen tag) once and leaves. The last CTA to finish bumps the generation counter for the next
+// call. Grid: ceil(max_rows * merged / 8) CTAs of 8 warps, one warp per (row, merged head).
+
+// Records the first fault of the call (the first writer wins); one lane calls it.
+__device__ __forceinline__ void record_fault(const CpParams& p, uint32_t kind, int row, int head,
+                                             int source, uint32_t expected_tag, uint32_t seen_tag,
+                                             uint64_t expected_word, uint64_t seen_word) {
+  if (atomicCAS(&p.control->error.flag, 0u, 1u) != 0u) return;
+  CpDeviceError& e = p.control->error;
+  e.layer = p.layer;
+  e.row = row;
+  e.head = head;
+  e.source = source;
+  e.expected_tag = expected_tag;
+  e.seen_tag = seen_tag;
+  e.kind = kind;
+  e.expected_word = expected_word;
+  e.seen_word = seen_word;
+  __threadfence_system();
+}
+
+// Spins (bounded) until `*slot` carries `tag` in every lane with `active` set; `v` holds the
+// last value read. False when the budget ran out or another warp already recorded a fault.
+// Warp-uniform result.
+__device__ __forceinline__ bool wait_tagged(const CpParams& p, const uint64_t* slot, bool active,
+                                            uint32_t tag, uint64_t& v) {
+  v = active ? load_sys(slot) : 0;
+  bool arrived = !active || key_tag(v) == tag;
+  if (__all_sync(0xFFFFFFFFu, arrived)) return true;
+  const volatile uint32_t* error_flag = &p.control->error.flag;
+  const uint64_t start = global_timer_ns();
+  for (uint32_t polls = 1;; ++polls) {
+    if (!arrived) {
+      v = load_sys(slot);
+      arrived = key_tag(v) == tag;
+    }
+    if (__all_sync(0xFFFFFFFFu, arrived)) return true;
+    if ((polls & 31u) == 0) {
+      const bool expired = global_timer_ns() - start > p.budget_ns || *error_flag != 0;
+      if (__any_sync(0xFFFFFFFFu, expired)) return false;
+    }
+  }
+}
+
 __device__ __forceinline__ void merge_item(const CpParams& p, int item, uint32_t generation,
                                            uint64_t* s_cand_warp, uint64_t* scratch) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -224,44 +302,40 @@ __device__ __forceinline__ void merge_item(const CpParams& p, int item, uint32_t
   if (item < p.max_rows * p.merged) {
     const int row = item / p.merged;
     const int local_head = item % p.merged;
+    const int head = p.head0 + local_head;
     const uint64_t* base = p.cand + parity * p.parity_stride +
                            (p.cand_head_base + local_head) * p.head_stride +
                            static_cast<int64_t>(row) * k;
-    volatile uint32_t* error_flag = &p.control->error.flag;
+    const uint64_t* words = p.cand + p.word_offset + parity * p.word_parity_stride +
+                            static_cast<int64_t>(p.cand_head_base + local_head) * p.max_rows + row;
+    const uint64_t my_word = with_tag(p.call_word, tag);
     bool failed = false;
     for (int source = 0; source < p.world && !failed; ++source) {
-      const uint64_t* slot = base + source * p.source_stride + lane;
-      uint64_t v = lane < k ? load_sys(slot) : 0;
-      bool arrived = lane >= k || key_tag(v) == tag;
-      if (!__all_sync(0xFFFFFFFFu, arrived)) {
-        const uint64_t start = global_timer_ns();
-        for (uint32_t polls = 1;; ++polls) {
-          if (!arrived) {
-            v = load_sys(slot);
-            arrived = key_tag(v) == tag;
-          }
-          if (__all_sync(0xFFFFFFFFu, arrived)) break;
-          if ((polls & 31u) == 0) {
-            const bool expired = global_timer_ns() - start > p.budget_ns || *error_flag != 0;
-            if (__any_sync(0xFFFFFFFFu, expired)) {
-              const unsigned missing = __ballot_sync(0xFFFFFFFFu, !arrived);
-              if (lane == __ffs(missing) - 1 && atomicCAS(&p.control->error.flag, 0u, 1u) == 0u) {
-                CpDeviceError& e = p.control->error;
-                e.layer = p.layer;
-                e.row = row;
-                e.head = p.head0 + local_head;
-                e.source = source;
-                e.expected_tag = tag;
-                e.seen_tag = key_tag(v);
-                __threadfence_system();
-              }
-              failed = true;
-              break;
-            }
-          }
+      uint64_t v = 0;
+      if (!wait_tagged(p, base + source * p.source_stride + lane, lane < k, tag, v)) {
+        const unsigned missing = __ballot_sync(0xFFFFFFFFu, lane < k && key_tag(v) != tag);
+        if (lane == (missing ? __ffs(missing) - 1 : 0)) {
+          record_fault(p, kFaultTimeout, row, head, source, tag, key_tag(v), my_word, 0);
         }
+        failed = true;
+        break;
       }
       if (lane < k) s_cand_warp[source * k + lane] = with_tag(v, 0);
+      // The call word: every lane reads the same slot (one transaction).
+      uint64_t w = 0;
+      if (!wait_tagged(p, words + source * p.word_source_stride, true, tag, w)) {
+        if (lane == 0) {
+          record_fault(p, kFaultTimeout, row, head, source, tag, key_tag(w), my_word, 0);
+        }
+        failed = true;
+        break;
+      }
+      if (w != my_word) {
+        if (lane == 0) {
+          record_fault(p, kFaultShapeMismatch, row, head, source, tag, key_tag(w), my_word, w);
+        }
+        failed = true;
+      }
     }
     __syncwarp();
     if (!failed && row < p.live_rows) {
@@ -318,36 +392,103 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
+// Diagnostics (M3MSA_CP_DEBUG=1 only; one thread, queued after a call's exchange): prints the
+// generation the call completed, its tag and parity, the call word every source left in this
+// rank's buffer for row 0 / merged head 0, and the error record. Device printf is flushed at the
+// host's next synchronization.
+__global__ void cp_debug_kernel(const __grid_constant__ CpParams p, int transport) {
+  const volatile CpControl* c = p.control;
+  const uint32_t g = c->generation;
+  const int parity = static_cast<int>(g & 1u);
+  printf(
+      "m3msa cp dev: rank %d transport %d layer %d: generation %u done (tag %u, parity %d), "
+      "own word %016llx, error flag %u kind %u source %d row %d expected tag %u seen tag %u\n",
+      p.rank, transport, p.layer, g, generation_tag(g), parity,
+      static_cast<unsigned long long>(with_tag(p.call_word, generation_tag(g))), c->error.flag,
+      c->error.kind, c->error.source, c->error.row, c->error.expected_tag, c->error.seen_tag);
+  if (p.cand == nullptr) return;
+  for (int source = 0; source < p.world; ++source) {
+    const uint64_t w = load_sys(p.cand + p.word_offset + parity * p.word_parity_stride +
+                                source * p.word_source_stride +
+                                static_cast<int64_t>(p.cand_head_base) * p.max_rows);
+    const uint64_t k0 = load_sys(p.cand + parity * p.parity_stride + source * p.source_stride +
+                                 static_cast<int64_t>(p.cand_head_base) * p.head_stride);
+    printf(
+        "m3msa cp dev: rank %d layer %d: from rank %d row 0: word %016llx (tag %u, num_reqs "
+        "%u, q_len %u), key 0 %016llx (tag %u)\n",
+        p.rank, p.layer, source, static_cast<unsigned long long>(w), key_tag(w),
+        static_cast<unsigned>((w >> 8) & 0xFFFFu), static_cast<unsigned>(w & 0xFFu),
+        static_cast<unsigned long long>(k0), key_tag(k0));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // allreduce-max, step 1. Purpose: the shard's scores into the full-width tensor
 // [max_rows, H, full_cols]: column b holds this shard's score of block b when b % P == r and b is
 // visible to the row, -inf everywhere else (so an NCCL MAX all-reduce assembles every block's
-// score). Grid: (ceil(full_cols / 256), max_rows * H).
+// score); then the digest slots [P][2] after it: this rank's call digest as two 16-bit halves in
+// its own slot (exact in fp32), -inf in the others, so after the MAX every rank holds every
+// rank's digest. Grid: (ceil(full_cols / 256), max_rows * H).
 __global__ void __launch_bounds__(kThreads)
     cp_scatter_scores_kernel(const __grid_constant__ CpParams p) {
   const int item = blockIdx.y;
   const int row = item / p.heads;
   const int head = item % p.heads;
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const float neg_inf = -__int_as_float(0x7F800000);
+  if (item == 0 && blockIdx.x == 0 && threadIdx.x < 2 * kMaxWorld) {
+    const int slot_rank = static_cast<int>(threadIdx.x) / 2;
+    const uint32_t digest = static_cast<uint32_t>(p.call_word >> 32);
+    const uint32_t half = (threadIdx.x & 1u) ? (digest & 0xFFFFu) : (digest >> 16);
+    float* slots = p.full_scores + static_cast<int64_t>(p.max_rows) * p.heads * p.full_cols;
+    if (slot_rank < p.world) {
+      slots[threadIdx.x] = slot_rank == p.rank ? static_cast<float>(half) : neg_inf;
+    }
+  }
   if (b >= p.full_cols) return;
   const int pos = row_pos(p, row);
   const int nb = pos >= 0 ? pos / idx::kBlockTokens + 1 : 0;
-  float value = -__int_as_float(0x7F800000);
+  float value = neg_inf;
   if (b < nb && nb <= p.table_cols && b % p.world == p.rank) {
     value = p.scores[(static_cast<int64_t>(row) * p.heads + head) * p.local_cols + b / p.world];
   }
   p.full_scores[(static_cast<int64_t>(row) * p.heads + head) * p.full_cols + b] = value;
 }
 
-// allreduce-max, step 2. Purpose: the ordinary top-k of the reduced scores for the merged heads.
+// allreduce-max, step 2. Purpose: the ordinary top-k of the reduced scores for the merged heads,
+// after checking that every rank's digest equals this one's (else the first differing rank is
+// recorded as a shape mismatch and nothing is written).
 // Grid: ceil(max_rows * merged / 8) CTAs, one warp per (row, merged head); live rows only write.
 __global__ void __launch_bounds__(kThreads)
     cp_select_full_kernel(const __grid_constant__ CpParams p) {
   __shared__ __align__(16) uint64_t s_scratch[kWarps][idx::kScratch];
   const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(threadIdx.x) & 31;
   const int item = blockIdx.x * kWarps + warp;
   if (item >= p.max_rows * p.merged) return;
   const int row = item / p.merged;
   const int local_head = item % p.merged;
+  {
+    const float* slots = p.full_scores + static_cast<int64_t>(p.max_rows) * p.heads * p.full_cols;
+    const uint32_t mine = static_cast<uint32_t>(p.call_word >> 32);
+    uint32_t theirs = mine;
+    if (lane < p.world) {
+      const float hi = slots[2 * lane];
+      const float lo = slots[2 * lane + 1];
+      // A -inf (the rank never wrote its slot) or anything not a 16-bit integer is a mismatch.
+      const bool valid = hi >= 0.0f && hi <= 65535.0f && lo >= 0.0f && lo <= 65535.0f;
+      theirs = valid ? (static_cast<uint32_t>(hi) << 16) | static_cast<uint32_t>(lo) : ~mine;
+    }
+    const unsigned differing = __ballot_sync(0xFFFFFFFFu, theirs != mine);
+    if (differing != 0) {
+      const int source = __ffs(differing) - 1;
+      if (lane == source) {
+        record_fault(p, kFaultShapeMismatch, row, p.head0 + local_head, source, 0, 0,
+                     static_cast<uint64_t>(mine) << 32, static_cast<uint64_t>(theirs) << 32);
+      }
+      return;
+    }
+  }
   if (row >= p.live_rows) return;
   const int pos = row_pos(p, row);
   int nb = pos >= 0 ? pos / idx::kBlockTokens + 1 : 0;

@@ -19,6 +19,9 @@ void CudaCpIndexer::check(void*) {}
 std::optional<CpTimeoutRecord> CudaCpIndexer::last_timeout() const {
   return std::nullopt;
 }
+std::optional<CudaCpFault> CudaCpIndexer::last_fault() const {
+  return std::nullopt;
+}
 int CudaCpIndexer::rank() const {
   return 0;
 }

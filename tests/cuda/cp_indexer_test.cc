@@ -1,8 +1,10 @@
 // The CUDA CP indexer (cp_cuda.h) against the one-GPU indexer: selections must be bit-identical
 // for every transport (cp.md "Exactness"), also under CUDA-graph replay with changing metadata;
 // a rank that skips a call makes its peer report kTimeout naming it within the spin budget; a
-// mismatched configuration is caught by the host agreement at setup. Ranks are threads, one GPU
-// each; tests that need two GPUs skip (with the reason) on fewer.
+// mismatched configuration is caught by the host agreement at setup; a rank that passes another
+// shape or layer for the same call makes its peers report kInvalidArgument naming it, without
+// waiting and without merging its nominations. Ranks are threads, one GPU each; tests that need
+// two GPUs skip (with the reason) on fewer. Ranks as processes: cp_multiprocess_test.cc.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -11,120 +13,20 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
-#include "cuda/common.cuh"
-#include "indexer_test_util.h"
-#include "m3msa/comm.h"
-#include "m3msa/cp_cuda.h"
+#include "cp_test_util.h"
 
-namespace m3msa::idxtest {
+namespace m3msa::cptest {
 namespace {
 
-#define M3MSA_REQUIRE_GPUS(n)                                          \
-  do {                                                                 \
-    const int visible_ = ::m3msa::cuda_device_count();                 \
-    if (visible_ < (n)) {                                              \
-      GTEST_SKIP() << "needs " << (n) << " CUDA devices, " << visible_ \
-                   << " visible: multi-GPU CP test skipped";           \
-    }                                                                  \
-  } while (0)
-
-// Rank r runs on device r % visible devices: on one GPU the ranks of the peer and replicated
-// transports share it (NCCL needs one device per rank, so its tests need P GPUs).
-int device_of(int r) {
-  return r % std::max(1, ::m3msa::cuda_device_count());
-}
-
-bool needs_nccl(CpTransport t) {
-  return t == CpTransport::kNccl || t == CpTransport::kAllReduceMax;
-}
-
-// Communicators of P in-process ranks (NCCL for the NCCL transports, threads otherwise).
-struct World {
-  std::vector<std::unique_ptr<Communicator>> comms;
-  World(int P, bool nccl) {
-    if (nccl) {
-      std::vector<int> devices;
-      for (int r = 0; r < P; ++r) devices.push_back(r);
-      for (auto& c : make_nccl_communicators_in_process(devices)) comms.push_back(std::move(c));
-    } else {
-      auto group = ThreadGroup::create(P, std::chrono::milliseconds(20000));
-      for (int r = 0; r < P; ++r) comms.push_back(group->communicator(r));
-    }
-  }
-  // Runs body(rank) on one thread per rank (device = rank); rethrows the first error.
-  void run(const std::function<void(int)>& body) {
-    const int P = static_cast<int>(comms.size());
-    std::vector<std::exception_ptr> errors(static_cast<std::size_t>(P));
-    std::vector<std::thread> threads;
-    for (int r = 0; r < P; ++r) {
-      threads.emplace_back([&, r] {
-        try {
-          CUDA_CHECK(cudaSetDevice(device_of(r)));
-          body(r);
-        } catch (...) {
-          errors[static_cast<std::size_t>(r)] = std::current_exception();
-        }
-      });
-    }
-    for (auto& t : threads) t.join();
-    for (auto& e : errors) {
-      if (e) std::rethrow_exception(e);
-    }
-  }
-};
-
-struct Case {
-  int reqs;
-  int q_len;
-  int64_t min_ctx;
-  int64_t max_ctx;
-  DType dtype;
-  int padding;
-  std::vector<int64_t> seq_lens;
-};
-
-SyntheticCase make_case(const Case& cs, uint64_t seed) {
-  SyntheticSpec spec =
-      decode_spec(cs.reqs, cs.q_len, cs.min_ctx, cs.max_ctx, cs.dtype, cs.padding, seed);
-  spec.seq_lens = cs.seq_lens;
-  return make_synthetic_case(spec);
-}
-
-// The heads [head0, head0 + merged) of a full selection [rows, H, k] equal `part`?
-int64_t count_mismatches(const HostTensor& full, const HostTensor& part, int H, int head0,
-                         int merged, int k) {
-  const int64_t rows = full.shape()[0];
-  int64_t bad = 0;
-  for (int64_t row = 0; row < rows; ++row) {
-    for (int lh = 0; lh < merged; ++lh) {
-      const int32_t* a = full.ptr<int32_t>() + (row * H + head0 + lh) * k;
-      const int32_t* b = part.ptr<int32_t>() + (row * merged + lh) * k;
-      if (std::memcmp(a, b, sizeof(int32_t) * k) != 0) {
-        if (bad == 0) {
-          std::printf(
-              "    first mismatch: row %ld head %d: one GPU [%d %d %d ...], CP [%d %d %d ...]\n",
-              static_cast<long>(row), head0 + lh, a[0], a[1], a[2], b[0], b[1], b[2]);
-        }
-        ++bad;
-      }
-    }
-  }
-  return bad;
-}
-
-CudaCpConfig cp_config(int P, CpTransport t, int max_reqs, int max_q_len, int64_t max_context) {
-  CudaCpConfig cp;
-  cp.world_size = P;
-  cp.max_reqs = max_reqs;
-  cp.max_q_len = max_q_len;
-  cp.max_context = max_context;
-  cp.transport = t;
-  cp.spin_budget = std::chrono::milliseconds(300);
-  return cp;
-}
+using idxtest::decode_spec;
+using idxtest::expect_error;
+using idxtest::Rng;
+using idxtest::run_gpu;
 
 void check_transport(CpTransport transport, int P) {
   const std::vector<Case> cases = {
@@ -390,49 +292,118 @@ TEST(CudaCp, LayersShareOneBufferSet) {
     CudaCpIndexer a(*world.comms[static_cast<std::size_t>(r)], device_of(r), SparseConfig{}, cp);
     CudaCpIndexer b(*world.comms[static_cast<std::size_t>(r)], device_of(r), SparseConfig{}, cp);
     EXPECT_EQ(a.info().buffer_sets, 1);
-    EXPECT_EQ(a.info().buffer_bytes_per_rank, a.info().key.bytes_per_rank());
+    const CpBufferKey key = a.info().key;
+    EXPECT_EQ(a.info().word_bytes_per_rank,
+              std::size_t{2} * key.world_size * key.merged_heads * key.max_rows * 8);
+    EXPECT_EQ(a.info().buffer_bytes_per_rank, key.bytes_per_rank() + a.info().word_bytes_per_rank);
   });
 }
 
-// Ranks as processes: run as `m3msa launch -n 2 -- m3msa_cuda_tests
-// --gtest_filter=CudaCpMultiProcess.*`; the peer buffers are mapped through CUDA IPC handles.
-TEST(CudaCpMultiProcess, PeerViaIpcBitIdentical) {
-  if (std::getenv("WORLD_SIZE") == nullptr) {
-    GTEST_SKIP() << "not started by `m3msa launch` (WORLD_SIZE unset): multi-process test skipped";
-  }
-  // Unbuffered, so a rank killed by the launcher still leaves its last words in the log.
-  std::setvbuf(stdout, nullptr, _IONBF, 0);
-  std::unique_ptr<NcclCommunicator> comm =
-      make_nccl_communicator_from_env(std::chrono::milliseconds(10000));
-  const int P = comm->world_size();
-  const int r = comm->rank();
-  for (CpTransport transport : {CpTransport::kPeer, CpTransport::kNccl}) {
-    const SyntheticCase c = make_case({16, 4, 1, 70000, DType::kFP8E4M3, 2, {}}, 555);
-    const HostTensor reference = run_gpu(c);
-    CUDA_CHECK(cudaSetDevice(comm->device()));
-    CudaCpIndexer ind(*comm, comm->device(), c.config, cp_config(P, transport, 16, 4, 70000 + 128));
-    if (transport == CpTransport::kPeer && P > 1) {
-      EXPECT_TRUE(ind.info().peer_mapped_by_ipc);
-    }
-    DeviceCase d = upload(c, comm->device());
+// ---- A rank that passes another shape (or layer) for the same call ----
+
+struct MismatchOutcome {
+  std::vector<std::string> messages;
+  std::vector<ErrorCode> codes;
+  std::vector<std::optional<CudaCpFault>> faults;
+  std::vector<double> waited_ms;
+};
+
+// Both ranks make one good call, then call 1 with rank 1 passing `odd` (fewer requests, another
+// q_len within the plan, or another layer). Both must throw at check() naming the other rank.
+MismatchOutcome run_mismatch(CpTransport transport, const std::string& odd) {
+  const int P = 2;
+  const SyntheticCase c = make_case({8, 2, 1000, 30000, DType::kFP8E4M3, 0, {}}, 31);
+  const SyntheticCase c1 = make_case({8, 1, 1000, 30000, DType::kFP8E4M3, 0, {}}, 31);
+  World world(P, needs_nccl(transport));
+  MismatchOutcome o;
+  o.messages.assign(P, "no error");
+  o.codes.assign(P, ErrorCode::kInternal);
+  o.faults.assign(P, std::nullopt);
+  o.waited_ms.assign(P, 0.0);
+  world.run([&](int r) {
+    const auto ur = static_cast<std::size_t>(r);
+    CudaCpIndexer ind(*world.comms[ur], device_of(r), c.config,
+                      cp_config(P, transport, 8, 2, 30000 + 128));
     const int merged = static_cast<int>(ind.merged_heads().size());
-    DeviceTensor out(DType::kI32, {c.num_rows(), merged, c.config.topk}, comm->device());
-    fill_device_bytes(out.view(), kPoisonByte);
+    const int k = c.config.topk;
+    DeviceCase d = upload(c, device_of(r));
+    DeviceCase d1 = upload(c1, device_of(r));
+    DeviceTensor out(DType::kI32, {c.num_rows(), merged, k}, device_of(r));
+    DeviceTensor out1(DType::kI32, {c1.num_rows(), merged, k}, device_of(r));
     cuda::Stream stream;
-    for (int call = 0; call < 3; ++call) {
-      std::printf("  rank %d %s call %d\n", r, cp_transport_name(transport), call);
-      ind.select(call, d.indexer_args(out.view()), stream.get());
-      ind.check(stream.get());
+    ind.select(0, d.indexer_args(out.view()), stream.get());
+    ind.check(stream.get());
+    IndexerArgs args = d.indexer_args(out.view());
+    int layer = 1;
+    if (r == 1) {
+      if (odd == "num_reqs") {
+        DeviceTensor small(DType::kI32, {int64_t{5} * c.batch.q_len, merged, k}, device_of(r));
+        args = first_requests(args, 5, small.view());
+        out = std::move(small);
+      } else if (odd == "q_len") {
+        args = d1.indexer_args(out1.view());
+      } else {
+        layer = 2;
+      }
     }
-    HostTensor host;
-    copy_to_host(out.view(), host);
-    EXPECT_EQ(count_mismatches(reference, host, c.config.index_heads, ind.merged_heads().front(),
-                               merged, c.config.topk),
-              0)
-        << cp_transport_name(transport) << " rank " << r << " of " << P;
-    comm->all_gather({}, "test/done");  // peers stop storing before buffers go
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      ind.select(layer, args, stream.get());
+      ind.check(stream.get());
+    } catch (const Error& e) {
+      o.messages[ur] = e.what();
+      o.codes[ur] = e.code();
+    }
+    o.waited_ms[ur] = ms_since(start);
+    o.faults[ur] = ind.last_fault();
+    // The set is failed now: further calls are refused on both ranks.
+    if (o.codes[ur] == ErrorCode::kInvalidArgument) {
+      expect_error([&] { ind.select(3, d.indexer_args(out.view()), stream.get()); },
+                   ErrorCode::kInvalidArgument, "out of lockstep");
+    }
+    world.comms[ur]->all_gather({}, "test/done");  // peers stop storing before buffers go
+  });
+  return o;
+}
+
+void check_mismatch(CpTransport transport, const std::string& odd) {
+  const MismatchOutcome o = run_mismatch(transport, odd);
+  for (int r = 0; r < 2; ++r) {
+    const auto ur = static_cast<std::size_t>(r);
+    const int other = 1 - r;
+    std::printf("  %s, rank 1 passes another %s: rank %d after %.1f ms: %s\n",
+                cp_transport_name(transport), odd.c_str(), r, o.waited_ms[ur],
+                o.messages[ur].c_str());
+    EXPECT_EQ(o.codes[ur], ErrorCode::kInvalidArgument) << o.messages[ur];
+    EXPECT_NE(o.messages[ur].find("rank " + std::to_string(other) + " passed another shape"),
+              std::string::npos)
+        << o.messages[ur];
+    ASSERT_TRUE(o.faults[ur].has_value());
+    EXPECT_EQ(o.faults[ur]->kind, CudaCpFault::Kind::kShapeMismatch);
+    EXPECT_EQ(o.faults[ur]->source, other);
+    EXPECT_NE(o.faults[ur]->expected_word >> 32, o.faults[ur]->seen_word >> 32);
+    // Found as soon as the nominations land, not after a timeout.
+    EXPECT_LT(o.waited_ms[ur], 300.0);
+  }
+  if (odd == "num_reqs" && transport != CpTransport::kAllReduceMax) {
+    // The plain bits of the word carry the shape: rank 0 saw 5 requests, rank 1 saw 8.
+    EXPECT_EQ((o.faults[0]->seen_word >> 8) & 0xFFFFu, 5u);
+    EXPECT_EQ((o.faults[1]->seen_word >> 8) & 0xFFFFu, 8u);
+  }
+}
+
+TEST(CudaCpFaults, PeerShapeMismatchNamesTheRank) {
+  M3MSA_REQUIRE_GPUS(1);
+  for (const char* odd : {"num_reqs", "q_len", "layer"}) check_mismatch(CpTransport::kPeer, odd);
+}
+
+TEST(CudaCpFaults, NcclShapeMismatchNamesTheRank) {
+  M3MSA_REQUIRE_GPUS(2);
+  for (const char* odd : {"num_reqs", "layer"}) {
+    check_mismatch(CpTransport::kNccl, odd);
+    check_mismatch(CpTransport::kAllReduceMax, odd);
   }
 }
 
 }  // namespace
-}  // namespace m3msa::idxtest
+}  // namespace m3msa::cptest

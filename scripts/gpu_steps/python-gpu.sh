@@ -99,11 +99,14 @@ pygpu_run() {
   fi
   echo "== built in $((SECONDS - start_build)) s" >>"$log"
 
+  echo "== import check" >>"$log"
+  (cd python/tests && PYTHONPATH="$root/$build/python" "$py" -X faulthandler -c \
+     'import torch, m3msa; print("import ok:", m3msa.__file__, "cuda", m3msa.cuda_available() if hasattr(m3msa, "cuda_available") else "?")') >>"$log" 2>&1
   echo "== tests: every python/tests/test_*.py with $py" >>"$log"
   (cd python/tests &&
      PYTHONPATH="$root/$build/python" M3MSA_README="$root/python/README.md" \
      M3MSA_REQUIRE_CUDA=1 M3MSA_TEST_THREADS=${M3MSA_TEST_THREADS:-8} PYTHONDONTWRITEBYTECODE=1 \
-     timeout "${PYGPU_TIMEOUT:-300}" "$py" -B -m unittest discover -v -p 'test_*.py') >>"$log" 2>&1
+     timeout "${PYGPU_TIMEOUT:-300}" "$py" -X faulthandler -B -m unittest discover -v -p 'test_*.py') >>"$log" 2>&1
   rc=$?
   grep -E "^(FAIL|ERROR):|^Ran |^OK|^FAILED|skipped '" "$log" | tail -n 40
   return $rc

@@ -283,6 +283,7 @@ TEST(CudaCpMultiProcessDeath, RankDiesMidStep) {
   ErrorCode code = ErrorCode::kInternal;
   try {
     ind->select(kDeathCall, args, stream.get());
+    stage(r, "survivor: call queued, checking");
     ind->check(stream.get());
   } catch (const Error& e) {
     message = e.what();

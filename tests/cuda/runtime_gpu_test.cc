@@ -206,7 +206,10 @@ DeviceModel upload_model(const rt_test::RankModel& host, int device) {
 
 template <typename T>
 std::vector<T> download(const TensorView& view) {
-  std::vector<T> out(static_cast<std::size_t>(view.numel()));
+  // Sized by bytes, so a byte-wise download of a wider dtype gets all of it.
+  M3MSA_CHECK_INTERNAL(view.nbytes() % static_cast<int64_t>(sizeof(T)) == 0,
+                       "download: ", view.nbytes(), " bytes is not a whole number of elements");
+  std::vector<T> out(static_cast<std::size_t>(view.nbytes()) / sizeof(T));
   if (!out.empty()) {
     cuda::DeviceGuard guard(view.device.index);
     CUDA_CHECK(cudaMemcpy(out.data(), view.data, view.nbytes(), cudaMemcpyDeviceToHost));

@@ -773,13 +773,17 @@ void CudaCpIndexer::Impl::fail(ErrorCode code, const CudaCpFault& f, const std::
 // The control block read on a private stream into pinned memory, bounded (the call's stream may
 // still be busy); for the message of a host timeout.
 std::string CudaCpIndexer::Impl::read_control_for_diagnosis() const {
-  cudaStream_t side = nullptr;
-  void* host = nullptr;
-  if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) != cudaSuccess) return "";
-  if (cudaMallocHost(&host, sizeof(cuda::cp::CpControl)) != cudaSuccess) {
-    cudaStreamDestroy(side);
+  // One pinned block for the whole process, never freed: this runs while a kernel may be stuck,
+  // and cudaFreeHost synchronizes the device (it would wait for that kernel forever).
+  static std::mutex host_mutex;
+  static void* host = nullptr;
+  std::lock_guard<std::mutex> lock(host_mutex);
+  if (host == nullptr && cudaMallocHost(&host, sizeof(cuda::cp::CpControl)) != cudaSuccess) {
+    host = nullptr;
     return "";
   }
+  cudaStream_t side = nullptr;
+  if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) != cudaSuccess) return "";
   std::string text = "control block unreadable";
   if (cudaMemcpyAsync(host, set->ctl(), sizeof(cuda::cp::CpControl), cudaMemcpyDeviceToHost,
                       side) == cudaSuccess) {
@@ -792,7 +796,6 @@ std::string CudaCpIndexer::Impl::read_control_for_diagnosis() const {
       text = detail::concat("this rank's calls completed: ", c->generation,
                             ", merge CTAs of the current call arrived: ", c->done,
                             ", device error flag: ", c->error.flag);
-      cudaFreeHost(host);  // the copy finished: safe to free
     }
   }
   cudaStreamDestroy(side);
@@ -841,6 +844,9 @@ void CudaCpIndexer::check(void* stream) {
   if (!done) {
     // The device waits of peer / nccl end within the spin budget, so what is left is a collective
     // that waits for a rank that never joined (or work queued before this call).
+    // Abort NCCL first: its kernels poll the abort flag, so the stream drains and the
+    // diagnosis below never waits behind a collective that cannot finish.
+    if (m.nccl != nullptr) m.nccl->abort("CP check timed out");
     const std::string control = m.read_control_for_diagnosis();
     const int P = m.cp.world_size;
     std::string missing = "a rank that never joined";
@@ -853,7 +859,6 @@ void CudaCpIndexer::check(void* stream) {
     }
     std::string what;
     if (m.nccl != nullptr) {
-      m.nccl->abort("CP check timed out");
       what = detail::concat("its NCCL collective never completed: ", missing,
                             " (the NCCL communicator was aborted)");
     } else {

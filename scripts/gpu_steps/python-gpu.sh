@@ -102,10 +102,10 @@ pygpu_run() {
   echo "== import check" >>"$log"
   (cd python/tests && PYTHONPATH="$root/$build/python" "$py" -X faulthandler -c \
      'import torch, m3msa; print("import ok:", m3msa.__file__, "cuda", m3msa.cuda_available() if hasattr(m3msa, "cuda_available") else "?")') >>"$log" 2>&1
-  if ! (cd python/tests && PYTHONPATH="$root/$build/python" "$py" -c 'import m3msa' >/dev/null 2>&1); then
+  if ! (cd python/tests && PYTHONPATH="$root/$build/python" "$py" -c 'import numpy, m3msa' >/dev/null 2>&1); then
     echo "== import failed: native backtrace (cuda-gdb)" >>"$log"
     (cd python/tests && PYTHONPATH="$root/$build/python" timeout 120 cuda-gdb -batch -ex run -ex bt \
-       --args "$py" -c 'import m3msa') >>"$log" 2>&1
+       --args "$py" -c 'import numpy, m3msa') >>"$log" 2>&1
     ldd "$root/$build"/python/m3msa/_m3msa*.so >>"$log" 2>&1
   fi
   echo "== tests: every python/tests/test_*.py with $py" >>"$log"

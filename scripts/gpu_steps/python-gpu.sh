@@ -60,6 +60,7 @@ pygpu_run() {
 
   args+=(-DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90a -DM3MSA_ENABLE_CUDA=ON
          -DM3MSA_BUILD_TESTS=OFF -DM3MSA_BUILD_CLI=OFF -DM3MSA_BUILD_PYTHON=ON
+         -DM3MSA_PYTHON_PRIVATE_RUNTIME=${PYGPU_PRIVATE_RUNTIME:-ON}
          "-DPython3_EXECUTABLE=$py" "-Dpybind11_DIR=$("$py" -m pybind11 --cmakedir)")
   command -v ninja >/dev/null && args+=(-G Ninja)
   if ! [[ -x /usr/local/cuda/bin/nvcc ]] && command -v nvcc >/dev/null; then

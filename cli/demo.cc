@@ -1,8 +1,13 @@
 // m3msa demo: decode steps of a synthetic model with M3's attention dimensions, checked.
 //
-// Per step and sparse layer: a random fused projection output [q | k | v | index_q | index_k]
-// -> preprocess (norms, RoPE, insert of the step's tokens into the layer's caches) -> select_topk
-// -> sparse_attention, on the chosen backend, then the checks:
+// Default mode: the fused decode runtime (demo_runtime.h / demo_runtime.cc): prepare ->
+// begin_step / forward_layer -> detach over a whole model (weights, caches, TP), timed, then a
+// check of the runtime against a CPU oracle on a small configuration.
+//
+// --ops: the ops-level demo (this file). Per step and sparse layer: a random fused projection
+// output [q | k | v | index_q | index_k] -> preprocess (norms, RoPE, insert of the step's tokens
+// into the layer's caches) -> select_topk -> sparse_attention, on the chosen backend, then the
+// checks:
 //  - "oracle" (the default on the CPU reference, which has nothing to be compared with):
 //    selections well-formed; selections exactly the top-k of the recomputed block scores; sparse
 //    attention equal to dense causal attention wherever every row sees nb <= topk blocks (an extra
@@ -23,6 +28,7 @@
 #include "checks.h"
 #include "commands.h"
 #include "common.h"
+#include "demo_runtime.h"
 #include "json_out.h"
 #include "m3msa/case_io.h"
 #include "m3msa/cp.h"
@@ -41,9 +47,9 @@ using json = nlohmann::ordered_json;
 struct DemoOptions {
   int batch = 4;
   int64_t context = 8192;
-  int q_len = 1;
+  int q_len = 2;
   int layers = 2;
-  int steps = 2;
+  int steps = 3;
   int ranks = 1;
   std::string index_dtype = "bf16";
   std::string kv_dtype = "bf16";
@@ -54,6 +60,8 @@ struct DemoOptions {
   std::string save_dir;
   std::string json_path;
   bool quiet = false;
+  bool ops = false;            // the ops-level demo instead of the runtime
+  RuntimeDemoOptions runtime;  // the runtime-only flags (the shared ones are above)
 };
 
 // A named check accumulated over layers and steps.
@@ -168,7 +176,7 @@ std::string format_bytes(double bytes) {
   return fmt::format("{:.0f} MiB", bytes / (1024.0 * 1024));
 }
 
-int run_demo(const DemoOptions& o) {
+int run_ops_demo(const DemoOptions& o) {
   const auto start = Clock::now();
   const ModelConfig model;
   const SparseConfig cfg = model.sparse(1);
@@ -535,6 +543,7 @@ int run_demo(const DemoOptions& o) {
   if (!o.json_path.empty()) {
     json j;
     j["command"] = command_line();
+    j["mode"] = "ops";
     j["version"] = version_string();
     j["backend"] = backend->name();
     j["threads"] = threads;
@@ -576,18 +585,34 @@ int run_demo(const DemoOptions& o) {
 Command add_demo_command(CLI::App& parent) {
   auto o = std::make_shared<DemoOptions>();
   CLI::App* app = parent.add_subcommand(
-      "demo", "Run checked decode steps of a synthetic model with M3's attention dimensions");
+      "demo",
+      "Run checked decode steps of a synthetic model with M3's attention dimensions through the "
+      "fused decode runtime (--ops: the single operations)");
   app->footer(
-      "The model: 64 q heads, 4 KV / index heads, head dim 128, block 128, top-k 16, seeded random "
-      "norm weights, caches filled with random contexts. Per step and layer: random projection "
-      "output -> preprocess (inserts the step's tokens) -> select_topk -> sparse_attention on the "
-      "backend, then the checks (--check). When the layers' context has more than top-k blocks, "
-      "an extra short 'check' layer (nb <= topk) is run so sparse attention can be compared with "
-      "dense causal attention.\n"
-      "Exit codes: 0 every check passed, 1 a check failed, 2 bad flags, 3 a library error.");
+      "Default (the runtime): the model has 64 q heads, 4 KV / index heads, head dim 128, block "
+      "128, top-16, hidden 6144 on the GPU (1024 on the CPU: --hidden), a dense SwiGLU-OAI MLP as "
+      "the FFN, seeded random weights (bf16 or --weights fp8) and caches holding --context tokens "
+      "per request. TP over the GPUs present (1 or 2; on the CPU 2 rank threads), CP off. It runs "
+      "prepare -> --steps decode steps of --batch requests x --q-len rows (begin_step, "
+      "forward_layer per layer) -> detach, prints each step's time and the runtime's stats, then "
+      "checks a small configuration (hidden 512, 2 layers, 2 requests, 2 steps) on the same "
+      "backend and TP against an oracle replaying every layer from the same input: on the GPU the "
+      "CPU runtime, on the CPU an independent composition of the reference ops with "
+      "double-precision matmuls.\n"
+      "--ops: the ops-level demo: per step and layer a random projection output -> preprocess "
+      "(inserts the step's tokens) -> select_topk -> sparse_attention on the backend, then the "
+      "checks (--check). When the layers' context has more than top-k blocks, an extra short "
+      "'check' layer (nb <= topk) is run so sparse attention can be compared with dense causal "
+      "attention.\n"
+      "Exit codes: 0 every check passed, 1 a check failed, 2 bad flags, 3 a library error (--cp: "
+      "the runtime fell back).");
+  app->add_flag("--ops", o->ops,
+                "run the ops-level demo (preprocess / select_topk / sparse_attention checked one "
+                "by one) instead of the runtime");
   app->add_option("--batch", o->batch, "requests per decode step")->check(CLI::Range(1, 4096));
   app->add_option("--context", o->context,
-                  "tokens already cached per request before the first step")
+                  "tokens already cached per request before the first step (runtime: request r "
+                  "holds r blocks + r tokens fewer)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   app->add_option("--q-len", o->q_len,
                   "new tokens per request and step (1 = plain decode, >1 = speculative verify)")
@@ -595,30 +620,84 @@ Command add_demo_command(CLI::App& parent) {
   app->add_option("--layers", o->layers, "sparse layers (each with its own caches and weights)")
       ->check(CLI::Range(1, 57));
   app->add_option("--steps", o->steps, "decode steps")->check(CLI::Range(1, 100000));
-  app->add_option("--ranks", o->ranks,
-                  "context-parallel ranks for the indexer (threads running the CPU model of the "
-                  "exchange, cp.h); must divide 4 or be a multiple of it")
-      ->check(CLI::Range(1, 64));
-  app->add_option("--index-dtype", o->index_dtype, "index-K cache dtype")
-      ->check(CLI::IsMember({"bf16", "fp8"}));
-  app->add_option("--kv-dtype", o->kv_dtype, "main KV cache dtype")
-      ->check(CLI::IsMember({"bf16", "fp8"}));
   app->add_option("--backend", o->backend, "auto (CUDA when usable, else CPU), cpu or cuda")
       ->check(CLI::IsMember(backend_choices()));
   app->add_option("--check", o->check,
-                  "auto: 'oracle' on the CPU reference, 'reference' on other backends; oracle: "
-                  "well-formed selections, exact top-k of the block scores, sparse == dense where "
-                  "nb <= topk; reference: every output vs the CPU reference; none")
+                  "auto: the runtime's check (--ops: 'oracle' on the CPU reference, 'reference' "
+                  "on other backends); none; --ops only: oracle (well-formed selections, exact "
+                  "top-k of the block scores, sparse == dense where nb <= topk), reference "
+                  "(every output vs the CPU reference)")
       ->check(CLI::IsMember({"auto", "oracle", "reference", "none"}));
   app->add_option("--threads", o->threads, "CPU threads (0 = all hardware threads)")
       ->check(CLI::Range(0, 4096));
   app->add_option("--seed", o->seed, "seed of every random tensor");
-  app->add_option("--save", o->save_dir,
-                  "write the last step of layer 0 as a replay case to this directory (case.json + "
-                  ".npy files; bf16 / fp8 stored as uint16 / uint8, see docs/replay.md)");
   app->add_option("--json", o->json_path, "also write the results as JSON to this file");
   app->add_flag("-q,--quiet", o->quiet, "no progress indicator on stderr");
-  return {app, [o]() { return run_demo(*o); }};
+  // The runtime only.
+  RuntimeDemoOptions& rt = o->runtime;
+  std::vector<CLI::Option*> runtime_only = {
+      app->add_option("--tp", rt.tp,
+                      "tensor-parallel ranks (0 = the GPUs present, at most 2; on the CPU 2 rank "
+                      "threads); runtime only")
+          ->check(CLI::Range(0, 2)),
+      app->add_flag("--cp", rt.cp,
+                    "context parallelism inside forward_layer (not supported yet: shows the "
+                    "runtime's unanimous fallback); runtime only"),
+      app->add_option("--weights", rt.weights,
+                      "dtype of qkv_proj and o_proj (fp8: e4m3 with per-output-channel scales); "
+                      "runtime only")
+          ->check(CLI::IsMember({"bf16", "fp8"})),
+      app->add_option("--hidden", rt.hidden,
+                      "hidden size (0 = 6144, M3's, on the GPU; 1024 on the CPU); multiple of 64; "
+                      "runtime only")
+          ->check(CLI::Range(0, 65536)),
+      app->add_option("--intermediate", rt.intermediate,
+                      "width of the dense SwiGLU-OAI MLP (0 = the hidden size); runtime only")
+          ->check(CLI::Range(0, 262144)),
+  };
+  // The ops-level demo only.
+  std::vector<CLI::Option*> ops_only = {
+      app->add_option("--ranks", o->ranks,
+                      "--ops: context-parallel ranks for the indexer (threads running the CPU "
+                      "model of the exchange, cp.h); must divide 4 or be a multiple of it")
+          ->check(CLI::Range(1, 64)),
+      app->add_option("--index-dtype", o->index_dtype, "--ops: index-K cache dtype")
+          ->check(CLI::IsMember({"bf16", "fp8"})),
+      app->add_option("--kv-dtype", o->kv_dtype, "--ops: main KV cache dtype")
+          ->check(CLI::IsMember({"bf16", "fp8"})),
+      app->add_option("--save", o->save_dir,
+                      "--ops: write the last step of layer 0 as a replay case to this directory "
+                      "(case.json + .npy files; bf16 / fp8 stored as uint16 / uint8, see "
+                      "docs/replay.md)"),
+  };
+  return {app, [o, runtime_only, ops_only]() {
+            const auto& wrong = o->ops ? runtime_only : ops_only;
+            for (const CLI::Option* opt : wrong) {
+              if (opt->count() > 0) {
+                throw UsageError(fmt::format("{}: {}", opt->get_name(),
+                                             o->ops ? "not with --ops (the runtime demo only)"
+                                                    : "only with --ops (the ops-level demo)"));
+              }
+            }
+            if (o->ops) return run_ops_demo(*o);
+            if (o->check != "auto" && o->check != "none") {
+              throw UsageError("--check " + o->check +
+                               ": only with --ops (the runtime demo takes auto or none)");
+            }
+            RuntimeDemoOptions r = o->runtime;
+            r.batch = o->batch;
+            r.context = o->context;
+            r.q_len = o->q_len;
+            r.layers = o->layers;
+            r.steps = o->steps;
+            r.backend = o->backend;
+            r.check = o->check;
+            r.threads = o->threads;
+            r.seed = o->seed;
+            r.json_path = o->json_path;
+            r.quiet = o->quiet;
+            return run_runtime_demo(r);
+          }};
 }
 
 }  // namespace m3msa::cli

@@ -155,8 +155,8 @@ int run_replay(const ReplayOptions& o) {
         "bf16 ulp)",
         ulps);
     checks.push_back(r);
-    // The outputs recorded when the case was captured (m3msa demo --save), if any: bit for bit
-    // when this is the backend that recorded them, else within the cross-backend rules.
+    // The outputs recorded when the case was captured (m3msa demo --ops --save), if any: bit for
+    // bit when this is the backend that recorded them, else within the cross-backend rules.
     const bool same_backend = !loaded.backend.empty() && loaded.backend == backend->name();
     const std::string by = loaded.backend.empty() ? "an unknown backend" : loaded.backend;
     auto recorded_topk = loaded.extra.find("expected_topk_idx");
@@ -252,7 +252,7 @@ Command add_replay_command(CLI::App& parent) {
       "Runs select_topk and sparse_attention on the chosen backend and writes topk_idx.npy (int32 "
       "[rows, index_heads, topk]) and out.npy (bf16 stored as uint16, [rows, q_heads, head_dim]). "
       "numpy has no bf16 / fp8: those tensors are stored as their bit patterns (uint16 / uint8) "
-      "and their dtype is recorded in case.json. `m3msa demo --save DIR` writes a case; "
+      "and their dtype is recorded in case.json. `m3msa demo --ops --save DIR` writes a case; "
       "docs/replay.md describes the format.\n"
       "Exit codes: 0 ok, 1 a --check comparison failed, 2 bad flags, 3 a library error (a bad "
       "case names the file).");

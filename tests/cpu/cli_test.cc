@@ -1,5 +1,6 @@
-// Runs the built `m3msa` binary: help, info, a tiny checked demo, demo --save + replay --check,
-// and bad flags (non-zero exit, the flag named on stderr).
+// Runs the built `m3msa` binary: help, info, a small runtime demo (TP = 2 rank threads, fp8,
+// the --cp fallback), the ops-level demo (--ops), demo --ops --save + replay --check, and bad
+// flags (non-zero exit, the flag named on stderr).
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -82,12 +83,27 @@ TEST_F(CliTest, HelpListsSubcommandsAndEveryFlagWithItsDefault) {
   }
   r = run("demo --help");
   EXPECT_EQ(r.code, 0) << r.err;
-  for (const char* flag :
-       {"--batch INT:INT in [1 - 4096]=4", "--context INT:INT in [0 - 1073741824]=8192",
-        "--q-len INT:INT in [1 - 8]=1", "--layers INT:INT in [1 - 57]=2", "--steps", "=2",
-        "--ranks", "--index-dtype TEXT:{bf16,fp8}=bf16", "--kv-dtype TEXT:{bf16,fp8}=bf16",
-        "--backend TEXT:{auto,cpu,cuda}=auto", "--check", "--threads", "--seed UINT=1", "--save",
-        "--json", "--quiet"}) {
+  for (const char* flag : {"--ops",
+                           "--batch INT:INT in [1 - 4096]=4",
+                           "--context INT:INT in [0 - 1073741824]=8192",
+                           "--q-len INT:INT in [1 - 8]=2",
+                           "--layers INT:INT in [1 - 57]=2",
+                           "--steps INT:INT in [1 - 100000]=3",
+                           "--tp INT:INT in [0 - 2]=0",
+                           "--cp",
+                           "--weights TEXT:{bf16,fp8}=bf16",
+                           "--hidden",
+                           "--intermediate",
+                           "--ranks",
+                           "--index-dtype TEXT:{bf16,fp8}=bf16",
+                           "--kv-dtype TEXT:{bf16,fp8}=bf16",
+                           "--backend TEXT:{auto,cpu,cuda}=auto",
+                           "--check",
+                           "--threads",
+                           "--seed UINT=1",
+                           "--save",
+                           "--json",
+                           "--quiet"}) {
     EXPECT_TRUE(contains(r.out, flag)) << flag << "\n" << r.out;
   }
   r = run("replay --help");
@@ -111,9 +127,49 @@ TEST_F(CliTest, Info) {
   EXPECT_TRUE(contains(r.out, "\"cuda_devices\"")) << r.out;
 }
 
-TEST_F(CliTest, TinyDemoPassesItsChecks) {
+TEST_F(CliTest, RuntimeDemoRunsStepsAndPassesItsChecks) {
+  // A small hidden size keeps it short; the attention dimensions are M3's either way.
+  Result r =
+      run("demo --backend cpu --tp 2 --hidden 256 --batch 2 --context 600 --steps 2 "
+          "--threads 2 -q --json " +
+          path("demo.json"));
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  for (const char* part :
+       {"the fused decode runtime (mono) on cpu", "TP 2 (ranks as threads), CP off",
+        "64 q heads / 4 KV heads x 128", "top-16", "prepare: active",
+        "stats (rank 0): state active, backend cpu, TP 2", "steps accepted 2", "fallbacks none",
+        "oracle: the independent reference", "[ok] selections equal the oracle's",
+        "[ok] layer outputs (hidden, residual)", "[ok] every rank's outputs bit-identical (TP 2)",
+        "PASS"}) {
+    EXPECT_TRUE(contains(r.out, part)) << part << "\n" << r.out;
+  }
+  EXPECT_FALSE(contains(r.out, "FAIL")) << r.out;
+  EXPECT_TRUE(r.err.empty()) << "--quiet must keep stderr empty: " << r.err;
+  const std::string json = slurp(path("demo.json"));
+  for (const char* part : {"\"mode\": \"runtime\"", "\"passed\": true", "\"ms_per_layer\"",
+                           "\"launches_per_layer\"", "\"fallback_reasons\""}) {
+    EXPECT_TRUE(contains(json, part)) << part << "\n" << json;
+  }
+
+  // fp8 projections at TP = 1, plain decode rows.
+  r =
+      run("demo --backend cpu --tp 1 --weights fp8 --hidden 256 --batch 1 --context 300 "
+          "--q-len 1 --steps 1 -q");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "weights fp8 e4m3")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[ok] layer outputs (hidden, residual)")) << r.out;
+
+  // --cp: every rank reports it unsupported, the runtime falls back, the demo says so (exit 3).
+  r = run("demo --backend cpu --cp --hidden 256 --batch 1 --context 300 --steps 1 -q");
+  EXPECT_EQ(r.code, 3) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "prepare: fallback")) << r.out;
+  EXPECT_TRUE(contains(r.out, "context-parallel indexer is not implemented")) << r.out;
+  EXPECT_TRUE(contains(r.out, "not supported yet")) << r.out;
+}
+
+TEST_F(CliTest, TinyOpsDemoPassesItsChecks) {
   // 2100 tokens: 17 blocks > topk, so the table has a dense "check" layer too.
-  Result r = run("demo --batch 2 --context 2100 --layers 1 --steps 2 --threads 2 -q --json " +
+  Result r = run("demo --ops --batch 2 --context 2100 --layers 1 --steps 2 --threads 2 -q --json " +
                  path("demo.json"));
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_TRUE(contains(r.out, "PASS")) << r.out;
@@ -128,18 +184,19 @@ TEST_F(CliTest, TinyDemoPassesItsChecks) {
 
 TEST_F(CliTest, DemoSpeculativeFp8ContextParallelAndReferenceMode) {
   Result r =
-      run("demo --batch 2 --context 700 --q-len 3 --layers 1 --steps 2 --index-dtype fp8 "
+      run("demo --ops --batch 2 --context 700 --q-len 3 --layers 1 --steps 2 --index-dtype fp8 "
           "--kv-dtype fp8 --ranks 2 --threads 2 -q");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_TRUE(contains(r.out, "[ok] CP selection bit-identical")) << r.out;
-  r = run("demo --batch 1 --context 300 --layers 1 --steps 1 --check reference -q");
+  r = run("demo --ops --batch 1 --context 300 --layers 1 --steps 1 --check reference -q");
   EXPECT_EQ(r.code, 0) << r.out << r.err;
   EXPECT_TRUE(contains(r.out, "[ok] sparse attention vs the CPU reference")) << r.out;
 }
 
 TEST_F(CliTest, DemoSaveThenReplayMatches) {
   const std::string dir = path("case");
-  Result r = run("demo --batch 2 --context 400 --q-len 2 --layers 2 --steps 2 -q --save " + dir);
+  Result r =
+      run("demo --ops --batch 2 --context 400 --q-len 2 --layers 2 --steps 2 -q --save " + dir);
   ASSERT_EQ(r.code, 0) << r.out << r.err;
   for (const char* file : {"case.json", "index_q.npy", "q.npy", "index_cache.npy", "kv_cache.npy",
                            "seq_lens.npy", "index_block_table.npy", "kv_block_table.npy",
@@ -183,13 +240,27 @@ TEST_F(CliTest, BadFlagsExitNonZeroNamingTheFlag) {
     const char* args;
     const char* named;
   };
-  for (const Bad& bad :
-       {Bad{"demo --q-len 0", "--q-len"}, Bad{"demo --q-len 9", "--q-len"},
-        Bad{"demo --batch 0", "--batch"}, Bad{"demo --bogus-flag", "--bogus-flag"},
-        Bad{"demo --context -5", "--context"}, Bad{"demo --index-dtype fp16", "--index-dtype"},
-        Bad{"demo --kv-dtype e5m2", "--kv-dtype"}, Bad{"demo --backend tpu", "--backend"},
-        Bad{"demo --ranks 3", "--ranks"}, Bad{"demo --steps abc", "--steps"}, Bad{"replay", "dir"},
-        Bad{"frobnicate", "frobnicate"}}) {
+  for (const Bad& bad : {Bad{"demo --q-len 0", "--q-len"},
+                         Bad{"demo --q-len 9", "--q-len"},
+                         Bad{"demo --batch 0", "--batch"},
+                         Bad{"demo --bogus-flag", "--bogus-flag"},
+                         Bad{"demo --context -5", "--context"},
+                         Bad{"demo --index-dtype fp16", "--index-dtype"},
+                         Bad{"demo --kv-dtype e5m2", "--kv-dtype"},
+                         Bad{"demo --backend tpu", "--backend"},
+                         Bad{"demo --ops --ranks 3", "--ranks"},
+                         Bad{"demo --steps abc", "--steps"},
+                         Bad{"demo --ranks 2", "--ranks"},
+                         Bad{"demo --save dir", "--save"},
+                         Bad{"demo --check oracle", "--check"},
+                         Bad{"demo --ops --weights fp8", "--weights"},
+                         Bad{"demo --ops --tp 1", "--tp"},
+                         Bad{"demo --tp 3", "--tp"},
+                         Bad{"demo --weights fp16", "--weights"},
+                         Bad{"demo --hidden 100", "--hidden"},
+                         Bad{"demo --backend cpu --tp 2 --intermediate 96", "--intermediate"},
+                         Bad{"replay", "dir"},
+                         Bad{"frobnicate", "frobnicate"}}) {
     SCOPED_TRACE(bad.args);
     const Result r = run(bad.args);
     EXPECT_EQ(r.code, 2) << r.out << r.err;

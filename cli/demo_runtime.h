@@ -1,0 +1,128 @@
+// m3msa demo (default mode): decode steps of a synthetic model through the fused decode runtime
+// (runtime.h): prepare -> begin_step / forward_layer per step -> detach, with tensor parallelism
+// over the GPUs present (ranks as threads; NCCL on the GPU, a ThreadGroup on the CPU), timed, and
+// checked against a CPU oracle on a small configuration. The model: M3's attention dimensions
+// (64 q heads, 4 KV / index heads of 128, blocks of 128, top-16) and a dense SwiGLU-OAI MLP
+// standing in for the FFN, seeded random weights and caches.
+//
+// The pieces shared by the CPU path (demo_runtime.cc) and the CUDA path (demo_runtime_gpu.cc).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "m3msa/batch.h"
+#include "m3msa/config.h"
+#include "m3msa/runtime.h"
+#include "m3msa/tensor.h"
+
+namespace m3msa::cli {
+
+struct RuntimeDemoOptions {
+  int batch = 4;
+  int64_t context = 8192;
+  int q_len = 2;
+  int layers = 2;
+  int steps = 3;
+  int tp = 0;                    // 0: the GPUs present (1 or 2); on the CPU 2 rank threads
+  bool cp = false;               // not supported in forward_layer yet: shown as a fallback
+  std::string weights = "bf16";  // qkv_proj and o_proj dtype: bf16 | fp8
+  int hidden = 0;                // 0: 6144 on the GPU, kCpuDefaultHidden on the CPU
+  int intermediate = 0;          // MLP width; 0: = hidden
+  std::string backend = "auto";
+  std::string check = "auto";  // auto | none
+  int threads = 0;
+  uint64_t seed = 1;
+  std::string json_path;
+  bool quiet = false;
+};
+
+// The CPU default hidden size: with M3's 6144 the plain CPU projections (one thread per rank) take
+// ~1.5 s per step of 8 rows and the whole default demo ~8 s on 2 cores (measured); the attention
+// dimensions stay M3's.
+inline constexpr int kCpuDefaultHidden = 1024;
+inline constexpr int kM3Hidden = 6144;
+
+int run_runtime_demo(const RuntimeDemoOptions& options);
+
+namespace demo_rt {
+
+// Everything that defines one demo run: the model, the weights' dtype, the steps.
+struct Spec {
+  ModelConfig model;  // sparse layers [first_sparse_layer, num_layers)
+  bool fp8 = false;   // qkv_proj and o_proj as fp8 e4m3 with per-output-channel scales
+  uint64_t seed = 1;
+  int batch = 1;
+  int q_len = 1;
+  int steps = 1;
+  std::vector<int64_t> contexts;  // per request: tokens cached before the first step
+  int64_t max_blocks = 0;         // block-table width (covers the last step)
+  int64_t pages = 0;              // pages per cache
+
+  RuntimeConfig runtime_config(int threads) const;
+  int64_t rows() const { return int64_t{batch} * q_len; }
+  // Bytes of one rank's weights / caches (all layers).
+  double weight_bytes(int tp) const;
+  double cache_bytes(int tp) const;
+};
+
+Spec make_spec(const ModelConfig& model, bool fp8, uint64_t seed, int batch, int64_t context,
+               int q_len, int steps);
+
+// A rank's model as host tensors (its slices of the master TP = 1 tensors, which are defined
+// element by element by a counter-based hash of (seed, tensor, index): any slice is generated
+// directly, and TP = P slices assemble exactly into TP = 1). Generation uses `threads` threads.
+struct HostModel {
+  std::vector<HostTensor> storage;
+  ModelWeights weights;  // views into storage
+};
+HostModel make_host_model(const Spec& spec, int rank, int world, int threads);
+
+// The master (TP = 1) values of the projection weights as floats (dequantized for fp8), for the
+// independent reference: [W, hidden] qkv rows, [hidden, QH*HD] o_proj, MLP [I, H] x2, [H, I].
+struct MasterLayer {
+  int layer = -1;
+  std::vector<float> qkv, o_proj, gate, up, down;
+  std::vector<float> q_norm, k_norm, iq_norm, ik_norm, input_norm, post_norm;
+};
+MasterLayer make_master_layer(const Spec& spec, int layer_index, int threads);
+
+// One decode step's host metadata (`batch` views the tensors).
+struct Step {
+  HostTensor seq_lens, index_table, kv_table, slots, index_slots, positions;
+  BatchMeta batch;
+  std::vector<uint16_t> hidden_in;  // [rows, hidden] bf16: the step's embeddings
+};
+Step make_step(const Spec& spec, int step);
+
+// What a run records per step and layer when asked to (the check run).
+struct LayerRecord {
+  std::vector<uint16_t> in_hidden, in_residual, out_hidden, out_residual;
+  std::vector<int32_t> topk;  // [rows, index_heads (global), topk], assembled over the ranks
+};
+
+struct RunResult {
+  std::string backend;  // "cpu" | "cuda"
+  int tp = 1;
+  PrepareResult prepared = PrepareResult::kSkipped;
+  RuntimeStats stats;           // rank 0, before detach
+  std::vector<double> step_ms;  // wall time of each step (begin_step .. last layer done)
+  std::vector<std::vector<LayerRecord>> records;  // [step][layer] (record runs only)
+  int64_t rank_mismatches = 0;  // elements where a rank's output differs from rank 0's
+  double setup_s = 0;           // building and binding the weights and caches
+};
+
+// Runs the spec through the runtime at TP = `tp`. record: every layer's inputs / outputs /
+// selections are kept (and ranks compared bit for bit). cp: RuntimeConfig::context_parallel.
+RunResult run_cpu(const Spec& spec, int tp, int threads, bool record, bool cp,
+                  const std::function<void(const std::string&)>& progress);
+// The CUDA path (demo_runtime_gpu.cc): ranks as threads, rank r on GPU r, NCCL between them.
+// Without CUDA in the build: Error(kUnsupported).
+RunResult run_cuda(const Spec& spec, int tp, int threads, bool record, bool cp,
+                   const std::function<void(const std::string&)>& progress);
+int cuda_devices();
+
+}  // namespace demo_rt
+}  // namespace m3msa::cli

@@ -1,0 +1,257 @@
+// m3msa demo on the CUDA runtime: ranks as threads, rank r on GPU r, an in-process
+// NcclCommunicator between them (TP > 1) or a single-rank communicator (TP = 1). Each rank
+// generates its slices of the weights and caches on the host (demo_runtime.cc), copies them to its
+// GPU, prepares the runtime on them and runs the steps eagerly (begin_step with host metadata,
+// forward_layer per layer on the runtime's stream; the host waits for the stream once per step,
+// or after every layer when recording). Compiled in every build; without CUDA run_cuda throws
+// kUnsupported.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstring>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "common.h"
+#include "demo_runtime.h"
+#include "m3msa/backend.h"
+#include "m3msa/error.h"
+
+#if defined(M3MSA_CLI_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include "m3msa/comm.h"
+#include "m3msa/cp_cuda.h"
+#include "m3msa/cuda_backend.h"
+#endif
+
+namespace m3msa::cli::demo_rt {
+
+int cuda_devices() {
+  return cuda_device_count();
+}
+
+#if !defined(M3MSA_CLI_WITH_CUDA)
+
+RunResult run_cuda(const Spec&, int, int, bool, bool,
+                   const std::function<void(const std::string&)>&) {
+  M3MSA_THROW(ErrorCode::kUnsupported,
+              "demo --backend cuda: this build has no CUDA (configure with nvcc, "
+              "M3MSA_ENABLE_CUDA=ON)");
+}
+
+#else
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+void cuda_check(cudaError_t status, const char* what) {
+  M3MSA_CHECK(status == cudaSuccess, ErrorCode::kInternal, "demo (cuda): ", what, ": ",
+              cudaGetErrorString(status));
+}
+
+template <typename T>
+void download(const TensorView& view, std::vector<T>& out) {
+  out.resize(static_cast<std::size_t>(view.numel()));
+  if (out.empty()) return;
+  cuda_check(cudaSetDevice(view.device.index), "cudaSetDevice");
+  cuda_check(cudaMemcpy(out.data(), view.data, view.nbytes(), cudaMemcpyDeviceToHost),
+             "cudaMemcpy to the host");
+}
+
+void upload(const TensorView& view, const void* host) {
+  if (view.nbytes() == 0) return;
+  cuda_check(cudaSetDevice(view.device.index), "cudaSetDevice");
+  cuda_check(cudaMemcpy(view.data, host, view.nbytes(), cudaMemcpyHostToDevice),
+             "cudaMemcpy to the device");
+  // The runtime's stream does not synchronize with the legacy stream: land the copy first.
+  cuda_check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+}
+
+// One rank's model on its GPU: every tensor of the host model copied.
+struct DeviceModel {
+  std::vector<DeviceTensor> storage;
+  ModelWeights weights;
+};
+
+DeviceModel upload_model(const HostModel& host, int device) {
+  DeviceModel d;
+  auto up = [&](const TensorView& v) -> TensorView {
+    if (!v.defined()) return {};
+    d.storage.emplace_back(v.dtype, v.sizes(), device);
+    upload(d.storage.back().view(), v.data);
+    return d.storage.back().view();
+  };
+  for (const LayerWeights& h : host.weights.layers) {
+    LayerWeights w;
+    w.layer = h.layer;
+    w.qkv_proj = up(h.qkv_proj);
+    w.qkv_proj_scale = up(h.qkv_proj_scale);
+    w.q_norm = up(h.q_norm);
+    w.k_norm = up(h.k_norm);
+    w.index_q_norm = up(h.index_q_norm);
+    w.index_k_norm = up(h.index_k_norm);
+    w.input_norm = up(h.input_norm);
+    w.post_attention_norm = up(h.post_attention_norm);
+    w.o_proj = up(h.o_proj);
+    w.o_proj_scale = up(h.o_proj_scale);
+    w.mlp_gate_up = up(h.mlp_gate_up);
+    w.mlp_down = up(h.mlp_down);
+    w.kv_cache = {up(h.kv_cache.data), h.kv_cache.k_scale, h.kv_cache.v_scale};
+    w.index_cache = {up(h.index_cache.data)};
+    d.weights.layers.push_back(w);
+  }
+  return d;
+}
+
+// body(rank) on one thread per rank; rethrows the lowest rank's error.
+void run_threads(int world, const std::function<void(int)>& body) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      try {
+        body(r);
+      } catch (...) {
+        errors[static_cast<std::size_t>(r)] = std::current_exception();
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+}
+
+}  // namespace
+
+RunResult run_cuda(const Spec& spec, int tp, int threads, bool record, bool cp,
+                   const std::function<void(const std::string&)>& progress) {
+  RunResult out;
+  out.backend = "cuda";
+  out.tp = tp;
+  const ModelConfig& m = spec.model;
+  const int layers = m.num_sparse_layers();
+  const int64_t rows = spec.rows();
+  const int64_t H = m.hidden;
+  const SparseConfig sc = m.sparse(tp);
+  const int k = sc.topk;
+  const int IH = m.index_heads;
+  const int rank_threads = std::max(1, threads / tp);
+  std::vector<Step> steps;
+  for (int s = 0; s < spec.steps; ++s) steps.push_back(make_step(spec, s));
+  if (record) {
+    out.records.assign(static_cast<std::size_t>(spec.steps),
+                       std::vector<LayerRecord>(static_cast<std::size_t>(layers)));
+    for (auto& step : out.records) {
+      for (auto& rec : step) rec.topk.assign(static_cast<std::size_t>(rows * IH * k), -1);
+    }
+  }
+  std::vector<std::unique_ptr<NcclCommunicator> > nccl;
+  std::unique_ptr<Communicator> single;
+  if (tp > 1) {
+    std::vector<int> devices;
+    for (int r = 0; r < tp; ++r) devices.push_back(r);
+    nccl = make_nccl_communicators_in_process(devices, std::chrono::seconds(120));
+  } else {
+    single = make_single_rank_communicator();
+  }
+  RuntimeConfig config = spec.runtime_config(rank_threads);
+  config.context_parallel = cp;
+  std::vector<std::vector<std::vector<uint16_t> > > rank_out(static_cast<std::size_t>(tp));
+  std::mutex mutex;
+  run_threads(tp, [&](int r) {
+    cuda_check(cudaSetDevice(r), "cudaSetDevice");
+    Communicator& comm = tp > 1 ? *nccl[static_cast<std::size_t>(r)] : *single;
+    const auto t_setup = Clock::now();
+    if (r == 0) progress("building the weights and caches");
+    DeviceModel dev;
+    {
+      const HostModel host = make_host_model(spec, r, tp, rank_threads);
+      if (r == 0) progress("copying the weights and caches to the GPUs");
+      dev = upload_model(host, r);
+    }
+    Runtime rt([](const std::string&) {});  // fallbacks are reported through stats()
+    const PrepareResult prepared = rt.prepare(dev.weights, config, comm);
+    if (r == 0) {
+      out.prepared = prepared;
+      out.setup_s = seconds_since(t_setup);
+    }
+    if (prepared != PrepareResult::kActive) {
+      if (r == 0) out.stats = rt.stats();
+      rt.close();
+      return;
+    }
+    auto stream = static_cast<cudaStream_t>(rt.cuda_stream());
+    DeviceTensor d_hidden(DType::kBF16, {rows, H}, r), d_residual(DType::kBF16, {rows, H}, r);
+    DeviceTensor d_positions(DType::kI64, {rows}, r);
+    const std::vector<uint16_t> zeros(static_cast<std::size_t>(rows * H), 0);
+    std::vector<uint16_t> hidden, residual;
+    std::vector<int32_t> topk;
+    for (int s = 0; s < spec.steps; ++s) {
+      if (r == 0) progress(fmt::format("step {}/{}", s + 1, spec.steps));
+      const Step& step = steps[static_cast<std::size_t>(s)];
+      upload(d_positions.view(), step.positions.data());
+      upload(d_hidden.view(), step.hidden_in.data());
+      upload(d_residual.view(), zeros.data());
+      const auto t0 = Clock::now();
+      M3MSA_CHECK_INTERNAL(rt.begin_step(step.batch), "rank ", r, ": step ", s + 1,
+                           " refused: ", rt.stats().last_refusal);
+      for (int l = 0; l < layers; ++l) {
+        LayerRecord* rec =
+            record ? &out.records[static_cast<std::size_t>(s)][static_cast<std::size_t>(l)]
+                   : nullptr;
+        if (rec && r == 0) {
+          download(d_hidden.view(), rec->in_hidden);
+          download(d_residual.view(), rec->in_residual);
+        }
+        rt.forward_layer(m.first_sparse_layer + l, d_hidden.view(), d_residual.view(),
+                         d_positions.view());
+        if (!rec) continue;
+        cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        download(rt.last_layer_trace().topk, topk);
+        download(d_hidden.view(), hidden);
+        download(d_residual.view(), residual);
+        const int kv0 = m.kv_heads >= tp ? r * (m.kv_heads / tp) : r / (tp / m.kv_heads);
+        std::lock_guard<std::mutex> lock(mutex);
+        for (int64_t row = 0; row < rows; ++row) {
+          for (int h = 0; h < sc.index_heads; ++h) {
+            std::memcpy(&rec->topk[static_cast<std::size_t>((row * IH + kv0 + h) * k)],
+                        topk.data() + (row * sc.index_heads + h) * k, sizeof(int32_t) * k);
+          }
+        }
+        auto& mine = rank_out[static_cast<std::size_t>(r)];
+        mine.push_back(hidden);
+        mine.push_back(residual);
+        if (r == 0) {
+          rec->out_hidden = hidden;
+          rec->out_residual = residual;
+        }
+      }
+      cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+      if (r == 0) out.step_ms.push_back(seconds_since(t0) * 1e3);
+    }
+    if (r == 0) out.stats = rt.stats();
+    std::vector<LayerCaches> empty;
+    for (const LayerWeights& w : dev.weights.layers) empty.push_back({w.layer, {}, {}});
+    rt.detach(empty);
+  });
+  for (int r = 1; r < tp; ++r) {
+    const auto& mine = rank_out[static_cast<std::size_t>(r)];
+    const auto& zero = rank_out[0];
+    for (std::size_t i = 0; i < mine.size() && i < zero.size(); ++i) {
+      for (std::size_t j = 0; j < mine[i].size(); ++j)
+        out.rank_mismatches += mine[i][j] != zero[i][j];
+    }
+    if (mine.size() != zero.size()) ++out.rank_mismatches;
+  }
+  return out;
+}
+
+#endif
+
+}  // namespace m3msa::cli::demo_rt

@@ -24,19 +24,21 @@ def view(array, dtype):
 
 def float32_to_bf16_bits(values):
     """float32 -> bf16 bits (uint16), round to nearest even, NaN kept quiet."""
+    shape = np.shape(values)  # a scalar in, a 0-d array out (ascontiguousarray makes it 1-d)
     x = np.ascontiguousarray(values, dtype=np.float32)
     u = x.view(np.uint32)
     rounded = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
     nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
     quiet = (u >> np.uint32(16)) | np.uint32(0x0040)
-    return np.where(nan, quiet, rounded).astype(np.uint16)
+    return np.where(nan, quiet, rounded).astype(np.uint16).reshape(shape)
 
 
 def bf16_bits_to_float32(bits):
     b = np.ascontiguousarray(bits)
     if b.dtype not in (np.uint16, np.int16):
         raise invalid(f"bf16 bits: expected a uint16 array, got {b.dtype}")
-    return (b.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return (b.view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32).reshape(
+        np.shape(bits))
 
 
 def _fp8_table():
@@ -61,7 +63,7 @@ def fp8_bits_to_float32(bits):
     b = np.ascontiguousarray(bits)
     if b.dtype not in (np.uint8, np.int8):
         raise invalid(f"fp8 bits: expected a uint8 array, got {b.dtype}")
-    return FP8_TABLE[b.view(np.uint8)]
+    return FP8_TABLE[b.view(np.uint8)].reshape(np.shape(bits))
 
 
 def float32_to_fp8_bits(values):

@@ -252,8 +252,21 @@ TensorView ImportScope::tensor(py::handle object, const char* name, bool writabl
     } catch (py::error_already_set& error) {
       // NumPy < 2 refuses to export read-only arrays through DLPack; the buffer protocol can.
       if (!has_buffer) {
+        // Name where the tensor lives: the usual cause is a tensor on another GPU than the
+        // call's stream (torch refuses to export it for that stream).
+        std::string where;
+        if (py::hasattr(target, "__dlpack_device__")) {
+          try {
+            const py::tuple device = target.attr("__dlpack_device__")();
+            const int type = device[0].cast<int>();
+            where = (type == dlpack::kDLCUDA || type == dlpack::kDLCUDAManaged)
+                        ? " on cuda:" + std::to_string(device[1].cast<int>())
+                        : "";
+          } catch (py::error_already_set&) {
+          }
+        }
         M3MSA_THROW(ErrorCode::kInvalidArgument, name, ": __dlpack__() of a ", type_name(target),
-                    " failed: ", error.what());
+                    where, " failed: ", error.what());
       }
     }
     if (capsule) return from_dlpack_capsule(capsule, name, writable, declared);

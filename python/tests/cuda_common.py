@@ -78,6 +78,8 @@ def to_torch(value, device="cuda"):
         if value.dtype == "fp8_e4m3":
             return torch.from_numpy(bits.view(np.uint8)).view(torch.float8_e4m3fn).to(device)
         raise AssertionError(f"no torch dtype for {value.dtype}")
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
     return torch.from_numpy(np.ascontiguousarray(value)).to(device)
 
 

@@ -15,7 +15,7 @@ from test_runtime import SPARSE_LAYERS, Model, decode_step
 DIMS = dict(hidden=256, num_layers=3, first_sparse_layer=1, q_heads=8, kv_heads=2, head_dim=128,
             index_heads=2, index_dim=128, block_size=128, topk=4, rope_dim=64,
             rope_theta=10000.0)
-PAGES = 24
+PAGES = 48  # >= requests x blocks of the widest step (3 x 12)
 STEPS = [([700, 129, 1500], 2), ([701, 130, 1501], 2), ([200, 900], 4)]
 
 

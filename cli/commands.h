@@ -19,6 +19,7 @@ Command add_info_command(CLI::App& parent);
 Command add_replay_command(CLI::App& parent);
 Command add_bench_command(CLI::App& parent);
 Command add_launch_command(CLI::App& parent);
+Command add_soak_command(CLI::App& parent);
 
 // A bad flag value found after parsing (a combination CLI11 cannot see): exit code kExitUsage.
 class UsageError : public std::runtime_error {

@@ -41,7 +41,16 @@ constexpr int kExitTimedOut = 124;  // as timeout(1)
 int run_launch(const LaunchOptions& opt) {
   if (opt.command.empty()) throw UsageError("launch: a command after -- is required");
   if (opt.ranks < 1) throw UsageError("launch: -n must be >= 1");
-  if (opt.grace_s < 0 || opt.timeout_s < 0) throw UsageError("launch: --grace and --timeout >= 0");
+  // Bounded so the conversion to clock ticks cannot overflow (a week is far beyond any run).
+  constexpr double kMaxSeconds = 7.0 * 24 * 3600;
+  if (!(opt.grace_s >= 0 && opt.grace_s <= kMaxSeconds)) {
+    throw UsageError("launch: --grace must be in [0, 604800] seconds, got " +
+                     std::to_string(opt.grace_s));
+  }
+  if (!(opt.timeout_s >= 0 && opt.timeout_s <= kMaxSeconds)) {
+    throw UsageError("launch: --timeout must be in [0, 604800] seconds, got " +
+                     std::to_string(opt.timeout_s));
+  }
   if (!opt.log_dir.empty()) ::mkdir(opt.log_dir.c_str(), 0755);  // may exist already
   using Clock = std::chrono::steady_clock;
   const Clock::time_point start = Clock::now();

@@ -434,11 +434,32 @@ Step make_step(const Spec& spec, int step) {
   return s;
 }
 
+RunResult start_run(const Spec& spec, const char* backend, int tp, bool record) {
+  RunResult out;
+  out.backend = backend;
+  out.tp = tp;
+  if (record) {
+    const ModelConfig& m = spec.model;
+    const std::size_t topk_values =
+        static_cast<std::size_t>(spec.rows() * m.index_heads * m.sparse(tp).topk);
+    out.records.assign(static_cast<std::size_t>(spec.steps),
+                       std::vector<LayerRecord>(static_cast<std::size_t>(m.num_sparse_layers())));
+    for (auto& step : out.records) {
+      for (auto& rec : step) rec.topk.assign(topk_values, -1);
+    }
+  }
+  return out;
+}
+
+std::vector<Step> make_steps(const Spec& spec) {
+  std::vector<Step> steps;
+  for (int s = 0; s < spec.steps; ++s) steps.push_back(make_step(spec, s));
+  return steps;
+}
+
 RunResult run_cpu(const Spec& spec, int tp, int threads, bool record, bool cp,
                   const std::function<void(const std::string&)>& progress) {
-  RunResult out;
-  out.backend = "cpu";
-  out.tp = tp;
+  RunResult out = start_run(spec, "cpu", tp, record);
   const ModelConfig& m = spec.model;
   const int layers = m.num_sparse_layers();
   const int64_t rows = spec.rows();
@@ -447,15 +468,7 @@ RunResult run_cpu(const Spec& spec, int tp, int threads, bool record, bool cp,
   const int k = sc.topk;
   const int IH = m.index_heads;
   const int rank_threads = std::max(1, threads / tp);
-  std::vector<Step> steps;
-  for (int s = 0; s < spec.steps; ++s) steps.push_back(make_step(spec, s));
-  if (record) {
-    out.records.assign(static_cast<std::size_t>(spec.steps),
-                       std::vector<LayerRecord>(static_cast<std::size_t>(layers)));
-    for (auto& step : out.records) {
-      for (auto& rec : step) rec.topk.assign(static_cast<std::size_t>(rows * IH * k), -1);
-    }
-  }
+  const std::vector<Step> steps = make_steps(spec);
   // Every rank's outputs per (step, layer), to compare them with rank 0's.
   std::vector<std::vector<std::vector<uint16_t>>> rank_out(static_cast<std::size_t>(tp));
   std::mutex mutex;

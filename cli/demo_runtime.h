@@ -114,6 +114,11 @@ struct RunResult {
   double setup_s = 0;           // building and binding the weights and caches
 };
 
+// A run's result before its first step (backend, tp, and when `record`, an empty record per
+// step and layer with its selections at -1), and the spec's steps: shared by both backends.
+RunResult start_run(const Spec& spec, const char* backend, int tp, bool record);
+std::vector<Step> make_steps(const Spec& spec);
+
 // Runs the spec through the runtime at TP = `tp`. record: every layer's inputs / outputs /
 // selections are kept (and ranks compared bit for bit). cp: RuntimeConfig::context_parallel.
 RunResult run_cpu(const Spec& spec, int tp, int threads, bool record, bool cp,

@@ -131,9 +131,7 @@ void run_threads(int world, const std::function<void(int)>& body) {
 
 RunResult run_cuda(const Spec& spec, int tp, int threads, bool record, bool cp,
                    const std::function<void(const std::string&)>& progress) {
-  RunResult out;
-  out.backend = "cuda";
-  out.tp = tp;
+  RunResult out = start_run(spec, "cuda", tp, record);
   const ModelConfig& m = spec.model;
   const int layers = m.num_sparse_layers();
   const int64_t rows = spec.rows();
@@ -142,15 +140,7 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record, bool cp,
   const int k = sc.topk;
   const int IH = m.index_heads;
   const int rank_threads = std::max(1, threads / tp);
-  std::vector<Step> steps;
-  for (int s = 0; s < spec.steps; ++s) steps.push_back(make_step(spec, s));
-  if (record) {
-    out.records.assign(static_cast<std::size_t>(spec.steps),
-                       std::vector<LayerRecord>(static_cast<std::size_t>(layers)));
-    for (auto& step : out.records) {
-      for (auto& rec : step) rec.topk.assign(static_cast<std::size_t>(rows * IH * k), -1);
-    }
-  }
+  const std::vector<Step> steps = make_steps(spec);
   std::vector<std::unique_ptr<NcclCommunicator> > nccl;
   std::unique_ptr<Communicator> single;
   if (tp > 1) {

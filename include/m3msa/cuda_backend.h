@@ -36,6 +36,7 @@ class DeviceTensor {
   DeviceTensor(DType dtype, std::vector<int64_t> shape, int device = 0);
   DType dtype() const { return dtype_; }
   const std::vector<int64_t>& shape() const { return shape_; }
+  int device() const { return device_; }
   int64_t numel() const;
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype_); }
   void* data() const { return storage_.get(); }

@@ -62,24 +62,6 @@ struct Result {
   double floor_us = 0;
 };
 
-void run_threads(int world, const std::function<void(int)>& body) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(r);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
-
 ModelConfig m3_model(int layers) {
   ModelConfig m;  // M3 defaults
   m.num_layers = m.first_sparse_layer + layers;

@@ -93,6 +93,10 @@ std::unique_ptr<Communicator> make_single_rank_communicator();
 std::vector<std::exception_ptr> run_ranks(const std::shared_ptr<ThreadGroup>& group,
                                           const std::function<void(Communicator&)>& body);
 
+// Runs body(i) for every i in [0, count), one thread each, joins them all, then rethrows the
+// exception of the lowest i that threw (if any).
+void run_threads(int count, const std::function<void(int)>& body);
+
 // ---- Record helpers (the host agreement speaks bytes) ----
 
 // A tiny append-only writer / bounds-checked reader for agreement records.

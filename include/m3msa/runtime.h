@@ -107,6 +107,11 @@ struct LayerWeights {
   TensorView mlp_down;     // [hidden, I] bf16 (this rank's columns)
 };
 
+// A copy of `layer` whose every tensor is fn(that tensor), ids and cache scales kept (e.g. to
+// upload a host model's layer to a device).
+LayerWeights map_tensors(const LayerWeights& layer,
+                         const std::function<TensorView(const TensorView&)>& fn);
+
 struct ModelWeights {
   std::vector<LayerWeights> layers;  // exactly one entry per sparse layer, any order
 };

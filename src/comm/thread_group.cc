@@ -277,25 +277,43 @@ std::unique_ptr<Communicator> make_single_rank_communicator() {
   return std::make_unique<SingleRankCommunicator>();
 }
 
-std::vector<std::exception_ptr> run_ranks(const std::shared_ptr<ThreadGroup>& group,
-                                          const std::function<void(Communicator&)>& body) {
-  M3MSA_CHECK_ARG(group != nullptr, "run_ranks: null group");
-  const int world = group->world_size();
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
+namespace {
+
+// body(i) on one thread per i; each thread's exception (null where it returned normally).
+std::vector<std::exception_ptr> run_threads_collecting(int count,
+                                                       const std::function<void(int)>& body) {
+  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(count));
   std::vector<std::thread> threads;
-  threads.reserve(static_cast<std::size_t>(world));
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
+  threads.reserve(static_cast<std::size_t>(count));
+  for (int i = 0; i < count; ++i) {
+    threads.emplace_back([&, i] {
       try {
-        std::unique_ptr<Communicator> comm = group->communicator(r);
-        body(*comm);
+        body(i);
       } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
+        errors[static_cast<std::size_t>(i)] = std::current_exception();
       }
     });
   }
   for (std::thread& t : threads) t.join();
   return errors;
+}
+
+}  // namespace
+
+std::vector<std::exception_ptr> run_ranks(const std::shared_ptr<ThreadGroup>& group,
+                                          const std::function<void(Communicator&)>& body) {
+  M3MSA_CHECK_ARG(group != nullptr, "run_ranks: null group");
+  return run_threads_collecting(group->world_size(), [&](int r) {
+    std::unique_ptr<Communicator> comm = group->communicator(r);
+    body(*comm);
+  });
+}
+
+void run_threads(int count, const std::function<void(int)>& body) {
+  M3MSA_CHECK_ARG(count >= 0, "run_threads: count must be >= 0, got ", count);
+  for (const std::exception_ptr& error : run_threads_collecting(count, body)) {
+    if (error) std::rethrow_exception(error);
+  }
 }
 
 // ---- Records ----

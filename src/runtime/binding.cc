@@ -406,3 +406,28 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
 }
 
 }  // namespace m3msa::runtime_detail
+
+namespace m3msa {
+
+LayerWeights map_tensors(const LayerWeights& layer,
+                         const std::function<TensorView(const TensorView&)>& fn) {
+  LayerWeights w;
+  w.layer = layer.layer;
+  w.qkv_proj = fn(layer.qkv_proj);
+  w.qkv_proj_scale = fn(layer.qkv_proj_scale);
+  w.q_norm = fn(layer.q_norm);
+  w.k_norm = fn(layer.k_norm);
+  w.index_q_norm = fn(layer.index_q_norm);
+  w.index_k_norm = fn(layer.index_k_norm);
+  w.input_norm = fn(layer.input_norm);
+  w.post_attention_norm = fn(layer.post_attention_norm);
+  w.o_proj = fn(layer.o_proj);
+  w.o_proj_scale = fn(layer.o_proj_scale);
+  w.mlp_gate_up = fn(layer.mlp_gate_up);
+  w.mlp_down = fn(layer.mlp_down);
+  w.kv_cache = {fn(layer.kv_cache.data), layer.kv_cache.k_scale, layer.kv_cache.v_scale};
+  w.index_cache = {fn(layer.index_cache.data)};
+  return w;
+}
+
+}  // namespace m3msa

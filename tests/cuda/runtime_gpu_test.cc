@@ -189,25 +189,9 @@ struct DeviceModel {
 
 DeviceModel upload_model(const rt_test::RankModel& host, int device) {
   DeviceModel d;
+  auto up = [&](const TensorView& v) { return upload_view(d.storage, v, device); };
   for (const LayerWeights& h : host.weights.layers) {
-    LayerWeights w;
-    w.layer = h.layer;
-    auto up = [&](const TensorView& v) { return upload_view(d.storage, v, device); };
-    w.qkv_proj = up(h.qkv_proj);
-    w.qkv_proj_scale = up(h.qkv_proj_scale);
-    w.q_norm = up(h.q_norm);
-    w.k_norm = up(h.k_norm);
-    w.index_q_norm = up(h.index_q_norm);
-    w.index_k_norm = up(h.index_k_norm);
-    w.input_norm = up(h.input_norm);
-    w.post_attention_norm = up(h.post_attention_norm);
-    w.o_proj = up(h.o_proj);
-    w.o_proj_scale = up(h.o_proj_scale);
-    w.mlp_gate_up = up(h.mlp_gate_up);
-    w.mlp_down = up(h.mlp_down);
-    w.kv_cache = {up(h.kv_cache.data), h.kv_cache.k_scale, h.kv_cache.v_scale};
-    w.index_cache = {up(h.index_cache.data)};
-    d.weights.layers.push_back(w);
+    d.weights.layers.push_back(map_tensors(h, up));
   }
   return d;
 }
@@ -1016,23 +1000,6 @@ TEST(RuntimeGpu, DetachPrepareCyclesKeepDeviceMemoryStable) {
 // ---- Tensor parallelism: ranks as threads on two GPUs ----
 
 // Runs body(rank) on one thread per rank; rethrows the first error.
-void run_threads(int world, const std::function<void(int)>& body) {
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] {
-      try {
-        body(r);
-      } catch (...) {
-        errors[static_cast<std::size_t>(r)] = std::current_exception();
-      }
-    });
-  }
-  for (auto& t : threads) t.join();
-  for (const auto& e : errors) {
-    if (e) std::rethrow_exception(e);
-  }
-}
 
 // Per step and layer: the input (hidden, residual) and output of TP = 1, and its selections.
 struct LayerRecord {

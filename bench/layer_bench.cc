@@ -2,18 +2,21 @@
 // under CUDA-graph replay, at M3's attention dimensions (hidden 6144, 64 q heads, 4 KV heads,
 // 4 index heads, head and index dim 128, blocks of 128, top-16), no MLP.
 //
-// Per configuration (TP x weights x tokens x q_len x context): every rank binds `--layers`
+// Per configuration (TP x CP x weights x tokens x q_len x context): every rank binds `--layers`
 // distinct sparse layers (their own weights and caches, so no layer finds another's bytes in the
 // 60 MB L2), StepGraphs captures the whole step once, and each replay runs all of them; the time
 // of one layer = replay time / layers (CUDA events on rank 0's stream; ranks as threads, one GPU
-// each, NCCL all-reduce). Median and noise ((p90 - p10) / median) over the replays.
+// each; the TP all-reduce as `--allreduce` says: auto = the one-shot peer all-reduce on one
+// host). Median and noise ((p90 - p10) / median) over the replays.
 //
 // Floor (per rank): (projection weights + norms + the cache bytes a layer must read) / 4.57 TB/s,
-// plus one NCCL all-reduce of the layer's o_proj output (rows x hidden f32) measured in the same
-// run at TP > 1. Cache bytes: the index-K cache of every visible block of every request (the
-// replicated indexer scores them all) and, per request and KV head of the rank, min(topk, blocks)
-// selected K and V blocks (rows of one request are assumed to share them: a lower bound).
-// ratio = median / floor; the target is <= 1.5x at <= 4 requests.
+// plus one all-reduce of the layer's o_proj output (rows x hidden f32), the faster of NCCL and
+// the one-shot peer all-reduce, each measured alone in the same run at TP > 1. Cache bytes: the
+// index-K cache of every visible block of every request (1/P of them per rank with CP on) and,
+// per request and KV head of the rank, min(topk, blocks) selected K and V blocks (rows of one
+// request are assumed to share them: a lower bound). With --share-period F > 1 the floor counts
+// the index columns and the index-K read of one layer in F. ratio = median / floor; the issue's
+// target is <= 1.5x at <= 4 requests.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -21,6 +24,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <exception>
 #include <functional>
@@ -31,6 +35,7 @@
 #include <vector>
 
 #include "bench_registry.h"
+#include "comm/peer_allreduce.h"
 #include "cuda/common.cuh"
 #include "fill.h"
 #include "harness.h"
@@ -45,6 +50,9 @@ namespace {
 
 struct Config {
   int tp = 1;
+  bool cp = false;
+  int share_period = 1;
+  TpAllReduce allreduce = TpAllReduce::kAuto;
   DType weights = DType::kBF16;
   DType kv = DType::kBF16;
   int tokens = 1;
@@ -58,7 +66,10 @@ struct Result {
   int64_t launches = 0;
   double weight_bytes = 0;
   double cache_bytes = 0;
-  double allreduce_us = 0;
+  double allreduce_us = 0;       // the faster all-reduce alone (the floor's)
+  double nccl_allreduce_us = 0;  // each alone (TP > 1)
+  double peer_allreduce_us = 0;
+  std::string allreduce_used;  // what the runtime ran ("none", "nccl", "peer")
   double floor_us = 0;
 };
 
@@ -81,7 +92,7 @@ TensorView device_view(void* data, DType dtype, std::vector<int64_t> shape, int 
 
 RankModel build_rank(const Config& c, const ModelConfig& m, int device, int64_t pages,
                      uint64_t seed, cudaStream_t stream) {
-  const SparseConfig sc = m.sparse(c.tp);
+  const SparseConfig sc = m.sparse(c.tp, c.cp);
   const int64_t H = m.hidden;
   const int64_t W = sc.qkv_width();
   const int64_t A = int64_t{sc.q_heads} * sc.head_dim;
@@ -195,6 +206,33 @@ double measure_allreduce(std::vector<std::unique_ptr<NcclCommunicator>>& comms, 
   return per_call[0];
 }
 
+// The one-shot peer all-reduce of `count` f32 per rank alone, timed like measure_allreduce.
+double measure_peer_allreduce(std::vector<std::unique_ptr<NcclCommunicator>>& comms,
+                              int64_t count) {
+  const int world = static_cast<int>(comms.size());
+  std::vector<double> per_call(static_cast<std::size_t>(world), 0.0);
+  run_threads(world, [&](int r) {
+    NcclCommunicator& comm = *comms[static_cast<std::size_t>(r)];
+    cuda::DeviceGuard guard(comm.device());
+    cuda::Stream stream;
+    cuda::DeviceBuffer buf(static_cast<std::size_t>(count) * sizeof(float));
+    CUDA_CHECK(cudaMemset(buf.data(), 0, buf.bytes()));
+    PeerAllReduceConfig config;
+    config.max_count = count;
+    PeerAllReduce reduce(comm, comm.device(), config);
+    reduce.run(buf.as<float>(), count, 0, stream.get());
+    reduce.check(stream.get());
+    constexpr int kCalls = 20;
+    cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
+      for (int i = 0; i < kCalls; ++i) reduce.run(buf.as<float>(), count, i, stream.get());
+    });
+    const Timing t = time_graph(graph, stream.get(), kCalls, 2, 10);
+    reduce.check(stream.get());
+    per_call[static_cast<std::size_t>(r)] = t.median_us;
+  });
+  return per_call[0];
+}
+
 Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>>& comms, int reps,
                   uint64_t seed) {
   const ModelConfig m = m3_model(c.layers);
@@ -207,8 +245,11 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
   config.query_lens = {1, 2, 4};
   config.max_requests = 16;
   config.max_context = nb * m.block_size;
+  config.context_parallel = c.cp;
+  config.selection_share_period = c.share_period;
+  config.tp_allreduce = c.allreduce;
   const StepMeta meta = make_step(reqs, c.q_len, c.context, m.block_size);
-  const SparseConfig sc = m.sparse(c.tp);
+  const SparseConfig sc = m.sparse(c.tp, c.cp);
 
   Result res;
   std::vector<Timing> timings(static_cast<std::size_t>(c.tp));
@@ -260,6 +301,8 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
       t.reps = reps;
       timings[static_cast<std::size_t>(r)] = t;
       launches[static_cast<std::size_t>(r)] = rt.stats().launches_per_layer;
+      rt.check();  // the exchanges recorded nothing
+      if (r == 0) res.allreduce_used = rt.stats().tp_allreduce;
     }
     rt.close();
   });
@@ -267,7 +310,10 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
   res.launches = launches[0];
 
   const double welem = c.weights == DType::kFP8E4M3 ? 1.0 : 2.0;
-  const double W = static_cast<double>(sc.qkv_width());
+  // Per layer on average: one layer in share_period runs the index columns and the indexer.
+  const double indexer_share = 1.0 / c.share_period;
+  const double index_cols = (static_cast<double>(sc.index_heads) + 1) * sc.index_dim;
+  const double W = static_cast<double>(sc.qkv_width()) - (1.0 - indexer_share) * index_cols;
   const double H = m.hidden;
   const double A = static_cast<double>(sc.q_heads) * sc.head_dim;
   res.weight_bytes = (W * H + H * A) * welem +
@@ -275,13 +321,19 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
                      (2.0 * H + 2.0 * sc.head_dim + 2.0 * sc.index_dim) * 2.0;
   const double kv_elem = c.kv == DType::kFP8E4M3 ? 1.0 : 2.0;
   const double block_tokens = sc.block_size;
-  const double index_bytes = reqs * static_cast<double>(nb) * block_tokens * sc.index_dim * 2.0;
+  // With CP each rank reads its round-robin shard: ceil(nb / P) blocks.
+  const double index_blocks = c.cp ? std::ceil(static_cast<double>(nb) / c.tp) : nb;
+  const double index_bytes =
+      indexer_share * reqs * index_blocks * block_tokens * sc.index_dim * 2.0;
   const double kv_bytes = reqs * static_cast<double>(sc.kv_heads) *
                           std::min<double>(sc.topk, static_cast<double>(nb)) * 2.0 * block_tokens *
                           sc.head_dim * kv_elem;
   res.cache_bytes = index_bytes + kv_bytes;
   if (c.tp > 1) {
-    res.allreduce_us = measure_allreduce(comms, int64_t{c.tokens} * m.hidden);
+    const int64_t count = int64_t{c.tokens} * m.hidden;
+    res.nccl_allreduce_us = measure_allreduce(comms, count);
+    res.peer_allreduce_us = measure_peer_allreduce(comms, count);
+    res.allreduce_us = std::min(res.nccl_allreduce_us, res.peer_allreduce_us);
   }
   res.floor_us =
       (res.weight_bytes + res.cache_bytes) / (kReadCeilingTBs * 1e12) * 1e6 + res.allreduce_us;
@@ -318,6 +370,9 @@ int run_layer_bench(int argc, char** argv) {
   std::string q_lens = "1,4";
   std::string contexts = "16384,131072";
   std::string tps = "1,2";
+  std::string cps = "off,on";
+  std::string allreduce = "auto";
+  int share_period = 1;
   std::string weights = "bf16,fp8";
   std::string kv = "bf16";
   int layers = 4;
@@ -330,12 +385,17 @@ int run_layer_bench(int argc, char** argv) {
   app.add_option("--q-len", q_lens, "comma-separated query lengths");
   app.add_option("--context", contexts, "comma-separated context lengths (tokens)");
   app.add_option("--tp", tps, "comma-separated TP sizes (ranks as threads, one GPU each)");
+  app.add_option("--cp", cps, "comma-separated context parallelism settings: off, on");
+  app.add_option("--allreduce", allreduce, "TP all-reduce: auto (peer on one host), nccl, peer");
+  app.add_option("--share-period", share_period,
+                 "cross-layer selection sharing period (1: every layer runs its indexer)");
   app.add_option("--weights", weights, "comma-separated projection weight dtypes: bf16, fp8");
   app.add_option("--kv", kv, "KV cache dtype: bf16 or fp8");
   app.add_option("--layers", layers, "distinct sparse layers per captured step (L2 rotation)");
   app.add_option("--reps", reps, "graph replays per configuration (median over them)");
   app.add_option("--seed", seed, "random seed");
-  app.add_flag("--quick", quick, "subset: tokens 1,16 x q_len 1 x 128K, TP 1,2, bf16 and fp8");
+  app.add_flag("--quick", quick,
+               "subset: tokens 1,16 x q_len 1 x 128K, TP 1,2, CP off and on, bf16 and fp8");
   app.add_option("--json", json_path, "write the results as JSON here");
   app.add_option("--commit", commit, "commit id recorded in the JSON");
   try {
@@ -365,16 +425,30 @@ int run_layer_bench(int argc, char** argv) {
     }
     tp_list.push_back(static_cast<int>(tp));
   }
-  std::fprintf(stderr,
-               "bench layer: CP on is not measured (the runtime's forward_layer has no CP "
-               "indexer yet)\n");
+  std::vector<bool> cp_list;
+  for (std::size_t at = 0; at < cps.size();) {
+    std::size_t end = cps.find(',', at);
+    if (end == std::string::npos) end = cps.size();
+    const std::string v = cps.substr(at, end - at);
+    if (v != "on" && v != "off") {
+      std::fprintf(stderr, "m3msa bench layer: --cp takes off and/or on, got '%s'\n", v.c_str());
+      return 2;
+    }
+    cp_list.push_back(v == "on");
+    at = end + 1;
+  }
+  if (share_period < 1) {
+    std::fprintf(stderr, "m3msa bench layer: --share-period must be >= 1, got %d\n", share_period);
+    return 2;
+  }
+  const TpAllReduce allreduce_mode = parse_tp_allreduce(allreduce);
   const std::string device = device_description();
   std::printf(
       "m3msa bench layer on %s; read ceiling %.2f TB/s; M3 attention dims, %d layers per graph, "
-      "kv %s, no MLP; per layer under graph replay\n",
-      device.c_str(), kReadCeilingTBs, layers, dtype_name(kv_dtype));
-  Table table({"tp", "weights", "tokens", "q_len", "reqs", "context", "median us", "noise",
-               "launches", "MB", "allreduce us", "floor us", "ratio"});
+      "kv %s, no MLP, share period %d; per layer under graph replay\n",
+      device.c_str(), kReadCeilingTBs, layers, dtype_name(kv_dtype), share_period);
+  Table table({"tp", "cp", "weights", "tokens", "q_len", "reqs", "context", "median us", "noise",
+               "launches", "MB", "allreduce", "nccl us", "peer us", "floor us", "ratio"});
   for (int tp : tp_list) {
     std::vector<std::unique_ptr<NcclCommunicator>> comms;
     if (tp > 1) {
@@ -382,62 +456,74 @@ int run_layer_bench(int argc, char** argv) {
       for (int r = 0; r < tp; ++r) devices.push_back(r);
       comms = make_nccl_communicators_in_process(devices);
     }
-    for (DType w : weight_dtypes) {
-      for (int64_t context : parse_list(contexts)) {
-        for (int64_t q : parse_list(q_lens)) {
-          for (int64_t t : parse_list(tokens)) {
-            if (t % q != 0) continue;  // tokens = requests * q_len
-            Config c;
-            c.tp = tp;
-            c.weights = w;
-            c.kv = kv_dtype;
-            c.tokens = static_cast<int>(t);
-            c.q_len = static_cast<int>(q);
-            c.context = context;
-            c.layers = layers;
-            const Result r = run_config(c, comms, reps, seed);
-            const double us = r.timing.median_us;
-            const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;
-            std::vector<std::string> cells = {fmt::format("{}", tp),
-                                              dtype_name(w),
-                                              fmt::format("{}", t),
-                                              fmt::format("{}", q),
-                                              fmt::format("{}", t / q),
-                                              fmt::format("{}", context),
-                                              fmt::format("{:.2f}", us),
-                                              fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
-                                              fmt::format("{}", r.launches),
-                                              fmt::format("{:.1f}", mb),
-                                              fmt::format("{:.2f}", r.allreduce_us),
-                                              fmt::format("{:.2f}", r.floor_us),
-                                              fmt::format("{:.2f}", us / r.floor_us)};
-            std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
-            const double tbs = (r.weight_bytes + r.cache_bytes) / (us * 1e-6) / 1e12;
-            table.add(cells, {{"bench", "layer"},
-                              {"tp", tp},
-                              {"cp", false},
-                              {"weights", dtype_name(w)},
-                              {"kv", dtype_name(kv_dtype)},
-                              {"tokens", t},
-                              {"q_len", q},
-                              {"requests", t / q},
-                              {"context", context},
-                              {"layers_per_graph", layers},
-                              {"median_us", us},
-                              {"p10_us", r.timing.p10_us},
-                              {"p90_us", r.timing.p90_us},
-                              {"noise", r.timing.noise()},
-                              {"launches_per_layer", r.launches},
-                              {"weight_bytes", r.weight_bytes},
-                              {"cache_bytes", r.cache_bytes},
-                              {"allreduce_us", r.allreduce_us},
-                              {"floor_us", r.floor_us},
-                              {"ratio", us / r.floor_us},
-                              {"tb_per_s", tbs},
-                              {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
-                              {"device", device},
-                              {"commit", commit}});
-            write_json(json_path, table.records());  // a stopped run keeps what it measured
+    for (bool cp : cp_list) {
+      for (DType w : weight_dtypes) {
+        for (int64_t context : parse_list(contexts)) {
+          for (int64_t q : parse_list(q_lens)) {
+            for (int64_t t : parse_list(tokens)) {
+              if (t % q != 0) continue;  // tokens = requests * q_len
+              Config c;
+              c.tp = tp;
+              c.cp = cp;
+              c.share_period = share_period;
+              c.allreduce = allreduce_mode;
+              c.weights = w;
+              c.kv = kv_dtype;
+              c.tokens = static_cast<int>(t);
+              c.q_len = static_cast<int>(q);
+              c.context = context;
+              c.layers = layers;
+              const Result r = run_config(c, comms, reps, seed);
+              const double us = r.timing.median_us;
+              const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;
+              std::vector<std::string> cells = {fmt::format("{}", tp),
+                                                cp ? "on" : "off",
+                                                dtype_name(w),
+                                                fmt::format("{}", t),
+                                                fmt::format("{}", q),
+                                                fmt::format("{}", t / q),
+                                                fmt::format("{}", context),
+                                                fmt::format("{:.2f}", us),
+                                                fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
+                                                fmt::format("{}", r.launches),
+                                                fmt::format("{:.1f}", mb),
+                                                r.allreduce_used,
+                                                fmt::format("{:.2f}", r.nccl_allreduce_us),
+                                                fmt::format("{:.2f}", r.peer_allreduce_us),
+                                                fmt::format("{:.2f}", r.floor_us),
+                                                fmt::format("{:.2f}", us / r.floor_us)};
+              std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
+              const double tbs = (r.weight_bytes + r.cache_bytes) / (us * 1e-6) / 1e12;
+              table.add(cells, {{"bench", "layer"},
+                                {"tp", tp},
+                                {"cp", cp},
+                                {"share_period", share_period},
+                                {"allreduce", r.allreduce_used},
+                                {"nccl_allreduce_us", r.nccl_allreduce_us},
+                                {"peer_allreduce_us", r.peer_allreduce_us},
+                                {"weights", dtype_name(w)},
+                                {"kv", dtype_name(kv_dtype)},
+                                {"tokens", t},
+                                {"q_len", q},
+                                {"requests", t / q},
+                                {"context", context},
+                                {"layers_per_graph", layers},
+                                {"median_us", us},
+                                {"p10_us", r.timing.p10_us},
+                                {"p90_us", r.timing.p90_us},
+                                {"noise", r.timing.noise()},
+                                {"launches_per_layer", r.launches},
+                                {"weight_bytes", r.weight_bytes},
+                                {"cache_bytes", r.cache_bytes},
+                                {"allreduce_us", r.allreduce_us},
+                                {"floor_us", r.floor_us},
+                                {"ratio", us / r.floor_us},
+                                {"tb_per_s", tbs},
+                                {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
+                                {"device", device},
+                                {"commit", commit}});
+              write_json(json_path, table.records());  // a stopped run keeps what it measured
+            }
           }
         }
       }

@@ -604,8 +604,8 @@ Command add_demo_command(CLI::App& parent) {
       "checks (--check). When the layers' context has more than top-k blocks, an extra short "
       "'check' layer (nb <= topk) is run so sparse attention can be compared with dense causal "
       "attention.\n"
-      "Exit codes: 0 every check passed, 1 a check failed, 2 bad flags, 3 a library error (--cp: "
-      "the runtime fell back).");
+      "Exit codes: 0 every check passed, 1 a check failed (or the runtime fell back), 2 bad "
+      "flags, 3 a library error.");
   app->add_flag("--ops", o->ops,
                 "run the ops-level demo (preprocess / select_topk / sparse_attention checked one "
                 "by one) instead of the runtime");
@@ -641,8 +641,9 @@ Command add_demo_command(CLI::App& parent) {
                       "threads); runtime only")
           ->check(CLI::Range(0, 2)),
       app->add_flag("--cp", rt.cp,
-                    "context parallelism inside forward_layer (not supported yet: shows the "
-                    "runtime's unanimous fallback); runtime only"),
+                    "context parallelism: the indexer spread over the TP ranks (each scores 1/TP "
+                    "of the blocks, nominations exchanged, selections bit-identical); runtime "
+                    "only"),
       app->add_option("--weights", rt.weights,
                       "dtype of qkv_proj and o_proj (fp8: e4m3 with per-output-channel scales); "
                       "runtime only")

@@ -27,7 +27,7 @@ struct RuntimeDemoOptions {
   int layers = 2;
   int steps = 3;
   int tp = 0;                    // 0: the GPUs present (1 or 2); on the CPU 2 rank threads
-  bool cp = false;               // not supported in forward_layer yet: shown as a fallback
+  bool cp = false;               // RuntimeConfig::context_parallel
   std::string weights = "bf16";  // qkv_proj and o_proj dtype: bf16 | fp8
   int hidden = 0;                // 0: 6144 on the GPU, kCpuDefaultHidden on the CPU
   int intermediate = 0;          // MLP width; 0: = hidden
@@ -51,8 +51,9 @@ namespace demo_rt {
 
 // Everything that defines one demo run: the model, the weights' dtype, the steps.
 struct Spec {
-  ModelConfig model;  // sparse layers [first_sparse_layer, num_layers)
-  bool fp8 = false;   // qkv_proj and o_proj as fp8 e4m3 with per-output-channel scales
+  ModelConfig model;              // sparse layers [first_sparse_layer, num_layers)
+  bool fp8 = false;               // qkv_proj and o_proj as fp8 e4m3 with per-output-channel scales
+  bool context_parallel = false;  // CP indexer (every rank's qkv_proj has every index_q head)
   uint64_t seed = 1;
   int batch = 1;
   int q_len = 1;
@@ -120,12 +121,13 @@ RunResult start_run(const Spec& spec, const char* backend, int tp, bool record);
 std::vector<Step> make_steps(const Spec& spec);
 
 // Runs the spec through the runtime at TP = `tp`. record: every layer's inputs / outputs /
-// selections are kept (and ranks compared bit for bit). cp: RuntimeConfig::context_parallel.
-RunResult run_cpu(const Spec& spec, int tp, int threads, bool record, bool cp,
+// selections are kept (and ranks compared bit for bit).
+RunResult run_cpu(const Spec& spec, int tp, int threads, bool record,
                   const std::function<void(const std::string&)>& progress);
-// The CUDA path (demo_runtime_gpu.cc): ranks as threads, rank r on GPU r, NCCL between them.
+// The CUDA path (demo_runtime_gpu.cc): ranks as threads, rank r on GPU r, NCCL communicators
+// between them (the TP all-reduce: the runtime's default, peer stores on one host).
 // Without CUDA in the build: Error(kUnsupported).
-RunResult run_cuda(const Spec& spec, int tp, int threads, bool record, bool cp,
+RunResult run_cuda(const Spec& spec, int tp, int threads, bool record,
                    const std::function<void(const std::string&)>& progress);
 int cuda_devices();
 

@@ -36,8 +36,7 @@ int cuda_devices() {
 
 #if !defined(M3MSA_CLI_WITH_CUDA)
 
-RunResult run_cuda(const Spec&, int, int, bool, bool,
-                   const std::function<void(const std::string&)>&) {
+RunResult run_cuda(const Spec&, int, int, bool, const std::function<void(const std::string&)>&) {
   M3MSA_THROW(ErrorCode::kUnsupported,
               "demo --backend cuda: this build has no CUDA (configure with nvcc, "
               "M3MSA_ENABLE_CUDA=ON)");
@@ -94,7 +93,7 @@ DeviceModel upload_model(const HostModel& host, int device) {
 
 }  // namespace
 
-RunResult run_cuda(const Spec& spec, int tp, int threads, bool record, bool cp,
+RunResult run_cuda(const Spec& spec, int tp, int threads, bool record,
                    const std::function<void(const std::string&)>& progress) {
   RunResult out = start_run(spec, "cuda", tp, record);
   const ModelConfig& m = spec.model;
@@ -115,8 +114,7 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record, bool cp,
   } else {
     single = make_single_rank_communicator();
   }
-  RuntimeConfig config = spec.runtime_config(rank_threads);
-  config.context_parallel = cp;
+  const RuntimeConfig config = spec.runtime_config(rank_threads);
   std::vector<std::vector<std::vector<uint16_t> > > rank_out(static_cast<std::size_t>(tp));
   std::mutex mutex;
   run_threads(tp, [&](int r) {
@@ -174,9 +172,9 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record, bool cp,
         const int kv0 = m.kv_heads >= tp ? r * (m.kv_heads / tp) : r / (tp / m.kv_heads);
         std::lock_guard<std::mutex> lock(mutex);
         for (int64_t row = 0; row < rows; ++row) {
-          for (int h = 0; h < sc.index_heads; ++h) {
+          for (int h = 0; h < sc.kv_heads; ++h) {  // this rank's heads
             std::memcpy(&rec->topk[static_cast<std::size_t>((row * IH + kv0 + h) * k)],
-                        topk.data() + (row * sc.index_heads + h) * k, sizeof(int32_t) * k);
+                        topk.data() + (row * sc.kv_heads + h) * k, sizeof(int32_t) * k);
           }
         }
         auto& mine = rank_out[static_cast<std::size_t>(r)];

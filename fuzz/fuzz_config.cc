@@ -29,7 +29,8 @@ void fill(FuzzedDataProvider& in, SparseConfig& c) {
 void check_accepted(const SparseConfig& c) {
   FUZZ_CHECK(c.q_heads > 0 && c.kv_heads > 0 && c.q_heads % c.kv_heads == 0);
   FUZZ_CHECK(c.group_size() * c.kv_heads == c.q_heads);
-  FUZZ_CHECK(c.index_heads == c.kv_heads);
+  // Equal, or a multiple in the view of a context-parallel rank (config.h).
+  FUZZ_CHECK(c.index_heads >= c.kv_heads && c.index_heads % c.kv_heads == 0);
   FUZZ_CHECK(c.head_dim > 0 && c.index_dim > 0 && c.block_size > 0);
   FUZZ_CHECK(c.topk > 0 && c.init_blocks >= 0 && c.local_blocks >= 0);
   FUZZ_CHECK(int64_t{c.init_blocks} + c.local_blocks <= c.topk);
@@ -79,6 +80,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(m.num_layers > 0 && m.first_sparse_layer >= 0 &&
                m.first_sparse_layer < m.num_layers);
     FUZZ_CHECK(m.num_sparse_layers() > 0 && m.hidden > 0 && m.intermediate >= 0);
+    FUZZ_CHECK(m.index_heads == m.kv_heads);
     check_accepted(m.sparse(1));
   }
   // Splitting for tensor parallelism: either an error, or a per-rank config that validates
@@ -93,6 +95,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       FUZZ_CHECK(rank.q_heads * tp_size == m.q_heads);
       FUZZ_CHECK(tp_size <= m.kv_heads ? rank.kv_heads * tp_size == m.kv_heads
                                        : rank.kv_heads == 1);
+      // The CP view keeps every index head on every rank and stays valid.
+      const SparseConfig cp_rank = m.sparse(tp_size, true);
+      FUZZ_CHECK(accepts([&] { cp_rank.validate(); }), "CP view of a valid model is invalid: %s",
+                 cp_rank.to_string().c_str());
+      FUZZ_CHECK(cp_rank.index_heads == m.index_heads && cp_rank.kv_heads == rank.kv_heads);
     }
   }
   return 0;

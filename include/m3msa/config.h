@@ -8,11 +8,15 @@
 namespace m3msa {
 
 // What one sparse layer's kernels need, with head counts *local to one rank*.
+// index_heads == kv_heads (index head h selects for KV head h), except in the view of one rank
+// under indexer-only context parallelism (cp.md): every rank projects and scores all H index
+// heads over its shard of the blocks while it attends only its H/P KV heads, so index_heads is
+// then a multiple of kv_heads (ModelConfig::sparse(P, true)).
 struct SparseConfig {
   int q_heads = 64;  // query heads on this rank
-  int kv_heads = 4;  // KV heads on this rank (== index heads that select for them)
+  int kv_heads = 4;  // KV heads on this rank
   int head_dim = 128;
-  int index_heads = 4;  // index heads scored on this rank
+  int index_heads = 4;  // index heads projected and scored on this rank
   int index_dim = 128;
   int block_size = 128;  // tokens per sparse block == tokens per cache page
   int topk = 16;         // blocks selected per (row, kv head)
@@ -55,8 +59,9 @@ struct ModelConfig {
   int num_sparse_layers() const { return num_layers - first_sparse_layer; }
   void validate() const;
   // Per-rank sparse configuration under tensor parallelism of `tp_size` ranks: q heads split,
-  // KV and index heads split (replicated when tp_size > kv_heads).
-  SparseConfig sparse(int tp_size = 1) const;
+  // KV and index heads split (replicated when tp_size > kv_heads). With context_parallel, the
+  // CP view: every index head stays on every rank (index_heads = this->index_heads).
+  SparseConfig sparse(int tp_size = 1, bool context_parallel = false) const;
 };
 
 }  // namespace m3msa

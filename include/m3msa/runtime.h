@@ -20,14 +20,26 @@
 //  - CUDA (tensors on one GPU; src/runtime/gpu_layer.cc): the same steps as kernels queued on one
 //    stream (RuntimeConfig::cuda_stream or the runtime's own): fused residual add + Gemma RMSNorm,
 //    a skinny tensor-core GEMM for the projections (bf16, or fp8 e4m3 converted exactly in
-//    registers, then * scale), the CUDA preprocessing, decode indexer (replicated) and sparse
-//    attention, the TP all-reduce in fp32 through NCCL (the communicator must be an
-//    NcclCommunicator when TP > 1). begin_step copies the metadata (host or device tensors) into
+//    registers, then * scale), the CUDA preprocessing, decode indexer (replicated, or the CUDA
+//    CP indexer of cp_cuda.h) and sparse attention, the TP all-reduce in fp32 (the one-shot
+//    peer all-reduce of src/comm/peer_allreduce.h, or NCCL: RuntimeConfig::tp_allreduce).
+//    begin_step copies the metadata (host or device tensors) into
 //    fixed device buffers; forward_layer allocates nothing, never synchronizes the host and can
 //    be captured (StepGraphs below captures whole steps). Support beyond the CPU backend's: head
 //    and index dims 128, block size 128, <= 16 query heads per KV head, topk <= 32, token
 //    buckets <= 16 rows, q_len * index heads <= 32, widths multiple of 64; anything else is an
 //    "unsupported" outcome of the weight stage naming the value.
+// Context parallelism (RuntimeConfig::context_parallel, cp.md): the indexer alone is spread over
+// the P = TP ranks. Every rank projects all H index heads (its qkv_proj has H index_q heads, see
+// LayerWeights), scores its round-robin shard of the blocks for every head and nominates its
+// top-k; the nominations are exchanged (CUDA: CpTransport kPeer or kNccl; CPU: an all-gather
+// through the communicator) and each rank merges the heads of its KV heads. The selections are
+// bit-identical to CP off; everything else is the same as CP off.
+// Cross-layer selection sharing (RuntimeConfig::selection_share_period F, spec.md section 7): a
+// sparse layer whose ordinal (layer - first_sparse_layer) is not a multiple of F projects no
+// index_q / index_k (the GEMM stops before those columns), writes nothing to its index cache,
+// runs no indexer and attends with the selection of the last layer of the step that ran one
+// (forward_layer refuses a sharing layer before any indexer layer of the step ran).
 // The CPU numerics (the contract the CUDA path approximates: different fp32 summation orders, so
 // bf16 outputs agree within a few ulps and selections within the near-tie rule of method.md):
 //   x   = bf16(hidden + residual)                               (the new residual)
@@ -55,9 +67,20 @@
 #include "m3msa/cache.h"
 #include "m3msa/comm.h"
 #include "m3msa/config.h"
+#include "m3msa/cp_cuda.h"
 #include "m3msa/tensor.h"
 
 namespace m3msa {
+
+// How the CUDA backend sums the TP partial outputs (o_proj, MLP down) across ranks.
+enum class TpAllReduce : int {
+  kAuto = 0,  // the one-shot peer all-reduce when every rank can map every other rank's memory
+              // (agreed by all ranks at prepare), else NCCL
+  kNccl = 1,  // ncclAllReduce (needs an NcclCommunicator)
+  kPeer = 2,  // the one-shot peer all-reduce (unsupported where a rank cannot map a peer)
+};
+const char* tp_allreduce_name(TpAllReduce mode);
+TpAllReduce parse_tp_allreduce(const std::string& text);  // kInvalidArgument naming the value
 
 // What every rank must agree on (the host agreement compares to_string() across ranks), plus a
 // few rank-local knobs marked as such.
@@ -69,10 +92,15 @@ struct RuntimeConfig {
   std::vector<int> token_buckets{1, 2, 4, 8, 16};  // decode rows (num_reqs * q_len) served
   std::vector<int> query_lens{1, 2, 4};            // decode query lengths served
   int max_requests = 16;
-  int64_t max_context = 131072;    // tokens; sizes the fixed block-table buffers
-  bool context_parallel = false;   // CP indexer (cp.md); not on the CPU backend yet
-  int selection_share_period = 1;  // spec.md section 7; only 1 on the CPU backend yet
-  float swiglu_limit = 7.0f;       // clamping limit of the SwiGLU-OAI MLP
+  int64_t max_context = 131072;   // tokens; sizes the fixed block-table buffers
+  bool context_parallel = false;  // indexer-only CP over the TP ranks (see above)
+  // The CUDA backend's CP exchange: kPeer or kNccl (kReplicated / kAllReduceMax are benchmark
+  // comparisons, refused here). The CPU backend exchanges through the communicator.
+  CpTransport cp_transport = CpTransport::kPeer;
+  std::chrono::microseconds cp_spin_budget = kDefaultCpSpinBudget;  // bound on device waits
+  int selection_share_period = 1;  // F of spec.md section 7 (1: every layer runs its indexer)
+  TpAllReduce tp_allreduce = TpAllReduce::kAuto;  // CUDA backend at TP > 1
+  float swiglu_limit = 7.0f;                      // clamping limit of the SwiGLU-OAI MLP
   // Rank-local: CPU threads one rank uses (0 = hardware concurrency). Not agreed.
   int threads = 1;
   // Rank-local, CUDA backend: the cudaStream_t every kernel is queued on (the engine's stream, so
@@ -85,8 +113,10 @@ struct RuntimeConfig {
 };
 
 // One sparse layer's tensors for this rank, bound without copies (views stay the engine's).
-// With P = TP ranks, sc = model.sparse(P): W = sc.qkv_width(), QH = sc.q_heads, KVH = sc.kv_heads.
-// The index-K head is replicated (every rank projects it and holds the whole index-K cache).
+// With P = TP ranks, sc = model.sparse(P, config.context_parallel): W = sc.qkv_width(),
+// QH = sc.q_heads, KVH = sc.kv_heads, and sc.index_heads index_q heads (H / P without CP, all H
+// with CP). The index-K head is replicated (every rank projects it and holds the whole index-K
+// cache).
 struct LayerWeights {
   int layer = -1;             // model layer id in [first_sparse_layer, num_layers)
   TensorView qkv_proj;        // [W, hidden] bf16 | fp8_e4m3, rows [q | k | v | index_q | index_k]
@@ -177,6 +207,10 @@ struct RuntimeStats {
   int64_t graphs_captured = 0;        // StepGraphs captures (0 on the CPU backend)
   int64_t graph_replays = 0;          // StepGraphs replays
   int64_t launches_per_layer = 0;     // kernel + NCCL launches of the last layer (0 on the CPU)
+  bool context_parallel = false;      // the CP indexer is on
+  std::string tp_allreduce;           // "none" (TP 1), "communicator" (CPU), "nccl" or "peer"
+  int64_t indexer_layers_run = 0;     // eager forward_layer calls that ran their indexer
+  int64_t sharing_layers_run = 0;     // eager forward_layer calls that shared a selection
   std::vector<int> bound_layers;      // ascending
   int64_t layers_run = 0;             // eager forward_layer calls + layers of StepGraphs replays
 
@@ -231,6 +265,13 @@ class Runtime {
   // Agrees across ranks and releases everything; idempotent (a second call does nothing). A
   // fallen-back runtime stays fallen back.
   void close();
+
+  // Waits for this rank's queued layers (bounded: the CP / all-reduce host timeouts) and throws
+  // what a device-side exchange recorded: kTimeout naming the rank whose CP nominations or
+  // all-reduce partials never arrived, kInvalidArgument naming a rank that passed another shape.
+  // After a fault the runtime refuses further layers; close() still releases. Nothing to check
+  // on the CPU backend (its exchanges throw where they fail). Not while the stream is capturing.
+  void check();
 
   RuntimeStats stats() const;
   RuntimeState state() const;

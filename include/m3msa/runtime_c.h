@@ -86,7 +86,10 @@ typedef struct m3msa_runtime_config {
   int32_t max_requests;
   int64_t max_context;
   int32_t context_parallel;
+  int32_t cp_transport; /* CpTransport: 0 peer, 1 nccl */
+  int64_t cp_spin_budget_us;
   int32_t selection_share_period;
+  int32_t tp_allreduce; /* TpAllReduce: 0 auto, 1 nccl, 2 peer */
   float swiglu_limit;
   int32_t threads;
 } m3msa_runtime_config;

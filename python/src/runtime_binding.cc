@@ -134,7 +134,8 @@ void bind_config(py::module_& m) {
       .def(py::init([](const ModelConfig& model, int pipeline_parallel_size, int cache_block_size,
                        std::vector<int> token_buckets, std::vector<int> query_lens,
                        int max_requests, int64_t max_context, bool context_parallel,
-                       int selection_share_period, float swiglu_limit, int threads) {
+                       const std::string& cp_transport, int selection_share_period,
+                       const std::string& tp_allreduce, float swiglu_limit, int threads) {
              RuntimeConfig c;
              c.model = model;
              c.pipeline_parallel_size = pipeline_parallel_size;
@@ -144,7 +145,9 @@ void bind_config(py::module_& m) {
              c.max_requests = max_requests;
              c.max_context = max_context;
              c.context_parallel = context_parallel;
+             c.cp_transport = parse_cp_transport(cp_transport);
              c.selection_share_period = selection_share_period;
+             c.tp_allreduce = parse_tp_allreduce(tp_allreduce);
              c.swiglu_limit = swiglu_limit;
              c.threads = threads;
              return c;
@@ -155,7 +158,9 @@ void bind_config(py::module_& m) {
            py::arg("token_buckets") = d.token_buckets, py::arg("query_lens") = d.query_lens,
            py::arg("max_requests") = d.max_requests, py::arg("max_context") = d.max_context,
            py::arg("context_parallel") = d.context_parallel,
+           py::arg("cp_transport") = cp_transport_name(d.cp_transport),
            py::arg("selection_share_period") = d.selection_share_period,
+           py::arg("tp_allreduce") = tp_allreduce_name(d.tp_allreduce),
            py::arg("swiglu_limit") = d.swiglu_limit, py::arg("threads") = d.threads)
       .def_readwrite("model", &RuntimeConfig::model)
       .def_readwrite("pipeline_parallel_size", &RuntimeConfig::pipeline_parallel_size)
@@ -165,7 +170,13 @@ void bind_config(py::module_& m) {
       .def_readwrite("max_requests", &RuntimeConfig::max_requests)
       .def_readwrite("max_context", &RuntimeConfig::max_context)
       .def_readwrite("context_parallel", &RuntimeConfig::context_parallel)
+      .def_property(
+          "cp_transport", [](const RuntimeConfig& c) { return cp_transport_name(c.cp_transport); },
+          [](RuntimeConfig& c, const std::string& v) { c.cp_transport = parse_cp_transport(v); })
       .def_readwrite("selection_share_period", &RuntimeConfig::selection_share_period)
+      .def_property(
+          "tp_allreduce", [](const RuntimeConfig& c) { return tp_allreduce_name(c.tp_allreduce); },
+          [](RuntimeConfig& c, const std::string& v) { c.tp_allreduce = parse_tp_allreduce(v); })
       .def_readwrite("swiglu_limit", &RuntimeConfig::swiglu_limit)
       .def_readwrite("threads", &RuntimeConfig::threads)
       .def("__repr__",

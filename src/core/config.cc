@@ -32,9 +32,11 @@ void SparseConfig::validate() const {
                   kMaxHeads, "], got ", kv_heads);
   M3MSA_CHECK_ARG(q_heads % kv_heads == 0, "config.q_heads (", q_heads,
                   ") must be a multiple of config.kv_heads (", kv_heads, ")");
-  M3MSA_CHECK_ARG(index_heads == kv_heads, "config.index_heads (", index_heads,
-                  ") must equal config.kv_heads (", kv_heads,
-                  "): index head h selects for KV head h");
+  // Equal without CP; a multiple in the CP view (config.h).
+  M3MSA_CHECK_ARG(index_heads > 0 && index_heads <= kMaxHeads && index_heads % kv_heads == 0,
+                  "config.index_heads (", index_heads, ") must equal config.kv_heads (", kv_heads,
+                  "): index head h selects for KV head h (or, in the view of a context-parallel "
+                  "rank, be a multiple of it)");
   M3MSA_CHECK_ARG(head_dim > 0 && head_dim % 8 == 0 && head_dim <= kMaxHeadDim,
                   "config.head_dim must be a positive multiple of 8 and <= ", kMaxHeadDim, ", got ",
                   head_dim);
@@ -75,10 +77,13 @@ void ModelConfig::validate() const {
   M3MSA_CHECK_ARG(first_sparse_layer >= 0 && first_sparse_layer < num_layers,
                   "model.first_sparse_layer must be in [0, num_layers), got ", first_sparse_layer);
   M3MSA_CHECK_ARG(intermediate >= 0, "model.intermediate must be >= 0, got ", intermediate);
+  M3MSA_CHECK_ARG(index_heads == kv_heads, "model.index_heads (", index_heads,
+                  ") must equal model.kv_heads (", kv_heads,
+                  "): index head h selects for KV head h");
   sparse(1).validate();
 }
 
-SparseConfig ModelConfig::sparse(int tp_size) const {
+SparseConfig ModelConfig::sparse(int tp_size, bool context_parallel) const {
   M3MSA_CHECK_ARG(tp_size > 0, "tp_size must be > 0, got ", tp_size);
   M3MSA_CHECK_ARG(q_heads % tp_size == 0, "tp_size (", tp_size, ") must divide q_heads (", q_heads,
                   ")");
@@ -88,7 +93,9 @@ SparseConfig ModelConfig::sparse(int tp_size) const {
   s.q_heads = q_heads / tp_size;
   s.kv_heads = tp_size <= kv_heads ? kv_heads / tp_size : 1;
   s.head_dim = head_dim;
-  s.index_heads = tp_size <= index_heads ? index_heads / tp_size : 1;
+  s.index_heads = context_parallel         ? index_heads
+                  : tp_size <= index_heads ? index_heads / tp_size
+                                           : 1;
   s.index_dim = index_dim;
   s.block_size = block_size;
   s.topk = topk;

@@ -45,9 +45,16 @@ void validate_preprocess(const SparseConfig& config, const PreprocessArgs& args)
   BatchMeta used = args.batch;
   used.index_block_table = {};
   used.kv_block_table = {};
-  validate_batch_contents(used, config, args.index_cache.pages(), args.kv_cache.pages());
-  check_unique_slots(args.batch.slot_mapping, args.positions, "batch.slot_mapping");
-  check_unique_slots(args.batch.index_slot_mapping, args.positions, "batch.index_slot_mapping");
+  const bool index = args.has_index_part();
+  const bool attention = args.has_attention_part();
+  if (!index) used.index_slot_mapping = {};  // a layer sharing another layer's selection
+  if (!attention) used.slot_mapping = {};
+  validate_batch_contents(used, config, index ? args.index_cache.pages() : 0,
+                          attention ? args.kv_cache.pages() : 0);
+  if (attention) check_unique_slots(args.batch.slot_mapping, args.positions, "batch.slot_mapping");
+  if (index) {
+    check_unique_slots(args.batch.index_slot_mapping, args.positions, "batch.index_slot_mapping");
+  }
 }
 
 // cos and sin of the rope_dim / 2 rotation angles at `pos`.
@@ -156,14 +163,16 @@ void preprocess(const SparseConfig& config, const PreprocessArgs& args, int thre
   const int64_t index_q_at = v_at + int64_t{kvh} * hd;
   const int64_t index_k_at = index_q_at + int64_t{ih} * id;
   const bool rope = config.rope_dim > 0;
+  const bool index = args.has_index_part();
+  const bool attention = args.has_attention_part();
 
   detail::parallel_for(args.batch.num_rows(), threads, [&](int64_t row) {
-    uint16_t* q_out = args.q_out.ptr<uint16_t>() + row * qh * hd;
-    uint16_t* index_q_out = args.index_q_out.ptr<uint16_t>() + row * ih * id;
+    uint16_t* q_out = attention ? args.q_out.ptr<uint16_t>() + row * qh * hd : nullptr;
+    uint16_t* index_q_out = index ? args.index_q_out.ptr<uint16_t>() + row * ih * id : nullptr;
     const int64_t pos = args.positions.ptr<const int64_t>()[row];
     if (pos < 0) {
-      std::fill(q_out, q_out + int64_t{qh} * hd, float_to_bf16(0.0f));
-      std::fill(index_q_out, index_q_out + int64_t{ih} * id, float_to_bf16(0.0f));
+      if (attention) std::fill(q_out, q_out + int64_t{qh} * hd, float_to_bf16(0.0f));
+      if (index) std::fill(index_q_out, index_q_out + int64_t{ih} * id, float_to_bf16(0.0f));
       return;
     }
     const uint16_t* in = args.qkv.ptr<const uint16_t>() + row * width;
@@ -175,25 +184,26 @@ void preprocess(const SparseConfig& config, const PreprocessArgs& args, int thre
     std::vector<float> head(static_cast<std::size_t>(std::max(hd, id)));
     std::vector<float> value(static_cast<std::size_t>(hd));
 
-    for (int h = 0; h < qh; ++h) {
+    for (int h = 0; attention && h < qh; ++h) {
       norm_rope_head(in + int64_t{h} * hd, args.q_norm.ptr<const uint16_t>(), hd, config.rope_dim,
                      c, s, head.data(), config.rms_eps);
       store_bf16(head.data(), hd, q_out + int64_t{h} * hd);
     }
-    for (int h = 0; h < ih; ++h) {
+    for (int h = 0; index && h < ih; ++h) {
       norm_rope_head(in + index_q_at + int64_t{h} * id, args.index_q_norm.ptr<const uint16_t>(), id,
                      config.rope_dim, c, s, head.data(), config.rms_eps);
       store_bf16(head.data(), id, index_q_out + int64_t{h} * id);
     }
     // Slots are distinct across live rows (checked above), so these writes never overlap.
     KVCache kv_cache = args.kv_cache;
-    const int64_t slot = args.batch.slot_mapping.ptr<const int64_t>()[row];
-    for (int h = 0; h < kvh; ++h) {
+    const int64_t slot = attention ? args.batch.slot_mapping.ptr<const int64_t>()[row] : -1;
+    for (int h = 0; attention && h < kvh; ++h) {
       norm_rope_head(in + k_at + int64_t{h} * hd, args.k_norm.ptr<const uint16_t>(), hd,
                      config.rope_dim, c, s, head.data(), config.rms_eps);
       detail::load_bf16(in + v_at + int64_t{h} * hd, hd, value.data());
       insert_kv(kv_cache, slot, h, head.data(), value.data(), hd);
     }
+    if (!index) return;
     IndexCache index_cache = args.index_cache;
     norm_rope_head(in + index_k_at, args.index_k_norm.ptr<const uint16_t>(), id, config.rope_dim, c,
                    s, head.data(), config.rms_eps);

@@ -224,6 +224,17 @@ void check_model_support(const RuntimeConfig& config, int tp_size, Problems& pro
   error(std::isfinite(config.swiglu_limit) && config.swiglu_limit > 0,
         "config.swiglu_limit must be finite and > 0, got " + std::to_string(config.swiglu_limit));
   error(config.threads >= 0, "config.threads must be >= 0, got " + std::to_string(config.threads));
+  error(config.cp_spin_budget.count() > 0, "config.cp_spin_budget must be > 0 us, got " +
+                                               std::to_string(config.cp_spin_budget.count()));
+  error(config.cp_transport == CpTransport::kPeer || config.cp_transport == CpTransport::kNccl ||
+            config.cp_transport == CpTransport::kReplicated ||
+            config.cp_transport == CpTransport::kAllReduceMax,
+        "config.cp_transport has no valid value (" +
+            std::to_string(static_cast<int>(config.cp_transport)) + ")");
+  error(config.tp_allreduce == TpAllReduce::kAuto || config.tp_allreduce == TpAllReduce::kNccl ||
+            config.tp_allreduce == TpAllReduce::kPeer,
+        "config.tp_allreduce has no valid value (" +
+            std::to_string(static_cast<int>(config.tp_allreduce)) + ")");
   error(tp_size >= 1, "tensor parallel size must be >= 1, got " + std::to_string(tp_size));
   if (!problems.empty()) return;
 
@@ -264,14 +275,8 @@ void check_model_support(const RuntimeConfig& config, int tp_size, Problems& pro
     problems.unsupported("max_context " + std::to_string(config.max_context) +
                          " needs block ids above " + std::to_string(kMaxBlockId));
   }
-  if (config.context_parallel) {
-    problems.unsupported("the context-parallel indexer is not implemented on the CPU backend");
-  }
-  if (config.selection_share_period != 1) {
-    problems.unsupported("cross-layer selection sharing (period " +
-                         std::to_string(config.selection_share_period) +
-                         ") is not implemented on the CPU backend");
-  }
+  // Context parallelism places the index heads as TP places the KV heads (checked above), so
+  // there is nothing more to refuse here; the exchange itself is agreed when the ranks connect.
 }
 
 void check_readiness(const ModelWeights& model, Problems& problems) {
@@ -292,7 +297,7 @@ void check_readiness(const ModelWeights& model, Problems& problems) {
 void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights& model,
                    Problems& problems, std::vector<LayerWeights>& by_layer, Device& device) {
   const ModelConfig& m = config.model;
-  const SparseConfig sc = m.sparse(tp_size);
+  const SparseConfig sc = m.sparse(tp_size, config.context_parallel);
   const int first = m.first_sparse_layer;
   const int count = m.num_sparse_layers();
   std::vector<const LayerWeights*> slots(static_cast<std::size_t>(count), nullptr);
@@ -337,6 +342,7 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
                      prefix + "is a sparse layer but is not bound (every sparse layer must be)");
       continue;
     }
+    // With CP the width counts every index_q head (runtime.h, LayerWeights).
     check_projection(problems, w->qkv_proj, w->qkv_proj_scale, prefix + "qkv_proj", width, hidden,
                      device);
     check_bound(problems, w->q_norm, prefix + "q_norm", {DType::kBF16}, {sc.head_dim}, device);

@@ -121,7 +121,10 @@ m3msa::RuntimeConfig to_config(const m3msa_runtime_config& c) {
   config.max_requests = c.max_requests;
   config.max_context = c.max_context;
   config.context_parallel = c.context_parallel != 0;
+  config.cp_transport = static_cast<m3msa::CpTransport>(c.cp_transport);
+  config.cp_spin_budget = std::chrono::microseconds(c.cp_spin_budget_us);
   config.selection_share_period = c.selection_share_period;
+  config.tp_allreduce = static_cast<m3msa::TpAllReduce>(c.tp_allreduce);
   config.swiglu_limit = c.swiglu_limit;
   config.threads = c.threads;
   return config;
@@ -243,7 +246,10 @@ void m3msa_runtime_config_default(m3msa_runtime_config* config) {
   config->max_requests = defaults.max_requests;
   config->max_context = defaults.max_context;
   config->context_parallel = defaults.context_parallel ? 1 : 0;
+  config->cp_transport = static_cast<int32_t>(defaults.cp_transport);
+  config->cp_spin_budget_us = defaults.cp_spin_budget.count();
   config->selection_share_period = defaults.selection_share_period;
+  config->tp_allreduce = static_cast<int32_t>(defaults.tp_allreduce);
   config->swiglu_limit = defaults.swiglu_limit;
   config->threads = defaults.threads;
 }

@@ -6,9 +6,11 @@
 //   add_rmsnorm(hidden + residual -> residual, input_norm -> normed)       1 launch
 //   skinny GEMM normed @ qkv_proj^T (* scale) -> qkv bf16                   1
 //   preprocess (head norms, RoPE, k/v/index_k cache insert) -> q, index_q   1
-//   decode indexer (replicated: every rank scores all blocks) -> topk       1
+//   decode indexer -> topk: replicated (every rank scores all blocks)       1
+//     or the CP indexer (shard tables, shard scoring, exchange + merge)     3 (peer) | 5 (nccl)
+//     or nothing (a layer sharing the last indexer layer's selection)      0
 //   sparse attention -> attn                                                1
-//   skinny GEMM attn @ o_proj^T -> o (bf16 at TP = 1, f32 + NCCL all-reduce at TP > 1)  1 (+1)
+//   skinny GEMM attn @ o_proj^T -> o (bf16 at TP = 1, f32 + all-reduce at TP > 1)  1 (+1)
 //   add_rmsnorm(residual + o -> residual, post_attention_norm -> hidden)    1
 //   MLP when bound: GEMM gate_up, SwiGLU, GEMM down (-> hidden at TP = 1; f32, all-reduce and a
 //   conversion at TP > 1)                                                   3 (+2)
@@ -18,7 +20,10 @@
 // weight byte once with 16-byte loads and converts fp8 e4m3 weights to bf16 in registers. It
 // needs no cuBLAS(Lt) (whose static library would not fit the carried build, and whose fp8 path
 // wants per-tensor scales, not the per-output-channel scales bound here).
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -29,6 +34,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include "comm/peer_allreduce.h"
 #include "cuda/attention.h"
 #include "cuda/common.cuh"
 #include "cuda/indexer.h"
@@ -115,21 +121,23 @@ class GpuEngineImpl final : public GpuEngine {
   GpuEngineImpl(const RuntimeConfig& config, int tp_size, Communicator& comm,
                 const std::vector<LayerWeights>& layers, Device device)
       : config_(config),
-        sparse_(config.model.sparse(tp_size)),
+        sparse_(config.model.sparse(tp_size, config.context_parallel)),
         tp_size_(tp_size),
         device_(device.index) {
     cuda::DeviceGuard guard(device_);
-    if (tp_size_ > 1) {
-      auto* nccl = dynamic_cast<NcclCommunicator*>(&comm);
-      M3MSA_CHECK_SUPPORTED(nccl != nullptr && nccl->nccl_comm() != nullptr,
-                            "the CUDA backend's TP all-reduce needs a live NcclCommunicator");
-      nccl_ = nccl->nccl_comm();
-    }
     if (config.cuda_stream != nullptr) {
       stream_ = static_cast<cudaStream_t>(config.cuda_stream);
     } else {
       CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
       stream_ = own_stream_;
+    }
+    // M3MSA_RUNTIME_SERIAL=1: every launch of a layer on the one stream (for comparison).
+    const char* serial = std::getenv("M3MSA_RUNTIME_SERIAL");
+    overlap_ = serial == nullptr || std::string(serial) != "1";
+    if (overlap_) {
+      CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+      CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+      CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     }
     try {
       allocate(layers);
@@ -157,26 +165,126 @@ class GpuEngineImpl final : public GpuEngine {
   int64_t launches_per_layer() const override { return launches_; }
 
   void refresh_plans() override {
+    if (config_.context_parallel) return;  // the CP indexer re-applies its own before launches
     cuda::DeviceGuard guard(device_);
     // plan_indexer sets the scoring kernels' shared-memory limit to this plan's (a later plan
     // elsewhere in the process may have lowered it); the workspace layout is unchanged.
     indexer_plan_ = cuda::plan_indexer(sparse_, limits_, device_);
   }
 
-  void warm_up(Communicator& comm) override {
-    if (tp_size_ == 1) return;
+  void connect(Communicator& comm, Problems& problems) override {
     cuda::DeviceGuard guard(device_);
+    const int P = tp_size_;
     auto* nccl = dynamic_cast<NcclCommunicator*>(&comm);
-    M3MSA_CHECK_INTERNAL(nccl != nullptr, "TP > 1 without an NcclCommunicator");
-    CUDA_CHECK(cudaMemsetAsync(o32_.data(), 0, o32_.bytes(), stream_));
-    all_reduce(o32_.as<float>(), static_cast<int64_t>(o32_.bytes() / sizeof(float)));
-    nccl->wait(stream_, "prepare: warm-up all-reduce of the CUDA runtime");
+    // Where every rank runs. Peer stores need every pair of ranks on one host with peer access
+    // (or one device); the NCCL paths need every rank on an NcclCommunicator.
+    char host[256] = {};
+    gethostname(host, sizeof(host) - 1);
+    const std::vector<ByteRecord> places = comm.all_gather(RecordWriter()
+                                                               .str(host)
+                                                               .i64(static_cast<int64_t>(getpid()))
+                                                               .i64(device_)
+                                                               .u8(nccl != nullptr ? 1 : 0)
+                                                               .take(),
+                                                           "prepare/connect: placement");
+    bool can_map = true;
+    bool all_nccl = true;
+    std::string why_not_map;
+    for (int r = 0; r < P; ++r) {
+      RecordReader reader(places[static_cast<std::size_t>(r)],
+                          "placement of rank " + std::to_string(r));
+      const std::string peer_host = reader.str();
+      reader.i64();  // pid: in-process peers map by peer access, others by CUDA IPC
+      const int peer_device = static_cast<int>(reader.i64());
+      all_nccl = all_nccl && reader.u8() == 1;
+      if (r == comm.rank() || peer_device == device_) continue;
+      int can = 0;
+      CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device_, peer_device));
+      if (peer_host != host || !can) {
+        can_map = false;
+        why_not_map = "rank " + std::to_string(comm.rank()) + " (cuda:" + std::to_string(device_) +
+                      ") cannot map the memory of rank " + std::to_string(r) +
+                      " (cuda:" + std::to_string(peer_device) +
+                      (peer_host != host ? " on another host" : "") + ")";
+      }
+    }
+    // Each rank checked its own row of the peer-access matrix: agree on the whole.
+    const std::vector<ByteRecord> verdicts = comm.all_gather(
+        RecordWriter().u8(can_map ? 1 : 0).str(why_not_map).take(), "prepare/connect: peer map");
+    for (int r = 0; r < P; ++r) {
+      RecordReader reader(verdicts[static_cast<std::size_t>(r)], "peer-map verdict");
+      const bool ok = reader.u8() == 1;
+      const std::string why = reader.str();
+      if (!ok && can_map) {
+        can_map = false;
+        why_not_map = why;
+      }
+    }
+
+    if (P > 1) {
+      const TpAllReduce mode = config_.tp_allreduce;
+      if (mode == TpAllReduce::kPeer && !can_map) {
+        problems.unsupported("tp_allreduce peer: " + why_not_map);
+      } else if (mode == TpAllReduce::kNccl && !all_nccl) {
+        problems.unsupported("tp_allreduce nccl needs an NcclCommunicator on every rank");
+      } else if (mode == TpAllReduce::kAuto && !can_map && !all_nccl) {
+        problems.unsupported("the TP all-reduce: no rank pair can use peer stores (" + why_not_map +
+                             ") and not every rank has an NcclCommunicator");
+      }
+      use_peer_ar_ = mode == TpAllReduce::kPeer || (mode == TpAllReduce::kAuto && can_map);
+    }
+    if (config_.context_parallel && P > 1) {
+      if (config_.cp_transport == CpTransport::kPeer && !can_map) {
+        problems.unsupported("cp_transport peer: " + why_not_map + " (use cp_transport nccl)");
+      } else if (config_.cp_transport == CpTransport::kNccl && !all_nccl) {
+        problems.unsupported("cp_transport nccl needs an NcclCommunicator on every rank");
+      }
+    }
+    // Every rank saw the same facts, so every rank stops here, or none does.
+    if (!problems.empty()) return;
+
+    if (config_.context_parallel) {
+      CudaCpConfig cp;
+      cp.world_size = P;
+      cp.max_reqs = std::min(max_reqs_, max_rows_);
+      cp.max_q_len = max_of(config_.query_lens);
+      cp.max_context = config_.max_context;
+      cp.transport = config_.cp_transport;
+      cp.spin_budget = config_.cp_spin_budget;
+      cp_ = std::make_unique<CudaCpIndexer>(comm, device_, config_.model.sparse(1), cp);
+    }
+    if (P > 1 && use_peer_ar_) {
+      PeerAllReduceConfig ar;
+      ar.max_count = int64_t{max_rows_} * config_.model.hidden;
+      ar.spin_budget = config_.cp_spin_budget;
+      peer_ar_ = std::make_unique<PeerAllReduce>(comm, device_, ar);
+    } else if (P > 1) {
+      M3MSA_CHECK_INTERNAL(nccl != nullptr && nccl->nccl_comm() != nullptr,
+                           "TP > 1 on NCCL without a live NcclCommunicator");
+      nccl_ = nccl->nccl_comm();
+      CUDA_CHECK(cudaMemsetAsync(o32_.data(), 0, o32_.bytes(), stream_));
+      all_reduce(o32_.as<float>(), static_cast<int64_t>(o32_.bytes() / sizeof(float)), -1);
+      nccl->wait(stream_, "prepare: warm-up all-reduce of the CUDA runtime");
+    }
+  }
+
+  void check() override {
+    cuda::DeviceGuard guard(device_);
+    if (cp_) cp_->check(stream_);
+    if (peer_ar_) peer_ar_->check(stream_);
+    if (!cp_ && !peer_ar_) CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+
+  std::string tp_allreduce_name() const override {
+    return tp_size_ == 1 ? "none" : peer_ar_ ? "peer" : "nccl";
   }
 
   void drain(Communicator& comm) override {
     cuda::DeviceGuard guard(device_);
-    auto* nccl = tp_size_ > 1 ? dynamic_cast<NcclCommunicator*>(&comm) : nullptr;
-    if (nccl != nullptr) {
+    auto* nccl = nccl_ != nullptr ? dynamic_cast<NcclCommunicator*>(&comm) : nullptr;
+    if (cp_ || peer_ar_) {
+      check();  // bounded waits that also report what the exchanges recorded
+    } else if (nccl != nullptr) {
       nccl->wait(stream_, "close: the CUDA runtime's stream");
     } else {
       CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -310,13 +418,16 @@ class GpuEngineImpl final : public GpuEngine {
   }
 
   void forward_layer(const LayerWeights& w, const BatchMeta& step, const TensorView& hidden,
-                     const TensorView& residual, const TensorView& positions) override {
+                     const TensorView& residual, const TensorView& positions,
+                     bool run_indexer) override {
     cuda::DeviceGuard guard(device_);
     const SparseConfig& sc = sparse_;
     const ModelConfig& m = config_.model;
     const int rows = static_cast<int>(step.num_rows());
     const int H = m.hidden;
     const int width = static_cast<int>(sc.qkv_width());
+    // The columns [q | k | v] of qkv_proj: the index columns come after them.
+    const int attention_cols = (sc.q_heads + 2 * sc.kv_heads) * sc.head_dim;
     const int attn_width = sc.q_heads * sc.head_dim;
     const Device dev = Device::cuda(device_);
     int64_t launches = 0;
@@ -327,12 +438,12 @@ class GpuEngineImpl final : public GpuEngine {
     add_norm(h, /*delta_f32=*/false, res, w.input_norm, normed_.as<uint16_t>(), rows);
     ++launches;
 
-    // 2. The fused projection [q | k | v | index_q | index_k].
-    gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), width,
-         /*out_f32=*/false, rows);
-    ++launches;
-
-    // 3. Head norms, RoPE, cache inserts; 4. selection; 5. sparse attention.
+    // 2-4. The fused projection [q | k | v | index_q | index_k], head norms, RoPE and cache
+    // inserts, then the selection. The indexer needs only the index columns, so it does not wait
+    // for the q, k, v columns (most of the weight bytes): the stream forks after the norm, the
+    // index columns' GEMM, preprocessing and the indexer (a latency chain at small batches) run
+    // on the main stream while the q, k, v GEMM and preprocessing stream the rest of the weights
+    // on a side stream; attention joins both. A sharing layer projects [q | k | v] only.
     PreprocessArgs pre;
     pre.qkv =
         TensorView::contiguous(qkv_.data(), DType::kBF16, {int64_t{rows}, int64_t{width}}, dev);
@@ -343,37 +454,70 @@ class GpuEngineImpl final : public GpuEngine {
     pre.positions = positions;
     pre.batch = step;
     pre.kv_cache = w.kv_cache;
-    pre.index_cache = w.index_cache;
     pre.q_out = q_view(rows);
-    pre.index_q_out = index_q_view(rows);
-    cuda::launch_preprocess(sc, pre, stream_);
-    ++launches;
+    if (run_indexer) {
+      pre.index_cache = w.index_cache;
+      pre.index_q_out = index_q_view(rows);
+    }
+    if (run_indexer && overlap_) {
+      CUDA_CHECK(cudaEventRecord(fork_, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), attention_cols,
+           /*out_f32=*/false, rows, /*out_stride=*/width, /*first_col=*/0, side_);
+      PreprocessArgs attention_part = pre;
+      attention_part.index_cache = {};
+      attention_part.index_q_out = {};
+      cuda::launch_preprocess(sc, attention_part, side_);
+      CUDA_CHECK(cudaEventRecord(join_, side_));
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
+           width - attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width,
+           /*first_col=*/attention_cols, stream_);
+      PreprocessArgs index_part = pre;
+      index_part.kv_cache = {};
+      index_part.q_out = {};
+      cuda::launch_preprocess(sc, index_part, stream_);
+      launches += 4;
+    } else {
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
+           run_indexer ? width : attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width);
+      cuda::launch_preprocess(sc, pre, stream_);
+      launches += 2;
+    }
 
-    IndexerArgs idx;
-    idx.index_q = pre.index_q_out;
-    idx.index_cache = w.index_cache;
-    idx.batch = step;
-    idx.topk_idx = topk_view(rows);
-    cuda::launch_indexer(indexer_plan_, sc, idx, IndexerVariant::kFused, indexer_ws_.data(),
-                         stream_);
-    ++launches;
+    if (run_indexer) {
+      IndexerArgs idx;
+      idx.index_q = pre.index_q_out;
+      idx.index_cache = w.index_cache;
+      idx.batch = step;
+      idx.topk_idx = topk_view(rows);
+      if (cp_) {
+        cp_->select(w.layer, idx, stream_);
+        launches += config_.cp_transport == CpTransport::kNccl && tp_size_ > 1 ? 5 : 3;
+      } else {
+        cuda::launch_indexer(indexer_plan_, sc, idx, IndexerVariant::kFused, indexer_ws_.data(),
+                             stream_);
+        ++launches;
+      }
+      if (overlap_) CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
+    }
 
+    // 5. Sparse attention; 6. output projection (this rank's heads) and the TP reduce;
+    // 7. x2 = x + o, h2 = norm(x2).
     AttentionArgs att;
     att.q = pre.q_out;
     att.kv_cache = w.kv_cache;
     att.batch = step;
-    att.topk_idx = idx.topk_idx;
+    att.topk_idx = topk_view(rows);
     att.out = attn_view(rows);
     cuda::launch_sparse_attention(sc, att, attention_ws_.data(), attention_ws_.bytes(), stream_);
     ++launches;
 
-    // 6. Output projection (this rank's heads) and the TP reduce; 7. x2 = x + o, h2 = norm(x2).
     const bool reduce = tp_size_ > 1;
     gemm(attn_.as<uint16_t>(), attn_width, w.o_proj, w.o_proj_scale,
          reduce ? o32_.data() : o16_.data(), H, /*out_f32=*/reduce, rows);
     ++launches;
     if (reduce) {
-      all_reduce(o32_.as<float>(), int64_t{rows} * H);
+      all_reduce(o32_.as<float>(), int64_t{rows} * H, 2 * w.layer);
       ++launches;
     }
     add_norm(reduce ? o32_.data() : o16_.data(), reduce, res, w.post_attention_norm, h, rows);
@@ -393,7 +537,7 @@ class GpuEngineImpl final : public GpuEngine {
       launches += 2;
       if (reduce) {
         gemm(mlp_act_.as<uint16_t>(), inter, w.mlp_down, TensorView{}, o32_.data(), H, true, rows);
-        all_reduce(o32_.as<float>(), int64_t{rows} * H);
+        all_reduce(o32_.as<float>(), int64_t{rows} * H, 2 * w.layer + 1);
         cuda::launch_f32_to_bf16(o32_.as<float>(), h, int64_t{rows} * H, stream_);
         launches += 3;
       } else {
@@ -419,6 +563,13 @@ class GpuEngineImpl final : public GpuEngine {
 
  private:
   void release_stream() {
+    if (side_) cudaStreamSynchronize(side_);
+    for (cudaEvent_t* e : {&fork_, &join_}) {
+      if (*e) cudaEventDestroy(*e);
+      *e = nullptr;
+    }
+    if (side_) cudaStreamDestroy(side_);
+    side_ = nullptr;
     if (own_stream_) cudaStreamDestroy(own_stream_);
     own_stream_ = nullptr;
   }
@@ -429,6 +580,8 @@ class GpuEngineImpl final : public GpuEngine {
       staged_[i] = nullptr;
       staging_[i].reset();
     }
+    cp_.reset();
+    peer_ar_.reset();
     for (cuda::DeviceBuffer* b : {&meta_, &normed_, &qkv_, &q_, &index_q_, &topk_, &attn_, &o16_,
                                   &o32_, &mlp_gu_, &mlp_act_, &indexer_ws_, &attention_ws_}) {
       b->reset();
@@ -457,7 +610,7 @@ class GpuEngineImpl final : public GpuEngine {
     q_ = cuda::DeviceBuffer(2 * rows * attn_width);
     index_q_ =
         cuda::DeviceBuffer(2 * rows * static_cast<std::size_t>(sc.index_heads) * sc.index_dim);
-    topk_ = cuda::DeviceBuffer(4 * rows * static_cast<std::size_t>(sc.index_heads) * sc.topk);
+    topk_ = cuda::DeviceBuffer(4 * rows * static_cast<std::size_t>(sc.kv_heads) * sc.topk);
     attn_ = cuda::DeviceBuffer(2 * rows * attn_width);
     o16_ = cuda::DeviceBuffer(2 * rows * hidden);
     if (tp_size_ > 1) o32_ = cuda::DeviceBuffer(4 * rows * hidden);
@@ -472,10 +625,12 @@ class GpuEngineImpl final : public GpuEngine {
     limits_.max_reqs = max_reqs_;
     limits_.max_q_len = max_of(config_.query_lens);
     limits_.max_rows = std::max<int64_t>(max_rows_, int64_t{max_reqs_} * limits_.max_q_len);
-    limits_.max_context = 0;  // the fused decode indexer's workspace does not depend on it
-    indexer_plan_ = cuda::plan_indexer(sc, limits_, device_);
-    indexer_ws_ = cuda::DeviceBuffer(indexer_plan_.workspace_bytes);
-    cuda::init_indexer_workspace(indexer_plan_, indexer_ws_.data(), stream_);
+    limits_.max_context = 0;          // the fused decode indexer's workspace does not depend on it
+    if (!config_.context_parallel) {  // with CP the CP indexer (made by connect) selects
+      indexer_plan_ = cuda::plan_indexer(sc, limits_, device_);
+      indexer_ws_ = cuda::DeviceBuffer(indexer_plan_.workspace_bytes);
+      cuda::init_indexer_workspace(indexer_plan_, indexer_ws_.data(), stream_);
+    }
     const std::size_t attention_bytes = cuda::sparse_attention_workspace_size(sc, limits_);
     attention_ws_ = cuda::DeviceBuffer(attention_bytes);
     if (attention_bytes)
@@ -493,9 +648,9 @@ class GpuEngineImpl final : public GpuEngine {
                                   {rows, int64_t{sparse_.index_heads}, int64_t{sparse_.index_dim}},
                                   Device::cuda(device_));
   }
-  TensorView topk_view(int64_t rows) const {
+  TensorView topk_view(int64_t rows) const {  // [rows, KV heads of this rank, k]
     return TensorView::contiguous(topk_.data(), DType::kI32,
-                                  {rows, int64_t{sparse_.index_heads}, int64_t{sparse_.topk}},
+                                  {rows, int64_t{sparse_.kv_heads}, int64_t{sparse_.topk}},
                                   Device::cuda(device_));
   }
   TensorView attn_view(int64_t rows) const {
@@ -518,24 +673,34 @@ class GpuEngineImpl final : public GpuEngine {
     cuda::launch_add_rmsnorm(p, stream_);
   }
 
+  // out[:, first_col + j] = x . w[first_col + j, :] (* scale) for j < n: the output columns
+  // [first_col, first_col + n) of a [*, k] weight, queued on `stream` (default: the main one).
   void gemm(const uint16_t* x, int k, const TensorView& w, const TensorView& scale, void* out,
-            int n, bool out_f32, int rows) {
+            int n, bool out_f32, int rows, int out_stride = 0, int first_col = 0,
+            cudaStream_t stream = nullptr) {
+    const std::size_t col = static_cast<std::size_t>(first_col);
     cuda::SkinnyGemmParams p;
     p.x = x;
     p.x_stride = k;
-    p.w = w.data;
-    p.scale = scale.defined() ? scale.ptr<const float>() : nullptr;
-    p.out = out;
-    p.out_stride = n;
+    p.w = static_cast<const uint8_t*>(w.data) +
+          col * static_cast<std::size_t>(k) * dtype_size(w.dtype);
+    p.scale = scale.defined() ? scale.ptr<const float>() + col : nullptr;
+    p.out = static_cast<uint8_t*>(out) + col * (out_f32 ? sizeof(float) : sizeof(uint16_t));
+    p.out_stride = out_stride > 0 ? out_stride : n;
     p.rows = rows;
     p.n = n;
     p.k = k;
     p.w_fp8 = w.dtype == DType::kFP8E4M3 ? 1 : 0;
     p.out_f32 = out_f32 ? 1 : 0;
-    cuda::launch_skinny_gemm(p, stream_);
+    cuda::launch_skinny_gemm(p, stream != nullptr ? stream : stream_);
   }
 
-  void all_reduce(float* data, int64_t count) {
+  // call_id labels the call for the peer all-reduce's shape check (2 * layer + 0 | 1).
+  void all_reduce(float* data, int64_t count, int call_id) {
+    if (peer_ar_) {
+      peer_ar_->run(data, count, call_id, stream_);
+      return;
+    }
     RT_NCCL_CHECK(ncclAllReduce(data, data, static_cast<std::size_t>(count), ncclFloat32, ncclSum,
                                 static_cast<ncclComm_t>(nccl_), stream_));
   }
@@ -544,9 +709,16 @@ class GpuEngineImpl final : public GpuEngine {
   SparseConfig sparse_;
   int tp_size_ = 1;
   int device_ = 0;
-  void* nccl_ = nullptr;  // ncclComm_t (TP > 1)
+  void* nccl_ = nullptr;  // ncclComm_t (TP > 1 on NCCL)
+  bool use_peer_ar_ = false;
+  std::unique_ptr<CudaCpIndexer> cp_;       // context_parallel
+  std::unique_ptr<PeerAllReduce> peer_ar_;  // TP > 1 on peer stores
   cudaStream_t stream_ = nullptr;
   cudaStream_t own_stream_ = nullptr;
+  bool overlap_ = true;          // the indexer chain beside the q, k, v projection
+  cudaStream_t side_ = nullptr;  // the q, k, v projection and preprocessing
+  cudaEvent_t fork_ = nullptr;   // after the input norm (main -> side)
+  cudaEvent_t join_ = nullptr;   // q, k, v ready (side -> main, before attention)
   int max_reqs_ = 0;
   int max_rows_ = 0;
   int64_t max_blocks_ = 0;
@@ -584,10 +756,15 @@ void check_gpu_support(const RuntimeConfig& config, int tp_size, Communicator& c
     return;
   }
   const ModelConfig& m = config.model;
-  const SparseConfig sc = m.sparse(tp_size);
+  const SparseConfig sc = m.sparse(tp_size, config.context_parallel);
   auto need = [&](bool ok, const std::string& what) {
     if (!ok) problems.unsupported("CUDA backend: " + what);
   };
+  if (config.context_parallel) {
+    need(config.cp_transport == CpTransport::kPeer || config.cp_transport == CpTransport::kNccl,
+         std::string("the runtime's CP exchange is peer or nccl, got cp_transport ") +
+             cp_transport_name(config.cp_transport));
+  }
   need(sc.head_dim == 128, "head_dim must be 128, got " + std::to_string(sc.head_dim));
   need(sc.block_size == 128, "block_size must be 128, got " + std::to_string(sc.block_size));
   need(sc.index_dim == 128, "index_dim must be 128, got " + std::to_string(sc.index_dim));
@@ -616,12 +793,11 @@ void check_gpu_support(const RuntimeConfig& config, int tp_size, Communicator& c
          "the MLP width per rank must be a multiple of 64, got " +
              std::to_string(m.intermediate / tp_size));
   }
+  // Whether NCCL or peer stores can carry the TP all-reduce and the CP exchange is agreed by
+  // connect(), which knows every rank's placement.
   if (tp_size > 1) {
     auto* nccl = dynamic_cast<NcclCommunicator*>(&comm);
-    if (nccl == nullptr) {
-      problems.unsupported("CUDA backend: the TP all-reduce runs on NCCL; the communicator is " +
-                           comm.name() + ", not an NcclCommunicator");
-    } else if (nccl->device() != device.index) {
+    if (nccl != nullptr && nccl->device() != device.index) {
       problems.error(ErrorCode::kInvalidArgument,
                      "the NCCL communicator of rank " + std::to_string(comm.rank()) +
                          " is on cuda:" + std::to_string(nccl->device()) +

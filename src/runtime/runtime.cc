@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "m3msa/cp.h"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
 #include "m3msa/ops.h"
@@ -54,6 +55,23 @@ const char* step_refusal_name(StepRefusal refusal) {
   return "unknown";
 }
 
+const char* tp_allreduce_name(TpAllReduce mode) {
+  switch (mode) {
+    case TpAllReduce::kAuto: return "auto";
+    case TpAllReduce::kNccl: return "nccl";
+    case TpAllReduce::kPeer: return "peer";
+  }
+  return "unknown";
+}
+
+TpAllReduce parse_tp_allreduce(const std::string& text) {
+  for (TpAllReduce mode : {TpAllReduce::kAuto, TpAllReduce::kNccl, TpAllReduce::kPeer}) {
+    if (text == tp_allreduce_name(mode)) return mode;
+  }
+  M3MSA_THROW(ErrorCode::kInvalidArgument, "tp_allreduce must be auto, nccl or peer, got '", text,
+              "'");
+}
+
 std::string RuntimeConfig::to_string() const {
   std::ostringstream out;
   const ModelConfig& m = model;
@@ -70,8 +88,9 @@ std::string RuntimeConfig::to_string() const {
   out << " q_lens=";
   for (std::size_t i = 0; i < query_lens.size(); ++i) out << (i ? "," : "") << query_lens[i];
   out << " max_requests=" << max_requests << " max_context=" << max_context
-      << " cp=" << (context_parallel ? 1 : 0) << " share_period=" << selection_share_period
-      << " swiglu_limit=" << swiglu_limit;
+      << " cp=" << (context_parallel ? 1 : 0) << " cp_transport=" << static_cast<int>(cp_transport)
+      << " cp_spin_us=" << cp_spin_budget.count() << " share_period=" << selection_share_period
+      << " tp_allreduce=" << tp_allreduce_name(tp_allreduce) << " swiglu_limit=" << swiglu_limit;
   return out.str();
 }
 
@@ -98,6 +117,10 @@ std::string RuntimeStats::to_json() const {
   j["graphs_captured"] = graphs_captured;
   j["graph_replays"] = graph_replays;
   j["launches_per_layer"] = launches_per_layer;
+  j["context_parallel"] = context_parallel;
+  j["tp_allreduce"] = tp_allreduce;
+  j["indexer_layers_run"] = indexer_layers_run;
+  j["sharing_layers_run"] = sharing_layers_run;
   j["bound_layers"] = bound_layers;
   j["layers_run"] = layers_run;
   return j.dump();
@@ -175,18 +198,20 @@ struct Runtime::Impl {
   HostTensor index_slot_mapping;  // [max_rows] i64
   BatchMeta step;
   bool step_open = false;
+  int selection_layer = -1;  // the last layer of the open step that ran its indexer
 
   // Scratch, sized for max_rows.
-  HostTensor normed;           // [max_rows, hidden] bf16
-  HostTensor qkv;              // [max_rows, qkv_width] bf16
-  HostTensor q;                // [max_rows, QH, HD] bf16
-  HostTensor index_q;          // [max_rows, H, D] bf16
-  HostTensor topk;             // [max_rows, H, k] i32
-  HostTensor attn;             // [max_rows, QH, HD] bf16
-  HostTensor mlp_gu;           // [max_rows, 2 I] bf16 (when a layer has an MLP)
-  HostTensor mlp_act;          // [max_rows, I] bf16
-  std::vector<float> f32_out;  // [max_rows * max(width, hidden, 2 I)]
-  std::vector<float> x_row;    // [max(hidden, QH*HD, I)]
+  HostTensor normed;              // [max_rows, hidden] bf16
+  HostTensor qkv;                 // [max_rows, qkv_width] bf16
+  HostTensor q;                   // [max_rows, QH, HD] bf16
+  HostTensor index_q;             // [max_rows, H, D] bf16
+  HostTensor topk;                // [max_rows, H, k] i32
+  HostTensor attn;                // [max_rows, QH, HD] bf16
+  HostTensor mlp_gu;              // [max_rows, 2 I] bf16 (when a layer has an MLP)
+  HostTensor mlp_act;             // [max_rows, I] bf16
+  std::vector<float> f32_out;     // [max_rows * max(width, hidden, 2 I)]
+  std::vector<float> x_row;       // [max(hidden, QH*HD, I)]
+  std::vector<uint64_t> cp_keys;  // [max_rows, H, k] this rank's CP nominations
 
   void emit(const std::string& line) const {
     const std::string text = "m3msa runtime (rank " + std::to_string(stats.tp_rank) + "): " + line;
@@ -271,7 +296,7 @@ struct Runtime::Impl {
     qkv = HostTensor(DType::kBF16, {rows, width});
     q = HostTensor(DType::kBF16, {rows, sparse.q_heads, sparse.head_dim});
     index_q = HostTensor(DType::kBF16, {rows, sparse.index_heads, sparse.index_dim});
-    topk = HostTensor(DType::kI32, {rows, sparse.index_heads, sparse.topk});
+    topk = HostTensor(DType::kI32, {rows, sparse.kv_heads, sparse.topk});  // this rank's heads
     attn = HostTensor(DType::kBF16, {rows, sparse.q_heads, sparse.head_dim});
     if (any_mlp) {
       mlp_gu = HostTensor(DType::kBF16, {rows, 2 * mlp_width});
@@ -279,6 +304,9 @@ struct Runtime::Impl {
     }
     f32_out.assign(static_cast<std::size_t>(rows * std::max({width, hidden, 2 * mlp_width})), 0.0f);
     x_row.assign(static_cast<std::size_t>(std::max({hidden, attn_width, mlp_width})), 0.0f);
+    if (config.context_parallel) {
+      cp_keys.assign(static_cast<std::size_t>(rows) * sparse.index_heads * sparse.topk, 0);
+    }
   }
 
   void release() {
@@ -301,9 +329,73 @@ struct Runtime::Impl {
     mlp_act = {};
     f32_out = {};
     x_row = {};
+    cp_keys = {};
     step = {};
     step_open = false;
     stats.bound_layers.clear();
+  }
+
+  // The CPU backend's CP indexer (cp.md on the host): this rank scores its round-robin shard of
+  // the blocks for every index head and nominates its top-k keys, the nominations of every rank
+  // travel through the communicator's all-gather, and the rank keeps the exact top-k of the P*k
+  // candidates of each head it attends. Bit-identical to cpu::select_topk (cp.md "Exactness").
+  // idx.topk_idx: [rows, KV heads of this rank, k].
+  void cp_select(int layer, const IndexerArgs& idx) {
+    const SparseConfig& sc = sparse;
+    const int P = stats.tp_size;
+    const int rank = stats.tp_rank;
+    const int64_t rows = step.num_rows();
+    const int H = sc.index_heads;
+    const int k = sc.topk;
+    const std::size_t count = static_cast<std::size_t>(rows) * H * k;
+    M3MSA_CHECK_INTERNAL(cp_keys.size() >= count, "CP nominations buffer too small");
+    IndexerArgs shard = idx;
+    shard.topk_idx = {};  // nominate writes keys, not the selection
+    cpu::nominate(
+        sc, shard, rank, P,
+        TensorView::contiguous(cp_keys.data(), DType::kU64, {rows, int64_t{H}, int64_t{k}}),
+        config.threads);
+    char tag[48];
+    std::snprintf(tag, sizeof(tag), "layer %d cp nominations", layer);
+    const std::string payload(reinterpret_cast<const char*>(cp_keys.data()),
+                              count * sizeof(uint64_t));
+    const std::vector<ByteRecord> all =
+        comm->all_gather(RecordWriter().i64(rows).i64(H).i64(k).str(payload).take(), tag);
+    const std::vector<int> heads = cp_merged_heads(P, H, rank);
+    std::vector<std::string> nominations(static_cast<std::size_t>(P));
+    for (int r = 0; r < P; ++r) {
+      RecordReader reader(all[static_cast<std::size_t>(r)],
+                          "CP nominations of rank " + std::to_string(r));
+      const int64_t r_rows = reader.i64();
+      const int64_t r_heads = reader.i64();
+      const int64_t r_k = reader.i64();
+      if (r_rows != rows || r_heads != H || r_k != k) {
+        throw Error(ErrorCode::kInvalidArgument,
+                    "layer " + std::to_string(layer) + " CP exchange: rank " + std::to_string(r) +
+                        " nominated for " + std::to_string(r_rows) + " rows x " +
+                        std::to_string(r_heads) + " heads x k " + std::to_string(r_k) +
+                        ", this rank for " + std::to_string(rows) + " x " + std::to_string(H) +
+                        " x " + std::to_string(k) + " (the ranks are out of lockstep)",
+                    __FILE__, __LINE__, rank);
+      }
+      nominations[static_cast<std::size_t>(r)] = reader.str();
+    }
+    std::vector<uint64_t> candidates(static_cast<std::size_t>(P) * k);
+    int32_t* out = idx.topk_idx.ptr<int32_t>();
+    for (int64_t row = 0; row < rows; ++row) {
+      for (std::size_t m = 0; m < heads.size(); ++m) {
+        const int64_t at = (row * H + heads[m]) * k;
+        for (int r = 0; r < P; ++r) {
+          std::memcpy(candidates.data() + static_cast<std::size_t>(r) * k,
+                      nominations[static_cast<std::size_t>(r)].data() + at * sizeof(uint64_t),
+                      sizeof(uint64_t) * static_cast<std::size_t>(k));
+        }
+        const std::vector<uint64_t> top = cpu::top_keys(candidates, k);
+        cpu::keys_to_indices(
+            top.data(), static_cast<int>(top.size()),
+            out + (row * static_cast<int64_t>(heads.size()) + static_cast<int64_t>(m)) * k, k);
+      }
+    }
   }
 
   bool refuse(StepRefusal why, const std::string& detail) {
@@ -360,7 +452,7 @@ Runtime::LayerTrace Runtime::last_layer_trace() const {
   t.qkv = view(s.qkv, DType::kBF16, {rows, sc.qkv_width()});
   t.q = view(s.q, DType::kBF16, {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
   t.index_q = view(s.index_q, DType::kBF16, {rows, int64_t{sc.index_heads}, int64_t{sc.index_dim}});
-  t.topk = view(s.topk, DType::kI32, {rows, int64_t{sc.index_heads}, int64_t{sc.topk}});
+  t.topk = view(s.topk, DType::kI32, {rows, int64_t{sc.kv_heads}, int64_t{sc.topk}});
   t.attn = view(s.attn, DType::kBF16, {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
   return t;
 }
@@ -439,7 +531,7 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
       if (!problems.empty()) return;
     }
     s.config = config;
-    s.sparse = config.model.sparse(tp);
+    s.sparse = config.model.sparse(tp, config.context_parallel);
     s.layers = bound;
     s.device = device;
     s.stats.backend = cuda ? "cuda" : "cpu";
@@ -463,14 +555,27 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
     s.state = RuntimeState::kFallback;
     return PrepareResult::kFallback;
   }
-  if (s.gpu) {
-    try {
-      s.gpu->warm_up(comm);  // every rank is here: the stage was agreed
-    } catch (...) {
-      s.release();
-      throw;
-    }
+
+  // Stage 4: connect (every rank is here: the weight stage was agreed). The CUDA backend agrees
+  // on its TP all-reduce and CP exchange and builds them (collectives); the CPU backend's
+  // exchanges go through the communicator and need no setup.
+  mine = run_stage([&](Problems& problems) {
+    if (s.gpu) s.gpu->connect(comm, problems);
+  });
+  try {
+    all = s.agree("prepare/connect", mine);
+    decision = s.decide("connect", all);
+  } catch (...) {
+    s.release();
+    throw;
   }
+  if (decision == OutcomeKind::kUnsupported) {
+    s.release();
+    s.state = RuntimeState::kFallback;
+    return PrepareResult::kFallback;
+  }
+  s.stats.context_parallel = config.context_parallel;
+  s.stats.tp_allreduce = s.gpu ? s.gpu->tp_allreduce_name() : tp > 1 ? "communicator" : "none";
   s.stats.buckets = config.token_buckets;
   s.stats.bucket_steps.assign(config.token_buckets.size(), 0);
   s.stats.bound_layers.clear();
@@ -590,6 +695,7 @@ bool Runtime::begin_step(const BatchMeta& batch, int pad_to_reqs) {
   ++s.stats.steps_accepted;
   ++s.stats.bucket_steps[static_cast<std::size_t>(bucket - c.token_buckets.begin())];
   s.step_open = true;
+  s.selection_layer = -1;
   return true;
 }
 
@@ -618,6 +724,13 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
     check_device(view, name, s.device);
     M3MSA_CHECK_ARG(view.is_contiguous(), name, " must be contiguous, got ", describe(view));
   }
+  // Cross-layer selection sharing (spec.md section 7): ordinals that are not multiples of the
+  // period attend with the selection of the step's last layer that ran its indexer.
+  const int period = s.config.selection_share_period;
+  const bool run_indexer = (layer - m.first_sparse_layer) % period == 0;
+  M3MSA_CHECK_ARG(run_indexer || s.selection_layer >= 0, "forward_layer: layer ", layer,
+                  " shares the selection of the last layer that ran its indexer (period ", period,
+                  "), but no such layer ran in this step since begin_step");
   s.last_rows = rows;
   if (s.gpu) {
     for (const auto& [view, name] :
@@ -625,10 +738,14 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
       M3MSA_CHECK_ARG(reinterpret_cast<uintptr_t>(view.data) % 16 == 0, name,
                       " must be 16-byte aligned on the CUDA backend, got address ", view.data);
     }
-    s.gpu->forward_layer(w, s.step, hidden, residual, positions);
+    s.gpu->forward_layer(w, s.step, hidden, residual, positions, run_indexer);
+    if (run_indexer) s.selection_layer = layer;
     s.stats.launches_per_layer = s.gpu->launches_per_layer();
     // Inside a capture nothing ran yet: replays are counted by StepGraphs.
-    if (!runtime_detail::stream_is_capturing(s.gpu->stream())) ++s.stats.layers_run;
+    if (!runtime_detail::stream_is_capturing(s.gpu->stream())) {
+      ++s.stats.layers_run;
+      ++(run_indexer ? s.stats.indexer_layers_run : s.stats.sharing_layers_run);
+    }
     return;
   }
   const SparseConfig& sc = s.sparse;
@@ -664,26 +781,39 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
   pre.positions = positions;
   pre.batch = s.step;
   pre.kv_cache = w.kv_cache;
-  pre.index_cache = w.index_cache;
   pre.q_out = TensorView::contiguous(s.q.data(), DType::kBF16,
                                      {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
-  pre.index_q_out = TensorView::contiguous(s.index_q.data(), DType::kBF16,
-                                           {rows, int64_t{sc.index_heads}, int64_t{sc.index_dim}});
+  if (run_indexer) {
+    pre.index_cache = w.index_cache;
+    pre.index_q_out = TensorView::contiguous(
+        s.index_q.data(), DType::kBF16, {rows, int64_t{sc.index_heads}, int64_t{sc.index_dim}});
+  }
   cpu::preprocess(sc, pre, threads);
 
-  IndexerArgs idx;
-  idx.index_q = pre.index_q_out;
-  idx.index_cache = w.index_cache;
-  idx.batch = s.step;
-  idx.topk_idx = TensorView::contiguous(s.topk.data(), DType::kI32,
-                                        {rows, int64_t{sc.index_heads}, int64_t{sc.topk}});
-  cpu::select_topk(sc, idx, threads);
+  const TensorView topk = TensorView::contiguous(s.topk.data(), DType::kI32,
+                                                 {rows, int64_t{sc.kv_heads}, int64_t{sc.topk}});
+  if (run_indexer) {
+    IndexerArgs idx;
+    idx.index_q = pre.index_q_out;
+    idx.index_cache = w.index_cache;
+    idx.batch = s.step;
+    idx.topk_idx = topk;
+    if (s.config.context_parallel) {
+      s.cp_select(layer, idx);
+    } else {
+      cpu::select_topk(sc, idx, threads);
+    }
+    s.selection_layer = layer;
+    ++s.stats.indexer_layers_run;
+  } else {
+    ++s.stats.sharing_layers_run;
+  }
 
   AttentionArgs att;
   att.q = pre.q_out;
   att.kv_cache = w.kv_cache;
   att.batch = s.step;
-  att.topk_idx = idx.topk_idx;
+  att.topk_idx = topk;
   att.out = TensorView::contiguous(s.attn.data(), DType::kBF16,
                                    {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
   cpu::sparse_attention(sc, att, threads);
@@ -722,6 +852,12 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
     for (int64_t i = 0; i < rows * H; ++i) h[i] = float_to_bf16(f32[i]);
   }
   ++s.stats.layers_run;
+}
+
+void Runtime::check() {
+  Impl& s = *impl_;
+  if (s.state != RuntimeState::kActive || !s.gpu) return;
+  s.gpu->check();
 }
 
 void Runtime::detach(const std::vector<LayerCaches>& replacement) {

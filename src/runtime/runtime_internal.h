@@ -82,15 +82,27 @@ class GpuEngine {
   // buffers, padded to `padded_reqs` requests; returns views over them.
   virtual BatchMeta stage_step(const BatchMeta& batch, int padded_reqs) = 0;
   // One sparse layer on the stream (tensors on the engine's device; shapes checked by the caller).
+  // run_indexer false: the layer shares the selection left in the engine's top-k buffer by the
+  // last layer that ran its indexer (spec.md section 7).
   virtual void forward_layer(const LayerWeights& w, const BatchMeta& step, const TensorView& hidden,
-                             const TensorView& residual, const TensorView& positions) = 0;
+                             const TensorView& residual, const TensorView& positions,
+                             bool run_indexer) = 0;
   virtual void* stream() const = 0;
   virtual int64_t launches_per_layer() const = 0;
   virtual Runtime::LayerTrace trace(int64_t rows) const = 0;
   virtual void refresh_plans() = 0;
-  // After every rank bound its engine (a collective): one small NCCL all-reduce, waited for with
-  // the communicator's bound, so NCCL's lazy setup never happens inside a capture.
-  virtual void warm_up(Communicator& comm) = 0;
+  // The last prepare stage, after every rank bound its engine (a collective on every rank): the
+  // ranks exchange where they run (host, process, device, communicator kind), agree on the TP
+  // all-reduce and the CP exchange (every rank derives the same choice from the same facts; what
+  // cannot run is an "unsupported" problem), then build them: the CP indexer's buffer set, the
+  // peer all-reduce's mapped buffers, or one small NCCL all-reduce (so NCCL's lazy setup never
+  // happens inside a capture).
+  virtual void connect(Communicator& comm, Problems& problems) = 0;
+  // What a device-side exchange recorded (waits for the stream, bounded); throws as
+  // Runtime::check() says.
+  virtual void check() = 0;
+  // "none" (TP 1), "nccl" or "peer" (valid after connect).
+  virtual std::string tp_allreduce_name() const = 0;
   // Waits until the stream is idle (bounded by the NCCL communicator's timeout at TP > 1, which
   // aborts it on expiry), so host collectives on the same communicator never overlap the layers'.
   virtual void drain(Communicator& comm) = 0;

@@ -1,5 +1,5 @@
 // Runs the built `m3msa` binary: help, info, a small runtime demo (TP = 2 rank threads, fp8,
-// the --cp fallback), the ops-level demo (--ops), demo --ops --save + replay --check, and bad
+// --cp), the ops-level demo (--ops), demo --ops --save + replay --check, and bad
 // flags (non-zero exit, the flag named on stderr).
 #include <gtest/gtest.h>
 
@@ -159,12 +159,13 @@ TEST_F(CliTest, RuntimeDemoRunsStepsAndPassesItsChecks) {
   EXPECT_TRUE(contains(r.out, "weights fp8 e4m3")) << r.out;
   EXPECT_TRUE(contains(r.out, "[ok] layer outputs (hidden, residual)")) << r.out;
 
-  // --cp: every rank reports it unsupported, the runtime falls back, the demo says so (exit 3).
-  r = run("demo --backend cpu --cp --hidden 256 --batch 1 --context 300 --steps 1 -q");
-  EXPECT_EQ(r.code, 3) << r.out << r.err;
-  EXPECT_TRUE(contains(r.out, "prepare: fallback")) << r.out;
-  EXPECT_TRUE(contains(r.out, "context-parallel indexer is not implemented")) << r.out;
-  EXPECT_TRUE(contains(r.out, "not supported yet")) << r.out;
+  // --cp: the indexer over the 2 rank threads, checked against the oracle like CP off.
+  r = run("demo --backend cpu --cp --hidden 256 --batch 2 --context 2200 --steps 2 -q");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "prepare: active")) << r.out;
+  EXPECT_TRUE(contains(r.out, "CP on")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[ok] selections equal the oracle's")) << r.out;
+  EXPECT_TRUE(contains(r.out, "PASS")) << r.out;
 }
 
 TEST_F(CliTest, TinyOpsDemoPassesItsChecks) {

@@ -114,10 +114,10 @@ TEST(RuntimeCApi, StatusCodesAndLastError) {
   EXPECT_EQ(m3msa_runtime_prepare(nullptr, &defaults, nullptr, 0, comm, 0, 1, &result),
             M3MSA_ERR_INVALID_ARGUMENT);
 
-  // Unsupported everywhere (CP on the CPU backend) -> fallback, with the reason in the stats.
-  m3msa_runtime_config cp = defaults;
-  cp.context_parallel = 1;
-  EXPECT_EQ(m3msa_runtime_prepare(rt, &cp, nullptr, 0, comm, 0, 1, &result), M3MSA_OK);
+  // Unsupported everywhere (pipeline parallelism) -> fallback, with the reason in the stats.
+  m3msa_runtime_config pp = defaults;
+  pp.pipeline_parallel_size = 2;
+  EXPECT_EQ(m3msa_runtime_prepare(rt, &pp, nullptr, 0, comm, 0, 1, &result), M3MSA_OK);
   EXPECT_EQ(result, M3MSA_PREPARE_FALLBACK);
   int state = -1;
   ASSERT_EQ(m3msa_runtime_state(rt, &state), M3MSA_OK);
@@ -126,7 +126,7 @@ TEST(RuntimeCApi, StatusCodesAndLastError) {
   ASSERT_EQ(m3msa_runtime_stats_json(rt, nullptr, 0, &needed), M3MSA_OK);
   std::vector<char> json(needed);
   ASSERT_EQ(m3msa_runtime_stats_json(rt, json.data(), json.size(), &needed), M3MSA_OK);
-  EXPECT_NE(std::string(json.data()).find("context-parallel indexer is not implemented"),
+  EXPECT_NE(std::string(json.data()).find("pipeline parallelism (pipeline_parallel_size 2)"),
             std::string::npos)
       << json.data();
   EXPECT_EQ(m3msa_runtime_close(rt), M3MSA_OK);

@@ -69,25 +69,40 @@ Scenario make_scenario(int intermediate, uint64_t seed) {
   return s;
 }
 
+struct RunOptions {
+  bool fp8_qkv = false;
+  bool context_parallel = false;
+  int share_period = 1;
+};
+
 struct RunResult {
   // [rank][step]: the last layer's (hidden, residual).
   std::vector<std::vector<std::vector<uint16_t>>> hidden, residual;
+  // [rank][step][layer]: the selection of every layer ([rows, KV heads of the rank, k]).
+  std::vector<std::vector<std::vector<std::vector<int32_t>>>> topk;
   std::vector<rt_test::RankModel> ranks;  // their caches after the run
+  std::vector<RuntimeStats> stats;        // per rank, before close
 };
 
-RunResult run_runtime(const Scenario& s, int world, bool fp8_qkv = false) {
+RunResult run_runtime(const Scenario& s, int world, const RunOptions& options = {}) {
   RunResult out;
   out.hidden.assign(static_cast<std::size_t>(world), {});
   out.residual.assign(static_cast<std::size_t>(world), {});
+  out.topk.assign(static_cast<std::size_t>(world), {});
+  out.stats.assign(static_cast<std::size_t>(world), {});
   for (int r = 0; r < world; ++r) {
-    out.ranks.push_back(rt_test::make_rank_model(s.master, r, world, fp8_qkv));
+    out.ranks.push_back(
+        rt_test::make_rank_model(s.master, r, world, options.fp8_qkv, options.context_parallel));
   }
+  RuntimeConfig config = s.config;
+  config.context_parallel = options.context_parallel;
+  config.selection_share_period = options.share_period;
   auto group = ThreadGroup::create(world, std::chrono::seconds(60));
   const auto errors = run_ranks(group, [&](Communicator& comm) {
     const int r = comm.rank();
     Runtime runtime([](const std::string&) {});
     const PrepareResult prepared =
-        runtime.prepare(out.ranks[static_cast<std::size_t>(r)].weights, s.config, comm);
+        runtime.prepare(out.ranks[static_cast<std::size_t>(r)].weights, config, comm);
     M3MSA_CHECK_INTERNAL(prepared == PrepareResult::kActive, "prepare returned ",
                          prepare_result_name(prepared));
     for (std::size_t step = 0; step < s.steps.size(); ++step) {
@@ -98,15 +113,20 @@ RunResult run_runtime(const Scenario& s, int world, bool fp8_qkv = false) {
       std::vector<uint16_t> residual = s.residual_in[step];
       const int64_t rows = meta.batch.num_rows();
       const int64_t H = s.config.model.hidden;
+      auto& selections = out.topk[static_cast<std::size_t>(r)].emplace_back();
       for (const rt_test::MasterLayer& layer : s.master.layers) {
         runtime.forward_layer(layer.layer,
                               TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}),
                               TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}),
                               meta.positions.view());
+        const TensorView topk = runtime.last_layer_trace().topk;
+        selections.emplace_back(topk.ptr<const int32_t>(),
+                                topk.ptr<const int32_t>() + topk.numel());
       }
       out.hidden[static_cast<std::size_t>(r)].push_back(hidden);
       out.residual[static_cast<std::size_t>(r)].push_back(residual);
     }
+    out.stats[static_cast<std::size_t>(r)] = runtime.stats();
     runtime.close();
   });
   for (int r = 0; r < world; ++r) {
@@ -160,8 +180,11 @@ Reference make_reference(const MasterModel& master) {
   return ref;
 }
 
+// shared_topk: the layer shares this selection (spec.md section 7: no index_q, no index_k
+// insert, no indexer); otherwise it selects and, when select_out is given, returns its selection.
 void reference_layer(const Scenario& s, Reference& ref, std::size_t li, const StepMeta& meta,
-                     std::vector<uint16_t>& hidden, std::vector<uint16_t>& residual) {
+                     std::vector<uint16_t>& hidden, std::vector<uint16_t>& residual,
+                     const HostTensor* shared_topk = nullptr, HostTensor* select_out = nullptr) {
   const ModelConfig& m = s.config.model;
   const rt_test::MasterLayer& w = s.master.layers[li];
   const SparseConfig sc = m.sparse(1);
@@ -196,13 +219,19 @@ void reference_layer(const Scenario& s, Reference& ref, std::size_t li, const St
   pre.positions = meta.positions.view();
   pre.batch = meta.batch;
   pre.kv_cache = kv;
-  pre.index_cache = index;
   pre.q_out = q.view();
-  pre.index_q_out = iq.view();
+  if (shared_topk == nullptr) {
+    pre.index_cache = index;
+    pre.index_q_out = iq.view();
+  }
   cpu::preprocess(sc, pre, 1);
-  IndexerArgs sel{iq.view(), index, meta.batch, topk.view()};
-  cpu::select_topk(sc, sel, 1);
-  AttentionArgs att{q.view(), kv, meta.batch, topk.view(), attn.view()};
+  if (shared_topk == nullptr) {
+    IndexerArgs sel{iq.view(), index, meta.batch, topk.view()};
+    cpu::select_topk(sc, sel, 1);
+    if (select_out != nullptr) *select_out = topk;
+  }
+  AttentionArgs att{q.view(), kv, meta.batch, (shared_topk ? *shared_topk : topk).view(),
+                    attn.view()};
   cpu::sparse_attention(sc, att, 1);
 
   std::vector<uint16_t> o(static_cast<std::size_t>(H));
@@ -327,7 +356,7 @@ TEST(RuntimeForward, TensorParallelEqualsOneRankAndOneRankEqualsReference) {
 TEST(RuntimeForward, Fp8ProjectionMatchesDequantizedReference) {
   const Scenario s = make_scenario(/*intermediate=*/0, /*seed=*/23);
   const int64_t H = s.config.model.hidden;
-  const RunResult fp8 = run_runtime(s, 1, /*fp8_qkv=*/true);
+  const RunResult fp8 = run_runtime(s, 1, {.fp8_qkv = true});
   // The reference with the dequantized weights (stored fp8 * per-channel scale).
   const rt_test::RankModel rank = rt_test::make_rank_model(s.master, 0, 1, /*fp8_qkv=*/true);
   Reference ref = make_reference(s.master);
@@ -352,6 +381,146 @@ TEST(RuntimeForward, Fp8ProjectionMatchesDequantizedReference) {
     expect_close(fp8.hidden[0][step], hidden, kRefAbs, kRefRel, H, at + " hidden");
     expect_close(fp8.residual[0][step], residual, kRefAbs, kRefRel, H, at + " residual");
   }
+}
+
+// CP on vs CP off (cp.md "Exactness"): every layer's selection of every rank is bit-identical,
+// and since nothing else differs (the q, k, v columns of the projection are computed the same
+// way), so is every output. P = 1, 2 (= index heads) and 4 (> index heads: replicated KV heads).
+TEST(RuntimeForward, ContextParallelEqualsCpOffBitForBit) {
+  const Scenario s = make_scenario(/*intermediate=*/128, /*seed=*/31);
+  for (int world : {1, 2, 4}) {
+    const RunResult off = run_runtime(s, world);
+    const RunResult on = run_runtime(s, world, {.context_parallel = true});
+    const std::string name = "P=" + std::to_string(world);
+    for (int r = 0; r < world; ++r) {
+      const auto ur = static_cast<std::size_t>(r);
+      EXPECT_TRUE(on.stats[ur].context_parallel) << name;
+      for (std::size_t step = 0; step < s.steps.size(); ++step) {
+        for (std::size_t li = 0; li < s.master.layers.size(); ++li) {
+          EXPECT_EQ(on.topk[ur][step][li], off.topk[ur][step][li])
+              << name << " rank " << r << " step " << step << " layer " << li;
+        }
+        EXPECT_EQ(on.hidden[ur][step], off.hidden[ur][step]) << name << " rank " << r;
+        EXPECT_EQ(on.residual[ur][step], off.residual[ur][step]) << name << " rank " << r;
+      }
+      // The index cache of every layer got the same inserts.
+      for (std::size_t li = 0; li < s.master.layers.size(); ++li) {
+        EXPECT_EQ(
+            std::memcmp(on.ranks[ur].index_caches[li].data(), off.ranks[ur].index_caches[li].data(),
+                        on.ranks[ur].index_caches[li].nbytes()),
+            0)
+            << name << " rank " << r << " layer " << li << " index cache";
+      }
+    }
+  }
+}
+
+// A CP projection bound without every index_q head is refused, naming the tensor and shapes.
+TEST(RuntimeForward, ContextParallelNeedsEveryIndexQHeadInTheProjection) {
+  const Scenario s = make_scenario(/*intermediate=*/0, /*seed=*/5);
+  RuntimeConfig config = s.config;
+  config.context_parallel = true;
+  auto group = ThreadGroup::create(2, std::chrono::seconds(20));
+  std::vector<rt_test::RankModel> ranks;
+  for (int r = 0; r < 2; ++r) ranks.push_back(rt_test::make_rank_model(s.master, r, 2));
+  const auto errors = run_ranks(group, [&](Communicator& comm) {
+    Runtime runtime([](const std::string&) {});
+    runtime.prepare(ranks[static_cast<std::size_t>(comm.rank())].weights, config, comm);
+  });
+  const ModelConfig& m = s.config.model;
+  const std::string want_shape =
+      "[" + std::to_string(m.sparse(2, true).qkv_width()) + ", " + std::to_string(m.hidden) + "]";
+  for (const auto& e : errors) {
+    ASSERT_TRUE(e);
+    try {
+      std::rethrow_exception(e);
+    } catch (const Error& err) {
+      EXPECT_EQ(err.code(), ErrorCode::kInvalidArgument);
+      EXPECT_NE(err.message().find("qkv_proj: expected shape " + want_shape), std::string::npos)
+          << err.message();
+    }
+  }
+}
+
+// Cross-layer selection sharing (spec.md section 7) with period 2 over the two sparse layers (no
+// MLP: how it amplifies one-ulp differences is not what this test is about):
+// layer 2 (ordinal 1) computes no index_q and inserts no index_k, runs no indexer and attends
+// with layer 1's selection of the same step. Oracle: the reference composition with layer 1's
+// selection handed to layer 2; TP = 2 equals TP = 1 within the TP tolerance; CP + sharing equals
+// sharing alone bit for bit.
+TEST(RuntimeForward, SelectionSharingReusesTheLastIndexerLayersSelection) {
+  const Scenario s = make_scenario(/*intermediate=*/0, /*seed=*/41);
+  const int64_t H = s.config.model.hidden;
+  const RunResult one = run_runtime(s, 1, {.share_period = 2});
+  ASSERT_EQ(s.master.layers.size(), 2u);
+
+  Reference ref = make_reference(s.master);
+  for (std::size_t step = 0; step < s.steps.size(); ++step) {
+    std::vector<uint16_t> hidden = s.hidden_in[step];
+    std::vector<uint16_t> residual = s.residual_in[step];
+    HostTensor selection;
+    reference_layer(s, ref, 0, s.steps[step], hidden, residual, nullptr, &selection);
+    reference_layer(s, ref, 1, s.steps[step], hidden, residual, &selection);
+    const std::string at = "step " + std::to_string(step);
+    // The shared layer's selection is the indexer layer's, bit for bit.
+    EXPECT_EQ(one.topk[0][step][1], one.topk[0][step][0]) << at;
+    expect_close(one.hidden[0][step], hidden, kRefAbs, kRefRel, H, "sharing vs reference, " + at);
+    expect_close(one.residual[0][step], residual, kRefAbs, kRefRel, H,
+                 "sharing vs reference residual, " + at);
+  }
+  // Layer 2's index cache is untouched; layer 1's got the steps' keys.
+  const auto& master_index = s.master.layers[1].index_cache;
+  EXPECT_EQ(
+      std::memcmp(one.ranks[0].index_caches[1].data(), master_index.data(), master_index.nbytes()),
+      0);
+  EXPECT_NE(std::memcmp(one.ranks[0].index_caches[0].data(), s.master.layers[0].index_cache.data(),
+                        master_index.nbytes()),
+            0);
+  EXPECT_EQ(one.stats[0].indexer_layers_run, static_cast<int64_t>(s.steps.size()));
+  EXPECT_EQ(one.stats[0].sharing_layers_run, static_cast<int64_t>(s.steps.size()));
+
+  const RunResult two = run_runtime(s, 2, {.share_period = 2});
+  const RunResult two_cp = run_runtime(s, 2, {.context_parallel = true, .share_period = 2});
+  for (std::size_t step = 0; step < s.steps.size(); ++step) {
+    const std::string at = "TP=2 sharing, step " + std::to_string(step);
+    expect_close(two.hidden[0][step], one.hidden[0][step], kTpAbs, kTpRel, H, at);
+    expect_close(two.residual[0][step], one.residual[0][step], kTpAbs, kTpRel, H, at);
+    for (int r = 0; r < 2; ++r) {
+      const auto ur = static_cast<std::size_t>(r);
+      EXPECT_EQ(two_cp.topk[ur][step], two.topk[ur][step]) << at << " rank " << r;
+      EXPECT_EQ(two_cp.hidden[ur][step], two.hidden[ur][step]) << at << " CP rank " << r;
+    }
+  }
+}
+
+// A sharing layer needs an indexer layer earlier in the step.
+TEST(RuntimeForward, SharingLayerBeforeAnyIndexerLayerOfTheStepIsRefused) {
+  const Scenario s = make_scenario(/*intermediate=*/0, /*seed=*/7);
+  RuntimeConfig config = s.config;
+  config.selection_share_period = 2;
+  rt_test::RankModel rank = rt_test::make_rank_model(s.master, 0, 1);
+  auto comm = make_single_rank_communicator();
+  Runtime runtime([](const std::string&) {});
+  ASSERT_EQ(runtime.prepare(rank.weights, config, *comm), PrepareResult::kActive);
+  const StepMeta& meta = s.steps[0];
+  ASSERT_TRUE(runtime.begin_step(meta.batch));
+  const int64_t rows = meta.batch.num_rows();
+  std::vector<uint16_t> hidden = s.hidden_in[0], residual = s.residual_in[0];
+  const TensorView h = TensorView::contiguous(hidden.data(), DType::kBF16, {rows, 256});
+  const TensorView res = TensorView::contiguous(residual.data(), DType::kBF16, {rows, 256});
+  try {
+    runtime.forward_layer(2, h, res, meta.positions.view());
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(e.message().find("layer 2 shares the selection"), std::string::npos) << e.message();
+  }
+  runtime.forward_layer(1, h, res, meta.positions.view());
+  runtime.forward_layer(2, h, res, meta.positions.view());  // now fine
+  // A new step starts without a selection again.
+  ASSERT_TRUE(runtime.begin_step(meta.batch));
+  EXPECT_THROW(runtime.forward_layer(2, h, res, meta.positions.view()), Error);
+  runtime.close();
 }
 
 }  // namespace

@@ -174,10 +174,11 @@ inline std::vector<float> columns(const std::vector<float>& w, int64_t rows, int
   return out;
 }
 
-// The fused projection of rank r as float rows [q | k | v | index_q | index_k].
+// The fused projection of rank r as float rows [q | k | v | index_q | index_k]; with context
+// parallelism every rank carries every index_q head.
 inline std::vector<float> rank_qkv_rows(const ModelConfig& m, const MasterLayer& w, int rank,
-                                        int world) {
-  const SparseConfig sc = m.sparse(world);
+                                        int world, bool context_parallel = false) {
+  const SparseConfig sc = m.sparse(world, context_parallel);
   const int64_t H = m.hidden;
   std::vector<float> rows;
   append_rows(rows, w.wq, H, int64_t{first_q_head(m, rank, world)} * m.head_dim,
@@ -185,7 +186,8 @@ inline std::vector<float> rank_qkv_rows(const ModelConfig& m, const MasterLayer&
   const int64_t kv0 = int64_t{first_kv_head(m, rank, world)};
   append_rows(rows, w.wk, H, kv0 * m.head_dim, int64_t{sc.kv_heads} * m.head_dim);
   append_rows(rows, w.wv, H, kv0 * m.head_dim, int64_t{sc.kv_heads} * m.head_dim);
-  append_rows(rows, w.wiq, H, kv0 * m.index_dim, int64_t{sc.index_heads} * m.index_dim);
+  const int64_t iq0 = context_parallel ? 0 : kv0;
+  append_rows(rows, w.wiq, H, iq0 * m.index_dim, int64_t{sc.index_heads} * m.index_dim);
   append_rows(rows, w.wik, H, 0, m.index_dim);
   return rows;
 }
@@ -205,10 +207,11 @@ struct RankModel {
 };
 
 // fp8_qkv: the fused projection as fp8 e4m3 with per-output-channel scales (max |w| / 448).
+// context_parallel: the projection as the CP runtime binds it (every index_q head).
 inline RankModel make_rank_model(const MasterModel& master, int rank, int world,
-                                 bool fp8_qkv = false) {
+                                 bool fp8_qkv = false, bool context_parallel = false) {
   const ModelConfig& m = master.config;
-  const SparseConfig sc = m.sparse(world);
+  const SparseConfig sc = m.sparse(world, context_parallel);
   RankModel out;
   out.storage.reserve(64);
   const int64_t H = m.hidden;
@@ -216,7 +219,7 @@ inline RankModel make_rank_model(const MasterModel& master, int rank, int world,
   for (const MasterLayer& w : master.layers) {
     LayerWeights lw;
     lw.layer = w.layer;
-    const std::vector<float> qkv = rank_qkv_rows(m, w, rank, world);
+    const std::vector<float> qkv = rank_qkv_rows(m, w, rank, world, context_parallel);
     if (fp8_qkv) {
       HostTensor q8(DType::kFP8E4M3, {width, H});
       HostTensor scale(DType::kF32, {width});

@@ -430,12 +430,21 @@ void compare_caches(const SparseConfig& sc, const rt_test::RankModel& cpu, const
 
 // ---- GPU forward_layer vs the CPU runtime, layer by layer ----
 
-void run_against_cpu(bool fp8_qkv, bool device_metadata, uint64_t seed) {
-  const Scenario s = make_scenario(seed);
+struct AgainstCpu {
+  bool fp8_qkv = false;
+  bool device_metadata = false;
+  bool context_parallel = false;  // TP = 1: the CP indexer at P = 1 (exchange with itself)
+  int share_period = 1;
+};
+
+void run_against_cpu(uint64_t seed, const AgainstCpu& opt = {}) {
+  Scenario s = make_scenario(seed);
+  s.config.context_parallel = opt.context_parallel;
+  s.config.selection_share_period = opt.share_period;
   const ModelConfig& m = s.config.model;
   const SparseConfig sc = m.sparse(1);
-  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, fp8_qkv);
-  rt_test::RankModel host_for_gpu = rt_test::make_rank_model(s.master, 0, 1, fp8_qkv);
+  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, opt.fp8_qkv);
+  rt_test::RankModel host_for_gpu = rt_test::make_rank_model(s.master, 0, 1, opt.fp8_qkv);
   DeviceModel dev = upload_model(host_for_gpu, 0);
   auto comm_cpu = make_single_rank_communicator();
   auto comm_gpu = make_single_rank_communicator();
@@ -444,6 +453,7 @@ void run_against_cpu(bool fp8_qkv, bool device_metadata, uint64_t seed) {
   ASSERT_EQ(cpu.prepare(host.weights, s.config, *comm_cpu), PrepareResult::kActive);
   ASSERT_EQ(gpu.prepare(dev.weights, s.config, *comm_gpu), PrepareResult::kActive)
       << gpu.stats().to_json();
+  EXPECT_EQ(gpu.stats().context_parallel, opt.context_parallel);
   EXPECT_EQ(gpu.stats().backend, "cuda");
   EXPECT_EQ(gpu.device(), Device::cuda(0));
   const int64_t H = m.hidden;
@@ -453,16 +463,20 @@ void run_against_cpu(bool fp8_qkv, bool device_metadata, uint64_t seed) {
   ASSERT_NE(stream, nullptr);
 
   Check out_check, res_check, mlp_check;
-  int64_t selection_failures = 0, swapped_rows = 0, rows_total = 0;
+  int64_t selection_failures = 0, swapped_rows = 0, rows_total = 0, shared_mismatches = 0;
   std::string selection_first;
   for (std::size_t step = 0; step < s.steps.size(); ++step) {
     const StepMeta& meta = s.steps[step];
     const int64_t rows = meta.batch.num_rows();
     ASSERT_TRUE(cpu.begin_step(meta.batch)) << cpu.stats().last_refusal;
     DeviceBatch db;
-    if (device_metadata) db = device_batch(meta.batch, 0);
-    ASSERT_TRUE(gpu.begin_step(device_metadata ? db.batch : meta.batch))
+    if (opt.device_metadata) db = device_batch(meta.batch, 0);
+    ASSERT_TRUE(gpu.begin_step(opt.device_metadata ? db.batch : meta.batch))
         << gpu.stats().last_refusal;
+    // Rows whose selection swapped near-tied blocks in the step's last indexer layer (a sharing
+    // layer inherits them).
+    std::vector<bool> swapped(static_cast<std::size_t>(rows), false);
+    std::vector<int32_t> last_gpu_topk;
     std::vector<uint16_t> hidden = s.hidden_in[step];
     std::vector<uint16_t> residual = s.residual_in[step];
     const TensorView hv =
@@ -488,19 +502,26 @@ void run_against_cpu(bool fp8_qkv, bool device_metadata, uint64_t seed) {
                         TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}),
                         meta.positions.view());
       const Runtime::LayerTrace ct = cpu.last_layer_trace();
-      // Scores of the CPU's index_q over the CPU's caches (the near-tie rule's reference).
-      IndexerArgs idx;
-      idx.index_q = ct.index_q;
-      idx.index_cache = host.weights.layers[l].index_cache;
-      idx.batch = cpu.step_metadata();
-      idx.topk_idx = ct.topk;
-      HostTensor scores(DType::kF32, {rows, sc.index_heads, max_blocks()});
-      cpu::score_blocks(sc, idx, scores.view());
-      std::vector<bool> swapped(static_cast<std::size_t>(rows), false);
-      selection_failures += compare_selection(sc, gpu_topk, host_values<int32_t>(ct.topk), scores,
-                                              meta.batch, swapped, selection_first);
-      for (bool b : swapped) swapped_rows += b;
-      rows_total += rows;
+      const bool shares = (layer - m.first_sparse_layer) % opt.share_period != 0;
+      if (shares) {
+        // No indexer ran: the GPU attends with its own last selection, bit for bit.
+        shared_mismatches += gpu_topk != last_gpu_topk;
+      } else {
+        // Scores of the CPU's index_q over the CPU's caches (the near-tie rule's reference).
+        IndexerArgs idx;
+        idx.index_q = ct.index_q;
+        idx.index_cache = host.weights.layers[l].index_cache;
+        idx.batch = cpu.step_metadata();
+        idx.topk_idx = ct.topk;
+        HostTensor scores(DType::kF32, {rows, sc.index_heads, max_blocks()});
+        cpu::score_blocks(sc, idx, scores.view());
+        std::fill(swapped.begin(), swapped.end(), false);
+        selection_failures += compare_selection(sc, gpu_topk, host_values<int32_t>(ct.topk), scores,
+                                                meta.batch, swapped, selection_first);
+        for (bool b : swapped) swapped_rows += b;
+        rows_total += rows;
+        last_gpu_topk = gpu_topk;
+      }
       const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(layer);
       compare_bf16(res_check, gpu_residual.data(), residual.data(), rows, H, kAbsTol, kRelTol,
                    swapped, where + " residual");
@@ -528,7 +549,10 @@ void run_against_cpu(bool fp8_qkv, bool device_metadata, uint64_t seed) {
       "hidden %.3f; launches per layer %lld\n",
       static_cast<long long>(rows_total), static_cast<long long>(swapped_rows), res_check.worst,
       out_check.worst, static_cast<long long>(gpu.stats().launches_per_layer));
+  EXPECT_EQ(shared_mismatches, 0) << "a sharing layer did not attend with the last selection";
   EXPECT_EQ(gpu.stats().layers_run, cpu.stats().layers_run);
+  EXPECT_EQ(gpu.stats().sharing_layers_run, cpu.stats().sharing_layers_run);
+  if (opt.share_period > 1) EXPECT_GT(gpu.stats().sharing_layers_run, 0);
   compare_caches(sc, host, dev, s.steps);
   gpu.close();
   cpu.close();
@@ -718,17 +742,29 @@ TEST(RuntimeKernels, AddRmsNormMatchesCpu) {
 
 TEST(RuntimeGpu, LayerMatchesCpuBf16) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  run_against_cpu(/*fp8_qkv=*/false, /*device_metadata=*/false, 101);
+  run_against_cpu(101);
 }
 
 TEST(RuntimeGpu, LayerMatchesCpuFp8) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  run_against_cpu(/*fp8_qkv=*/true, /*device_metadata=*/false, 202);
+  run_against_cpu(202, {.fp8_qkv = true});
 }
 
 TEST(RuntimeGpu, LayerMatchesCpuDeviceMetadata) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  run_against_cpu(/*fp8_qkv=*/false, /*device_metadata=*/true, 303);
+  run_against_cpu(303, {.device_metadata = true});
+}
+
+// The CP indexer inside forward_layer (P = 1) and cross-layer selection sharing (period 2:
+// layer 2 shares layer 1's selection), against the CPU runtime with the same options.
+TEST(RuntimeGpu, LayerMatchesCpuContextParallel) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  run_against_cpu(313, {.context_parallel = true});
+}
+
+TEST(RuntimeGpu, LayerMatchesCpuSelectionSharing) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  run_against_cpu(323, {.fp8_qkv = true, .share_period = 2});
 }
 
 // One GPU runtime with StepGraphs: the same step (caches restored, same inputs) run eagerly and
@@ -911,8 +947,10 @@ TEST(RuntimeGpu, UnsupportedFallsBackAndMixedDevicesFail) {
     }
   }
   {
-    // TP = 2 through a ThreadGroup (not NCCL): unsupported on both ranks -> fallback.
-    const Scenario s = make_scenario(707, {{{300}, 1}});
+    // TP = 2 through a ThreadGroup with the all-reduce on NCCL: unsupported on both ranks ->
+    // fallback (the default, auto, would use peer stores into the other rank's memory).
+    Scenario s = make_scenario(707, {{{300}, 1}});
+    s.config.tp_allreduce = TpAllReduce::kNccl;
     std::vector<DeviceModel> devs;
     std::vector<rt_test::RankModel> hosts;
     for (int r = 0; r < 2; ++r) {
@@ -936,7 +974,7 @@ TEST(RuntimeGpu, UnsupportedFallsBackAndMixedDevicesFail) {
     }
     for (int r = 0; r < 2; ++r) {
       EXPECT_EQ(results[static_cast<std::size_t>(r)], PrepareResult::kFallback);
-      EXPECT_NE(reasons[static_cast<std::size_t>(r)].find("not an NcclCommunicator"),
+      EXPECT_NE(reasons[static_cast<std::size_t>(r)].find("needs an NcclCommunicator"),
                 std::string::npos)
           << reasons[static_cast<std::size_t>(r)];
     }
@@ -997,9 +1035,7 @@ TEST(RuntimeGpu, DetachPrepareCyclesKeepDeviceMemoryStable) {
   rt.close();
 }
 
-// ---- Tensor parallelism: ranks as threads on two GPUs ----
-
-// Runs body(rank) on one thread per rank; rethrows the first error.
+// ---- Tensor parallelism: ranks as threads ----
 
 // Per step and layer: the input (hidden, residual) and output of TP = 1, and its selections.
 struct LayerRecord {
@@ -1007,143 +1043,256 @@ struct LayerRecord {
   std::vector<int32_t> topk;  // [rows, H, k]
 };
 
-TEST(RuntimeGpu, TensorParallel2MatchesTp1) {
-  M3MSA_RUNTIME_REQUIRE_GPUS(2);
-  const Scenario s = make_scenario(909);
-  const ModelConfig& m = s.config.model;
-  const int64_t H = m.hidden;
-  const SparseConfig sc1 = m.sparse(1);
-  const SparseConfig sc2 = m.sparse(2);
-  ASSERT_EQ(sc2.index_heads, 1);
-
-  // TP = 1 on GPU 0, chained through the layers; every layer recorded.
+// TP = 1 on GPU 0, chained through the layers; every layer recorded.
+std::vector<std::vector<LayerRecord>> record_tp1(const Scenario& s) {
+  const int64_t H = s.config.model.hidden;
   std::vector<std::vector<LayerRecord>> records(s.steps.size());
-  {
-    rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
-    DeviceModel dev = upload_model(host, 0);
-    auto comm = make_single_rank_communicator();
-    Runtime rt([](const std::string&) {});
-    ASSERT_EQ(rt.prepare(dev.weights, s.config, *comm), PrepareResult::kActive);
-    DeviceTensor hidden(DType::kBF16, {16, H}), residual(DType::kBF16, {16, H});
-    DeviceTensor positions(DType::kI64, {16});
-    for (std::size_t step = 0; step < s.steps.size(); ++step) {
-      const StepMeta& meta = s.steps[step];
-      const int64_t rows = meta.batch.num_rows();
-      const TensorView hv =
-          TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}, Device::cuda(0));
-      const TensorView rv =
-          TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}, Device::cuda(0));
-      const TensorView pv =
-          TensorView::contiguous(positions.data(), DType::kI64, {rows}, Device::cuda(0));
-      upload_into(pv, meta.positions.data(), meta.positions.nbytes());
-      upload_into(hv, s.hidden_in[step].data(), s.hidden_in[step].size() * 2);
-      upload_into(rv, s.residual_in[step].data(), s.residual_in[step].size() * 2);
-      ASSERT_TRUE(rt.begin_step(meta.batch));
-      for (const rt_test::MasterLayer& layer : s.master.layers) {
-        LayerRecord rec;
-        rec.in_hidden = download<uint16_t>(hv);
-        rec.in_residual = download<uint16_t>(rv);
-        rt.forward_layer(layer.layer, hv, rv, pv);
-        CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(rt.cuda_stream())));
-        rec.out_hidden = download<uint16_t>(hv);
-        rec.out_residual = download<uint16_t>(rv);
-        rec.topk = download<int32_t>(rt.last_layer_trace().topk);
-        records[step].push_back(rec);
-      }
+  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+  DeviceModel dev = upload_model(host, 0);
+  auto comm = make_single_rank_communicator();
+  Runtime rt([](const std::string&) {});
+  M3MSA_CHECK_INTERNAL(rt.prepare(dev.weights, s.config, *comm) == PrepareResult::kActive,
+                       "TP = 1 prepare: ", rt.stats().to_json());
+  DeviceTensor hidden(DType::kBF16, {16, H}), residual(DType::kBF16, {16, H});
+  DeviceTensor positions(DType::kI64, {16});
+  for (std::size_t step = 0; step < s.steps.size(); ++step) {
+    const StepMeta& meta = s.steps[step];
+    const int64_t rows = meta.batch.num_rows();
+    const TensorView hv =
+        TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}, Device::cuda(0));
+    const TensorView rv =
+        TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}, Device::cuda(0));
+    const TensorView pv =
+        TensorView::contiguous(positions.data(), DType::kI64, {rows}, Device::cuda(0));
+    upload_into(pv, meta.positions.data(), meta.positions.nbytes());
+    upload_into(hv, s.hidden_in[step].data(), s.hidden_in[step].size() * 2);
+    upload_into(rv, s.residual_in[step].data(), s.residual_in[step].size() * 2);
+    M3MSA_CHECK_INTERNAL(rt.begin_step(meta.batch), "TP = 1 refused step ", step);
+    for (const rt_test::MasterLayer& layer : s.master.layers) {
+      LayerRecord rec;
+      rec.in_hidden = download<uint16_t>(hv);
+      rec.in_residual = download<uint16_t>(rv);
+      rt.forward_layer(layer.layer, hv, rv, pv);
+      CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(rt.cuda_stream())));
+      rec.out_hidden = download<uint16_t>(hv);
+      rec.out_residual = download<uint16_t>(rv);
+      rec.topk = download<int32_t>(rt.last_layer_trace().topk);
+      records[step].push_back(rec);
     }
-    rt.close();
   }
+  rt.close();
+  return records;
+}
 
-  // TP = 2: every layer from the TP = 1 input; outputs per rank.
-  auto comms = make_nccl_communicators_in_process({0, 1}, std::chrono::seconds(60));
-  std::vector<std::vector<std::vector<uint16_t>>> out_hidden(2), out_residual(2);
-  std::vector<int64_t> selection_mismatches(2, 0);
-  std::vector<std::vector<uint16_t>> graph_eager(2), graph_replay(2);
-  run_threads(2, [&](int r) {
-    cuda::DeviceGuard guard(r);
-    rt_test::RankModel host = rt_test::make_rank_model(s.master, r, 2, false);
-    DeviceModel dev = upload_model(host, r);
+// What each rank of a TP = 2 run produced, [rank][step * layers + layer].
+struct TpRun {
+  std::vector<std::vector<std::vector<uint16_t>>> hidden{2}, residual{2};
+  std::vector<std::vector<std::vector<int32_t>>> topk{2};
+  std::vector<std::vector<uint16_t>> graph_eager{2}, graph_replay{2};
+  std::vector<RuntimeStats> stats{2};
+};
+
+// TP = 2 with ranks as threads on `devices`: {0, 1} over NCCL communicators, or {0, 0} (one GPU
+// twice) over a ThreadGroup, where the TP all-reduce and the CP exchange use peer stores into
+// the other rank's allocation. Every layer starts from the TP = 1 input (teacher forcing); a
+// whole step also runs eagerly and through a graph. Copies are stream-ordered on each rank's
+// runtime stream: a device-wide synchronize on one rank could wait on the other rank's kernel
+// spinning for this rank's next exchange.
+TpRun run_tp2(const Scenario& s, const std::vector<std::vector<LayerRecord>>& records,
+              const std::vector<int>& devices, const RuntimeConfig& config) {
+  const int64_t H = s.config.model.hidden;
+  TpRun out;
+  std::vector<rt_test::RankModel> hosts;
+  std::vector<DeviceModel> devs;
+  for (int r = 0; r < 2; ++r) {
+    hosts.push_back(rt_test::make_rank_model(s.master, r, 2, false, config.context_parallel));
+    devs.push_back(upload_model(hosts.back(), devices[static_cast<std::size_t>(r)]));
+  }
+  auto body = [&](Communicator& comm) {
+    const int r = comm.rank();
+    const auto ur = static_cast<std::size_t>(r);
+    const int device = devices[ur];
+    cuda::DeviceGuard guard(device);
     Runtime rt([](const std::string&) {});
-    M3MSA_CHECK_INTERNAL(rt.prepare(dev.weights, s.config, *comms[static_cast<std::size_t>(r)]) ==
-                             PrepareResult::kActive,
+    M3MSA_CHECK_INTERNAL(rt.prepare(devs[ur].weights, config, comm) == PrepareResult::kActive,
                          "rank ", r, " prepare: ", rt.stats().to_json());
-    DeviceTensor hidden(DType::kBF16, {16, H}, r), residual(DType::kBF16, {16, H}, r);
-    DeviceTensor positions(DType::kI64, {16}, r);
+    cudaStream_t stream = static_cast<cudaStream_t>(rt.cuda_stream());
+    auto put = [&](const TensorView& v, const void* host, std::size_t bytes) {
+      CUDA_CHECK(cudaMemcpyAsync(v.data, host, bytes, cudaMemcpyHostToDevice, stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+    };
+    auto get16 = [&](const TensorView& v, int64_t count) {
+      std::vector<uint16_t> h(static_cast<std::size_t>(count));
+      CUDA_CHECK(cudaMemcpyAsync(h.data(), v.data, h.size() * 2, cudaMemcpyDeviceToHost, stream));
+      CUDA_CHECK(cudaStreamSynchronize(stream));
+      return h;
+    };
+    DeviceTensor hidden(DType::kBF16, {16, H}, device), residual(DType::kBF16, {16, H}, device);
+    DeviceTensor positions(DType::kI64, {16}, device);
     for (std::size_t step = 0; step < s.steps.size(); ++step) {
       const StepMeta& meta = s.steps[step];
       const int64_t rows = meta.batch.num_rows();
-      const TensorView hv =
-          TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}, Device::cuda(r));
-      const TensorView rv =
-          TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}, Device::cuda(r));
-      const TensorView pv =
-          TensorView::contiguous(positions.data(), DType::kI64, {rows}, Device::cuda(r));
-      upload_into(pv, meta.positions.data(), meta.positions.nbytes());
+      const Device dev = Device::cuda(device);
+      const TensorView hv = TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}, dev);
+      const TensorView rv = TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}, dev);
+      const TensorView pv = TensorView::contiguous(positions.data(), DType::kI64, {rows}, dev);
+      put(pv, meta.positions.data(), meta.positions.nbytes());
       M3MSA_CHECK_INTERNAL(rt.begin_step(meta.batch), "rank ", r, " refused step ", step);
       for (std::size_t l = 0; l < s.master.layers.size(); ++l) {
         const LayerRecord& rec = records[step][l];
-        upload_into(hv, rec.in_hidden.data(), rec.in_hidden.size() * 2);
-        upload_into(rv, rec.in_residual.data(), rec.in_residual.size() * 2);
+        put(hv, rec.in_hidden.data(), rec.in_hidden.size() * 2);
+        put(rv, rec.in_residual.data(), rec.in_residual.size() * 2);
         rt.forward_layer(s.master.layers[l].layer, hv, rv, pv);
-        CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(rt.cuda_stream())));
-        out_hidden[static_cast<std::size_t>(r)].push_back(download<uint16_t>(hv));
-        out_residual[static_cast<std::size_t>(r)].push_back(download<uint16_t>(rv));
-        // This rank's index head is global head r of TP = 1.
-        const std::vector<int32_t> topk = download<int32_t>(rt.last_layer_trace().topk);
-        for (int64_t row = 0; row < rows; ++row) {
-          for (int i = 0; i < sc1.topk; ++i) {
-            const int32_t want =
-                rec.topk[static_cast<std::size_t>((row * sc1.index_heads + r) * sc1.topk + i)];
-            const int32_t got = topk[static_cast<std::size_t>(row * sc1.topk + i)];
-            selection_mismatches[static_cast<std::size_t>(r)] += want != got;
-          }
-        }
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        out.hidden[ur].push_back(get16(hv, rows * H));
+        out.residual[ur].push_back(get16(rv, rows * H));
+        const TensorView topk = rt.last_layer_trace().topk;
+        std::vector<int32_t> t(static_cast<std::size_t>(topk.numel()));
+        CUDA_CHECK(
+            cudaMemcpyAsync(t.data(), topk.data, t.size() * 4, cudaMemcpyDeviceToHost, stream));
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        out.topk[ur].push_back(t);
       }
     }
-    // A whole step through a graph at TP = 2 (NCCL inside): replay == eager on these caches.
+    rt.check();  // nothing recorded by the exchanges
+    // A whole step through a graph at TP = 2 (the all-reduces inside): replay == eager. The same
+    // step twice writes the same cache slots with the same values, so the second pass sees the
+    // caches the first one left: eager first, then the graph.
     {
       StepGraphs graphs(rt);
       const StepMeta& meta = s.steps[0];
       const int64_t rows = meta.batch.num_rows();
       for (int pass = 0; pass < 2; ++pass) {
-        upload_into(graphs.hidden(), s.hidden_in[0].data(), s.hidden_in[0].size() * 2);
-        upload_into(graphs.residual(), s.residual_in[0].data(), s.residual_in[0].size() * 2);
-        upload_into(graphs.positions(), meta.positions.data(), meta.positions.nbytes());
-        // The same step twice writes the same cache slots with the same values, so the second
-        // pass sees the caches the first one left: eager first, then the graph.
+        put(graphs.hidden(), s.hidden_in[0].data(), s.hidden_in[0].size() * 2);
+        put(graphs.residual(), s.residual_in[0].data(), s.residual_in[0].size() * 2);
+        put(graphs.positions(), meta.positions.data(), meta.positions.nbytes());
         M3MSA_CHECK_INTERNAL(pass == 0 ? graphs.run_eager(meta.batch) : graphs.run(meta.batch),
                              "rank ", r, " graph step refused");
-        CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(rt.cuda_stream())));
-        std::vector<uint16_t> h = download<uint16_t>(graphs.hidden());
-        h.resize(static_cast<std::size_t>(rows * H));
-        (pass == 0 ? graph_eager : graph_replay)[static_cast<std::size_t>(r)] = h;
+        CUDA_CHECK(cudaStreamSynchronize(stream));
+        (pass == 0 ? out.graph_eager : out.graph_replay)[ur] = get16(graphs.hidden(), rows * H);
       }
     }
+    rt.check();
+    out.stats[ur] = rt.stats();
     rt.close();
-  });
+  };
+  if (devices[0] != devices[1]) {
+    auto comms = make_nccl_communicators_in_process(devices, std::chrono::seconds(60));
+    run_threads(2, [&](int r) { body(*comms[static_cast<std::size_t>(r)]); });
+  } else {
+    auto group = ThreadGroup::create(2, std::chrono::seconds(60));
+    const auto errors = run_ranks(group, body);
+    for (const auto& e : errors) {
+      if (e) std::rethrow_exception(e);
+    }
+  }
+  return out;
+}
 
+// TP = 2 against TP = 1: ranks bit-identical to each other, outputs within the TP tolerance,
+// each rank's selection == TP = 1's selection of its head, graph replay == eager.
+void expect_tp2_matches_tp1(const Scenario& s, const std::vector<std::vector<LayerRecord>>& records,
+                            const TpRun& tp, const std::string& name) {
+  const ModelConfig& m = s.config.model;
+  const int64_t H = m.hidden;
+  const SparseConfig sc1 = m.sparse(1);
   Check c;
+  std::vector<int64_t> selection_mismatches(2, 0);
   std::size_t i = 0;
   for (std::size_t step = 0; step < s.steps.size(); ++step) {
     const int64_t rows = s.steps[step].batch.num_rows();
     for (std::size_t l = 0; l < s.master.layers.size(); ++l, ++i) {
       const LayerRecord& rec = records[step][l];
-      EXPECT_EQ(out_hidden[0][i], out_hidden[1][i])
-          << "ranks differ: step " << step << " layer " << l;
-      EXPECT_EQ(out_residual[0][i], out_residual[1][i]) << "ranks differ: step " << step;
+      EXPECT_EQ(tp.hidden[0][i], tp.hidden[1][i])
+          << name << ": ranks differ: step " << step << " layer " << l;
+      EXPECT_EQ(tp.residual[0][i], tp.residual[1][i]) << name << ": ranks differ: step " << step;
       const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(l);
-      compare_bf16(c, out_residual[0][i].data(), rec.out_residual.data(), rows, H, kTpAbsTol,
+      compare_bf16(c, tp.residual[0][i].data(), rec.out_residual.data(), rows, H, kTpAbsTol,
                    kTpRelTol, {}, where + " residual");
-      compare_bf16(c, out_hidden[0][i].data(), rec.out_hidden.data(), rows, H, kTpAbsTol, kTpRelTol,
+      compare_bf16(c, tp.hidden[0][i].data(), rec.out_hidden.data(), rows, H, kTpAbsTol, kTpRelTol,
                    {}, where + " hidden");
+      // Rank r attends KV head r: TP = 1's head r.
+      for (int r = 0; r < 2; ++r) {
+        const std::vector<int32_t>& topk = tp.topk[static_cast<std::size_t>(r)][i];
+        for (int64_t row = 0; row < rows; ++row) {
+          for (int j = 0; j < sc1.topk; ++j) {
+            const int32_t want =
+                rec.topk[static_cast<std::size_t>((row * sc1.index_heads + r) * sc1.topk + j)];
+            selection_mismatches[static_cast<std::size_t>(r)] +=
+                want != topk[static_cast<std::size_t>(row * sc1.topk + j)];
+          }
+        }
+      }
     }
   }
-  EXPECT_EQ(c.bad, 0) << c.first << " (worst " << c.worst << " of the tolerance)";
-  EXPECT_EQ(selection_mismatches[0], 0) << "rank 0 selections differ from TP = 1 head 0";
-  EXPECT_EQ(selection_mismatches[1], 0) << "rank 1 selections differ from TP = 1 head 1";
-  EXPECT_EQ(graph_eager[0], graph_replay[0]) << "TP = 2 graph replay differs from eager";
-  EXPECT_EQ(graph_eager[0], graph_eager[1]) << "TP = 2 ranks differ";
-  std::printf("[ info ] TP = 2 vs TP = 1: worst error / tolerance %.3f\n", c.worst);
+  EXPECT_EQ(c.bad, 0) << name << ": " << c.first << " (worst " << c.worst << " of the tolerance)";
+  EXPECT_EQ(selection_mismatches[0], 0) << name << ": rank 0 selections differ from TP=1 head 0";
+  EXPECT_EQ(selection_mismatches[1], 0) << name << ": rank 1 selections differ from TP=1 head 1";
+  EXPECT_EQ(tp.graph_eager[0], tp.graph_replay[0]) << name << ": graph replay differs from eager";
+  EXPECT_EQ(tp.graph_eager[0], tp.graph_eager[1]) << name << ": ranks differ in the graph step";
+  std::printf("[ info ] %s vs TP = 1: worst error / tolerance %.3f, all-reduce %s, launches %lld\n",
+              name.c_str(), c.worst, tp.stats[0].tp_allreduce.c_str(),
+              static_cast<long long>(tp.stats[0].launches_per_layer));
+}
+
+// CP on vs CP off at the same TP: selections and outputs bit-identical (cp.md "Exactness").
+void expect_cp_equals_no_cp(const TpRun& cp, const TpRun& no_cp, const std::string& name) {
+  for (std::size_t r = 0; r < 2; ++r) {
+    EXPECT_TRUE(cp.stats[r].context_parallel) << name;
+    EXPECT_EQ(cp.topk[r], no_cp.topk[r]) << name << ": rank " << r << " selections differ";
+    EXPECT_EQ(cp.hidden[r], no_cp.hidden[r]) << name << ": rank " << r << " outputs differ";
+    EXPECT_EQ(cp.graph_replay[r], no_cp.graph_replay[r]) << name << ": rank " << r << " graph";
+  }
+}
+
+TEST(RuntimeGpu, TensorParallel2MatchesTp1) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(2);
+  const Scenario s = make_scenario(909);
+  ASSERT_EQ(s.config.model.sparse(2).index_heads, 1);
+  const auto records = record_tp1(s);
+  RuntimeConfig nccl = s.config;
+  nccl.tp_allreduce = TpAllReduce::kNccl;
+  const TpRun tp_nccl = run_tp2(s, records, {0, 1}, nccl);
+  expect_tp2_matches_tp1(s, records, tp_nccl, "TP=2 nccl");
+  EXPECT_EQ(tp_nccl.stats[0].tp_allreduce, "nccl");
+  RuntimeConfig peer = s.config;  // auto: peer stores over NVLink
+  const TpRun tp_peer = run_tp2(s, records, {0, 1}, peer);
+  expect_tp2_matches_tp1(s, records, tp_peer, "TP=2 peer");
+  EXPECT_EQ(tp_peer.stats[0].tp_allreduce, "peer");
+  // Two ranks' partials summed in rank order: the same bits whichever transport carried them.
+  for (std::size_t r = 0; r < 2; ++r) EXPECT_EQ(tp_peer.hidden[r], tp_nccl.hidden[r]) << r;
+  for (CpTransport transport : {CpTransport::kPeer, CpTransport::kNccl}) {
+    RuntimeConfig cp = peer;
+    cp.context_parallel = true;
+    cp.cp_transport = transport;
+    const TpRun tp_cp = run_tp2(s, records, {0, 1}, cp);
+    expect_cp_equals_no_cp(tp_cp, tp_peer, std::string("TP=2 CP ") + cp_transport_name(transport));
+  }
+}
+
+// The same TP = 2 runs with both ranks on one GPU (the peer all-reduce and the CP peer exchange
+// into the other rank's allocation; no NCCL): what a one-GPU machine can check of TP = 2.
+TEST(RuntimeGpu, TensorParallel2OnOneGpuMatchesTp1) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  const Scenario s = make_scenario(919);
+  const auto records = record_tp1(s);
+  const TpRun tp = run_tp2(s, records, {0, 0}, s.config);
+  expect_tp2_matches_tp1(s, records, tp, "TP=2 on one GPU");
+  EXPECT_EQ(tp.stats[0].tp_allreduce, "peer");
+  RuntimeConfig cp = s.config;
+  cp.context_parallel = true;
+  const TpRun tp_cp = run_tp2(s, records, {0, 0}, cp);
+  expect_cp_equals_no_cp(tp_cp, tp, "TP=2 CP peer on one GPU");
+  RuntimeConfig share = cp;
+  share.selection_share_period = 2;
+  const TpRun tp_share = run_tp2(s, records, {0, 0}, share);
+  // Layer 2 (ordinal 1) attends with layer 1's selection on every rank.
+  for (std::size_t r = 0; r < 2; ++r) {
+    for (std::size_t i = 1; i < tp_share.topk[r].size(); i += 2) {
+      EXPECT_EQ(tp_share.topk[r][i], tp_share.topk[r][i - 1]) << "rank " << r << " layer " << i;
+    }
+    EXPECT_GT(tp_share.stats[r].sharing_layers_run, 0);
+  }
 }
 
 }  // namespace

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
@@ -114,6 +115,70 @@ inline std::string device_description() {
                 prop.totalGlobalMem / 1073741824.0);
   return std::string(prop.name) + numbers;
 }
+
+// A PyTorch baseline's results (bench/torch_*.py write {"results": [{...fields...,
+// "median_us": x | null, ...}], ...}), for the "torch us" / "x torch" columns of a benchmark.
+// Records are keyed by the values of `key_fields`, in that order; a benchmark looks up its
+// configuration with the same values (find / median_us take them in key_fields order).
+class TorchBaseline {
+ public:
+  TorchBaseline() = default;
+  // An empty path: no baseline. A missing, unreadable or malformed file: a note on stderr naming
+  // `who` (e.g. "bench indexer"), and no records (the columns stay empty).
+  static TorchBaseline read(const std::string& path, std::vector<std::string> key_fields,
+                            const std::string& who) {
+    TorchBaseline out;
+    out.key_fields_ = std::move(key_fields);
+    if (path.empty()) return out;
+    std::ifstream in(path);
+    if (!in) {
+      std::fprintf(stderr, "%s: no torch results at %s (columns left empty)\n", who.c_str(),
+                   path.c_str());
+      return out;
+    }
+    try {
+      nlohmann::json doc;
+      in >> doc;
+      for (const auto& r : doc.at("results")) {
+        nlohmann::json key = nlohmann::json::array();
+        for (const std::string& f : out.key_fields_) {
+          if (r.contains(f)) key.push_back(r[f]);
+        }
+        if (key.size() == out.key_fields_.size()) out.records_[key.dump()] = r;  // else not ours
+      }
+      doc.erase("results");
+      out.meta_ = std::move(doc);
+    } catch (const nlohmann::json::exception& e) {
+      std::fprintf(stderr, "%s: cannot read torch results %s: %s (columns left empty)\n",
+                   who.c_str(), path.c_str(), e.what());
+      out.records_.clear();
+    }
+    return out;
+  }
+
+  // The record of one configuration, or null.
+  const nlohmann::json* find(const std::vector<nlohmann::json>& key_values) const {
+    nlohmann::json key = nlohmann::json::array();
+    for (const auto& v : key_values) key.push_back(v);
+    const auto it = records_.find(key.dump());
+    return it == records_.end() ? nullptr : &it->second;
+  }
+  // Its median_us; 0 when there is no record or the baseline did not measure it (null).
+  double median_us(const std::vector<nlohmann::json>& key_values) const {
+    const nlohmann::json* r = find(key_values);
+    if (r == nullptr || !r->contains("median_us") || !(*r)["median_us"].is_number()) return 0.0;
+    return (*r)["median_us"].get<double>();
+  }
+  bool empty() const { return records_.empty(); }
+  size_t size() const { return records_.size(); }
+  // The document without its results (torch version, device, ...); null without a baseline.
+  const nlohmann::json& meta() const { return meta_; }
+
+ private:
+  std::vector<std::string> key_fields_;
+  std::map<std::string, nlohmann::json> records_;
+  nlohmann::json meta_;
+};
 
 inline void write_json(const std::string& path, const nlohmann::json& doc) {
   if (path.empty()) return;

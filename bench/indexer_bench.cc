@@ -18,12 +18,9 @@
 #include <cstdio>
 #include <cstring>
 #include <ctime>
-#include <fstream>
-#include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "bench_registry.h"
@@ -56,35 +53,6 @@ struct Config {
   DType dtype;
   int q_len;
 };
-
-struct TorchKey {
-  int batch;
-  int64_t context;
-  std::string dtype;
-  int q_len;
-  bool operator<(const TorchKey& o) const {
-    return std::tie(batch, context, dtype, q_len) < std::tie(o.batch, o.context, o.dtype, o.q_len);
-  }
-};
-
-std::map<TorchKey, double> read_torch(const std::string& path) {
-  std::map<TorchKey, double> out;
-  if (path.empty()) return out;
-  std::ifstream in(path);
-  if (!in) {
-    std::fprintf(stderr, "bench indexer: no torch results at %s (column left empty)\n",
-                 path.c_str());
-    return out;
-  }
-  nlohmann::json doc;
-  in >> doc;
-  for (const auto& r : doc.at("results")) {
-    if (!r.contains("median_us") || r["median_us"].is_null()) continue;
-    out[{r.at("batch").get<int>(), r.at("context").get<int64_t>(), r.at("dtype").get<std::string>(),
-         r.at("q_len").get<int>()}] = r.at("median_us").get<double>();
-  }
-  return out;
-}
 
 std::string fmt_context(int64_t context) {
   return context >= (1 << 20) && context % (1 << 20) == 0 ? fmt::format("{}M", context >> 20)
@@ -131,7 +99,8 @@ int run_indexer_bench(int argc, char** argv) {
     opt.contexts = {4096, 131072};
   }
   M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, "bench indexer: no CUDA device visible");
-  const std::map<TorchKey, double> torch = read_torch(opt.torch_json);
+  const TorchBaseline torch =
+      TorchBaseline::read(opt.torch_json, {"batch", "context", "dtype", "q_len"}, "bench indexer");
 
   SparseConfig config;  // M3: 4 index heads, dim 128, block 128, top-16, forced own block
   cuda::Stream stream;
@@ -244,8 +213,8 @@ int run_indexer_bench(int argc, char** argv) {
 
     const double tbs = static_cast<double>(bytes_per_launch) / (fused.median_us * 1e-6) / 1e12;
     const double roof = 100.0 * tbs / kReadCeilingTBs;
-    const auto it = torch.find({cfg.batch, cfg.context, fp8 ? "fp8" : "bf16", cfg.q_len});
-    const double torch_us = it == torch.end() ? 0.0 : it->second;
+    const double torch_us =
+        torch.median_us({cfg.batch, cfg.context, fp8 ? "fp8" : "bf16", cfg.q_len});
     nlohmann::json rec = {{"batch", cfg.batch},
                           {"context", cfg.context},
                           {"dtype", fp8 ? "fp8" : "bf16"},

@@ -1,19 +1,26 @@
-#!/bin/bash
-# The lead's one device call (binaries in build-l/, carried): correctness steps, then the benchmarks; everything packed into one archive.
+#!/usr/bin/env bash
+# The lead's one device call: correctness steps, then benchmarks, each run of scripts/gpu_check.sh
+# under its own time limit, everything packed into $OUT/all.tgz (the device tool returns at most
+# 8 files) with $OUT/summary_all.txt beside it. The binaries are built on the CPU machine
+# (-DCMAKE_CUDA_ARCHITECTURES=90a) and carried in $BUILD.
+#   BUILD   build folder (default build-l)
+#   CSTEPS  correctness steps (default tests,demo-gpu), CTIME their limit (s, default 400)
+#   BSTEPS  benchmark steps (default none), BTIME their limit (s, default 300); QUICK=1 for the
+#           benchmarks' --quick subsets; the step files' own variables pass through
+#   M3MSA_COMMIT  recorded in the JSON
+# Example: CSTEPS=tests BSTEPS=bench-layer,bench-gemm M3MSA_COMMIT=abc123 bash scripts/gpu_session.sh
 export M3MSA_COMMIT=${M3MSA_COMMIT:-unknown}
-R=$OUT; mkdir -p $R/c $R/b
-export BUILD=build-l
-OUT=$R/c STEPS=${CSTEPS:-tests,cp-tests,runtime-tests,python-gpu} TEST_TIMEOUT=200 CP_TEST_TIMEOUT=150 RUNTIME_TEST_TIMEOUT=150 PYGPU_TIMEOUT=150 timeout ${CTIME:-300} bash scripts/gpu_check.sh > $R/c/run.log 2>&1
+export BUILD=${BUILD:-build-l}
+R=$OUT
+mkdir -p "$R/c" "$R/b"
+OUT=$R/c STEPS=${CSTEPS:-tests,demo-gpu} timeout "${CTIME:-400}" bash scripts/gpu_check.sh \
+  >"$R/c/run.log" 2>&1
+echo "== correctness steps: exit $?" >>"$R/c/summary.txt"
 if [[ -n "${BSTEPS:-}" ]]; then
-  OUT=$R/b STEPS=$BSTEPS QUICK=1 BENCH_CP_TIMEOUT=100 BENCH_LAYER_TIMEOUT=100 timeout 220 bash scripts/gpu_check.sh > $R/b/run.log 2>&1
+  OUT=$R/b STEPS=$BSTEPS timeout "${BTIME:-300}" bash scripts/gpu_check.sh >"$R/b/run.log" 2>&1
+  echo "== benchmark steps: exit $?" >>"$R/b/summary.txt"
 fi
-if [[ -n "${IDX_ARGS:-}" ]]; then
-  timeout ${IDX_TIME:-200} build-l/cli/m3msa bench indexer $IDX_ARGS --commit $M3MSA_COMMIT --json $R/b/bench_indexer_full.json > $R/b/bench_indexer_full.log 2>&1
-fi
-if [[ -n "${STEP_BENCH:-}" ]]; then
-  timeout 60 build-l/cli/m3msa bench sparse-step --commit $M3MSA_COMMIT --json $R/b/sparse_step.json > $R/b/sparse_step.log 2>&1
-fi
-cat $R/c/summary.txt $R/b/summary.txt 2>/dev/null > $R/summary_all.txt
-tar czf $R/all.tgz -C $R c b
-rm -rf $R/c $R/b
-cat $R/summary_all.txt
+cat "$R/c/summary.txt" "$R/b/summary.txt" 2>/dev/null >"$R/summary_all.txt"
+tar czf "$R/all.tgz" -C "$R" c b
+rm -rf "$R/c" "$R/b"
+cat "$R/summary_all.txt"

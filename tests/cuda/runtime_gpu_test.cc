@@ -552,7 +552,9 @@ void run_against_cpu(uint64_t seed, const AgainstCpu& opt = {}) {
   EXPECT_EQ(shared_mismatches, 0) << "a sharing layer did not attend with the last selection";
   EXPECT_EQ(gpu.stats().layers_run, cpu.stats().layers_run);
   EXPECT_EQ(gpu.stats().sharing_layers_run, cpu.stats().sharing_layers_run);
-  if (opt.share_period > 1) EXPECT_GT(gpu.stats().sharing_layers_run, 0);
+  if (opt.share_period > 1) {
+    EXPECT_GT(gpu.stats().sharing_layers_run, 0);
+  }
   compare_caches(sc, host, dev, s.steps);
   gpu.close();
   cpu.close();
@@ -1292,6 +1294,124 @@ TEST(RuntimeGpu, TensorParallel2OnOneGpuMatchesTp1) {
       EXPECT_EQ(tp_share.topk[r][i], tp_share.topk[r][i - 1]) << "rank " << r << " layer " << i;
     }
     EXPECT_GT(tp_share.stats[r].sharing_layers_run, 0);
+  }
+}
+
+// ---- Faults of one rank at TP = 2 (ranks as threads on one GPU, peer all-reduce) ----
+
+// Two runtimes prepared on GPU 0 with a short spin budget, and a runner that gives each rank its
+// own script; each rank's error (or none) is returned with the time it took to arrive.
+struct FaultRun {
+  std::vector<std::string> errors{2};  // "" where the rank returned normally
+  std::vector<ErrorCode> codes{2, ErrorCode::kInternal};
+  std::vector<double> seconds{2, 0.0};
+};
+
+FaultRun run_fault(
+    const Scenario& s,
+    const std::function<void(int rank, Runtime& rt, const StepMeta& meta, const TensorView& h,
+                             const TensorView& r, const TensorView& p)>& script) {
+  std::vector<rt_test::RankModel> hosts;
+  std::vector<DeviceModel> devs;
+  for (int r = 0; r < 2; ++r) {
+    hosts.push_back(rt_test::make_rank_model(s.master, r, 2, false));
+    devs.push_back(upload_model(hosts.back(), 0));
+  }
+  RuntimeConfig config = s.config;
+  config.cp_spin_budget = std::chrono::milliseconds(50);
+  auto group = ThreadGroup::create(2, std::chrono::milliseconds(1500));
+  FaultRun out;
+  const int64_t H = s.config.model.hidden;
+  run_ranks(group, [&](Communicator& comm) {
+    const auto ur = static_cast<std::size_t>(comm.rank());
+    Runtime rt([](const std::string&) {});
+    const StepMeta& meta = s.steps[0];
+    const int64_t rows = meta.batch.num_rows();
+    DeviceTensor hidden(DType::kBF16, {rows, H}), residual(DType::kBF16, {rows, H});
+    DeviceTensor positions(DType::kI64, {rows});
+    M3MSA_CHECK_INTERNAL(rt.prepare(devs[ur].weights, config, comm) == PrepareResult::kActive,
+                         "prepare: ", rt.stats().to_json());
+    cudaStream_t stream = static_cast<cudaStream_t>(rt.cuda_stream());
+    CUDA_CHECK(cudaMemcpyAsync(positions.data(), meta.positions.data(), meta.positions.nbytes(),
+                               cudaMemcpyHostToDevice, stream));
+    CUDA_CHECK(cudaMemsetAsync(hidden.data(), 0, hidden.view().nbytes(), stream));
+    CUDA_CHECK(cudaMemsetAsync(residual.data(), 0, residual.view().nbytes(), stream));
+    // One healthy step first.
+    M3MSA_CHECK_INTERNAL(rt.begin_step(meta.batch), "step refused");
+    for (const rt_test::MasterLayer& layer : s.master.layers) {
+      rt.forward_layer(layer.layer, hidden.view(), residual.view(), positions.view());
+    }
+    rt.check();
+    comm.all_gather({}, "test: healthy step done");
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      script(comm.rank(), rt, meta, hidden.view(), residual.view(), positions.view());
+    } catch (const Error& e) {
+      out.errors[ur] = e.what();
+      out.codes[ur] = e.code();
+    }
+    out.seconds[ur] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    try {
+      rt.close();  // releases whatever happened (its agreement may fail: the peer is gone)
+    } catch (const Error&) {
+    }
+  });
+  return out;
+}
+
+// A rank that skips a layer: the peer's all-reduce of that layer never gets its partial, and the
+// peer's check() names it within the spin budget; a rank whose caches are detached while the
+// other steps: the stepping rank's check() names it, the detaching rank's detach() names the
+// stepping rank (it never arrives at the agreement), both within the timeouts; no hang.
+TEST(RuntimeGpu, FaultsOfOneRankAreNamedOnTheOther) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  const Scenario s = make_scenario(929, {{{700, 1500}, 1}});
+  const int last_layer = s.master.layers.back().layer;
+  {
+    const FaultRun run =
+        run_fault(s, [&](int rank, Runtime& rt, const StepMeta& meta, const TensorView& h,
+                         const TensorView& r, const TensorView& p) {
+          M3MSA_CHECK_INTERNAL(rt.begin_step(meta.batch), "step refused");
+          for (const rt_test::MasterLayer& layer : s.master.layers) {
+            if (rank == 1 && layer.layer == last_layer) continue;  // the fault
+            rt.forward_layer(layer.layer, h, r, p);
+          }
+          rt.check();
+        });
+    EXPECT_EQ(run.errors[1], "") << "the skipping rank's own calls all matched";
+    EXPECT_EQ(run.codes[0], ErrorCode::kTimeout) << run.errors[0];
+    EXPECT_NE(run.errors[0].find("rank 1"), std::string::npos) << run.errors[0];
+    EXPECT_LT(run.seconds[0], 5.0);
+    std::printf("[ info ] skipped layer: rank 0 after %.3f s: %s\n", run.seconds[0],
+                run.errors[0].c_str());
+  }
+  {
+    const FaultRun run =
+        run_fault(s, [&](int rank, Runtime& rt, const StepMeta& meta, const TensorView& h,
+                         const TensorView& r, const TensorView& p) {
+          if (rank == 1) {
+            std::vector<LayerCaches> empty;
+            for (const rt_test::MasterLayer& layer : s.master.layers) {
+              empty.push_back(LayerCaches{layer.layer, {}, {}});
+            }
+            rt.detach(empty);  // while rank 0 steps
+            return;
+          }
+          M3MSA_CHECK_INTERNAL(rt.begin_step(meta.batch), "step refused");
+          for (const rt_test::MasterLayer& layer : s.master.layers) {
+            rt.forward_layer(layer.layer, h, r, p);
+          }
+          rt.check();
+        });
+    EXPECT_EQ(run.codes[0], ErrorCode::kTimeout) << run.errors[0];
+    EXPECT_NE(run.errors[0].find("rank 1"), std::string::npos) << run.errors[0];
+    EXPECT_NE(run.errors[1], "") << "detach agreed with a rank that never came";
+    EXPECT_NE(run.errors[1].find("rank 0"), std::string::npos) << run.errors[1];
+    EXPECT_LT(run.seconds[0], 5.0);
+    EXPECT_LT(run.seconds[1], 5.0);
+    std::printf(
+        "[ info ] detach while stepping: rank 0 after %.3f s: %s; rank 1 after %.3f s: %s\n",
+        run.seconds[0], run.errors[0].c_str(), run.seconds[1], run.errors[1].c_str());
   }
 }
 

@@ -135,7 +135,9 @@ class GpuEngineImpl final : public GpuEngine {
     const char* serial = std::getenv("M3MSA_RUNTIME_SERIAL");
     overlap_ = serial == nullptr || std::string(serial) != "1";
     if (overlap_) {
-      CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+      int least = 0, greatest = 0;
+      CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+      CUDA_CHECK(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, greatest));
       CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
       CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     }
@@ -439,11 +441,12 @@ class GpuEngineImpl final : public GpuEngine {
     ++launches;
 
     // 2-4. The fused projection [q | k | v | index_q | index_k], head norms, RoPE and cache
-    // inserts, then the selection. The indexer needs only the index columns, so it does not wait
-    // for the q, k, v columns (most of the weight bytes): the stream forks after the norm, the
-    // index columns' GEMM, preprocessing and the indexer (a latency chain at small batches) run
-    // on the main stream while the q, k, v GEMM and preprocessing stream the rest of the weights
-    // on a side stream; attention joins both. A sharing layer projects [q | k | v] only.
+    // inserts, then the selection. The indexer needs only the index columns, so it need not wait
+    // for the q, k, v columns (most of the weight bytes): after the norm the index columns' GEMM,
+    // their preprocessing and the indexer (a latency chain at small batches) run on a
+    // high-priority side stream while the q, k, v GEMM and preprocessing stream the rest of the
+    // weights on the main stream; attention waits for both. A sharing layer projects [q | k | v]
+    // only (its index columns come last in qkv_proj) and selects nothing.
     PreprocessArgs pre;
     pre.qkv =
         TensorView::contiguous(qkv_.data(), DType::kBF16, {int64_t{rows}, int64_t{width}}, dev);
@@ -459,46 +462,47 @@ class GpuEngineImpl final : public GpuEngine {
       pre.index_cache = w.index_cache;
       pre.index_q_out = index_q_view(rows);
     }
-    if (run_indexer && overlap_) {
-      CUDA_CHECK(cudaEventRecord(fork_, stream_));
-      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), attention_cols,
-           /*out_f32=*/false, rows, /*out_stride=*/width, /*first_col=*/0, side_);
-      PreprocessArgs attention_part = pre;
-      attention_part.index_cache = {};
-      attention_part.index_q_out = {};
-      cuda::launch_preprocess(sc, attention_part, side_);
-      CUDA_CHECK(cudaEventRecord(join_, side_));
-      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
-           width - attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width,
-           /*first_col=*/attention_cols, stream_);
-      PreprocessArgs index_part = pre;
-      index_part.kv_cache = {};
-      index_part.q_out = {};
-      cuda::launch_preprocess(sc, index_part, stream_);
-      launches += 4;
-    } else {
-      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
-           run_indexer ? width : attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width);
-      cuda::launch_preprocess(sc, pre, stream_);
-      launches += 2;
-    }
-
-    if (run_indexer) {
+    auto select = [&](cudaStream_t stream) {
       IndexerArgs idx;
       idx.index_q = pre.index_q_out;
       idx.index_cache = w.index_cache;
       idx.batch = step;
       idx.topk_idx = topk_view(rows);
       if (cp_) {
-        cp_->select(w.layer, idx, stream_);
+        cp_->select(w.layer, idx, stream);
         launches += config_.cp_transport == CpTransport::kNccl && tp_size_ > 1 ? 5 : 3;
       } else {
         cuda::launch_indexer(indexer_plan_, sc, idx, IndexerVariant::kFused, indexer_ws_.data(),
-                             stream_);
+                             stream);
         ++launches;
       }
-      if (overlap_) CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
+    };
+    if (run_indexer && overlap_) {
+      CUDA_CHECK(cudaEventRecord(fork_, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
+           width - attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width,
+           /*first_col=*/attention_cols, side_);
+      PreprocessArgs index_part = pre;
+      index_part.kv_cache = {};
+      index_part.q_out = {};
+      cuda::launch_preprocess(sc, index_part, side_);
+      select(side_);
+      CUDA_CHECK(cudaEventRecord(join_, side_));
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), attention_cols,
+           /*out_f32=*/false, rows, /*out_stride=*/width);
+      PreprocessArgs attention_part = pre;
+      attention_part.index_cache = {};
+      attention_part.index_q_out = {};
+      cuda::launch_preprocess(sc, attention_part, stream_);
+      CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
+      launches += 4;
+    } else {
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
+           run_indexer ? width : attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width);
+      cuda::launch_preprocess(sc, pre, stream_);
+      launches += 2;
+      if (run_indexer) select(stream_);
     }
 
     // 5. Sparse attention; 6. output projection (this rank's heads) and the TP reduce;
@@ -716,9 +720,9 @@ class GpuEngineImpl final : public GpuEngine {
   cudaStream_t stream_ = nullptr;
   cudaStream_t own_stream_ = nullptr;
   bool overlap_ = true;          // the indexer chain beside the q, k, v projection
-  cudaStream_t side_ = nullptr;  // the q, k, v projection and preprocessing
+  cudaStream_t side_ = nullptr;  // high priority: index columns, their preprocessing, indexer
   cudaEvent_t fork_ = nullptr;   // after the input norm (main -> side)
-  cudaEvent_t join_ = nullptr;   // q, k, v ready (side -> main, before attention)
+  cudaEvent_t join_ = nullptr;   // the selection ready (side -> main, before attention)
   int max_reqs_ = 0;
   int max_rows_ = 0;
   int64_t max_blocks_ = 0;

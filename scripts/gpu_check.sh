@@ -22,8 +22,9 @@ OUT=${OUT:-$PWD/out}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Ranks as threads on one GPU spin on each other's kernels: give their streams hardware queues of
-# their own (tests/cuda/test_environment.cc says why).
+# their own and load every module up front (tests/cuda/test_environment.cc says why).
 export CUDA_DEVICE_MAX_CONNECTIONS=${CUDA_DEVICE_MAX_CONNECTIONS:-32}
+export CUDA_MODULE_LOADING=${CUDA_MODULE_LOADING:-EAGER}
 export PYTHONUNBUFFERED=1
 BUILD=${BUILD:-build-gpu}
 TESTS="$BUILD/tests/m3msa_cuda_tests"

@@ -442,11 +442,13 @@ class GpuEngineImpl final : public GpuEngine {
 
     // 2-4. The fused projection [q | k | v | index_q | index_k], head norms, RoPE and cache
     // inserts, then the selection. The indexer needs only the index columns, so it need not wait
-    // for the q, k, v columns (most of the weight bytes): after the norm the index columns' GEMM,
-    // their preprocessing and the indexer (a latency chain at small batches) run on a
-    // high-priority side stream while the q, k, v GEMM and preprocessing stream the rest of the
-    // weights on the main stream; attention waits for both. A sharing layer projects [q | k | v]
-    // only (its index columns come last in qkv_proj) and selects nothing.
+    // for the q, k, v columns (most of the weight bytes): the index columns' GEMM and their
+    // preprocessing run first, then the indexer (a latency chain at small batches) starts on a
+    // high-priority side stream at the same moment as the q, k, v GEMM and preprocessing on the
+    // main stream, so the indexer's CTAs are placed first and the GEMM's fill the rest of the
+    // GPU; attention waits for both. (The GEMM's CTAs fit the GPU in one wave: started first,
+    // they would hold every SM until the whole projection is done.) A sharing layer projects
+    // [q | k | v] only (its index columns come last in qkv_proj) and selects nothing.
     PreprocessArgs pre;
     pre.qkv =
         TensorView::contiguous(qkv_.data(), DType::kBF16, {int64_t{rows}, int64_t{width}}, dev);
@@ -478,15 +480,15 @@ class GpuEngineImpl final : public GpuEngine {
       }
     };
     if (run_indexer && overlap_) {
-      CUDA_CHECK(cudaEventRecord(fork_, stream_));
-      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
       gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
            width - attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width,
-           /*first_col=*/attention_cols, side_);
+           /*first_col=*/attention_cols);
       PreprocessArgs index_part = pre;
       index_part.kv_cache = {};
       index_part.q_out = {};
-      cuda::launch_preprocess(sc, index_part, side_);
+      cuda::launch_preprocess(sc, index_part, stream_);
+      CUDA_CHECK(cudaEventRecord(fork_, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
       select(side_);
       CUDA_CHECK(cudaEventRecord(join_, side_));
       gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), attention_cols,
@@ -720,8 +722,8 @@ class GpuEngineImpl final : public GpuEngine {
   cudaStream_t stream_ = nullptr;
   cudaStream_t own_stream_ = nullptr;
   bool overlap_ = true;          // the indexer chain beside the q, k, v projection
-  cudaStream_t side_ = nullptr;  // high priority: index columns, their preprocessing, indexer
-  cudaEvent_t fork_ = nullptr;   // after the input norm (main -> side)
+  cudaStream_t side_ = nullptr;  // high priority: the indexer
+  cudaEvent_t fork_ = nullptr;   // index_q ready (main -> side)
   cudaEvent_t join_ = nullptr;   // the selection ready (side -> main, before attention)
   int max_reqs_ = 0;
   int max_rows_ = 0;

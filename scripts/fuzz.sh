@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-20}
 jobs=${JOBS:-$(nproc)}
 build=build-fuzz
-targets=${FUZZ_TARGETS:-"fuzz_config fuzz_batch fuzz_tensor fuzz_npy fuzz_reference fuzz_cli_args"}
+targets=${FUZZ_TARGETS:-"fuzz_config fuzz_batch fuzz_tensor fuzz_npy fuzz_reference fuzz_runtime fuzz_cli_args"}
 
 start=$(date +%s)
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -40,6 +40,11 @@ void validate_batch_shapes(const BatchMeta& batch, Device device);
 void validate_batch_contents(const BatchMeta& batch, const SparseConfig& config,
                              int64_t index_pages, int64_t kv_pages);
 
+// Two live rows (positions[row] >= 0) must not write one cache slot (the cache would depend on
+// thread timing): every non-negative slots[row] of a live row is distinct, else kInvalidArgument
+// naming both rows. slots, positions: [rows] i64 host tensors.
+void check_unique_slots(const TensorView& slots, const TensorView& positions, const char* name);
+
 // Where each row of the batch sits. pos < 0 marks a dead row (padding request).
 struct RowPosition {
   int req = 0;

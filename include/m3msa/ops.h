@@ -23,16 +23,10 @@ struct PreprocessArgs {
   IndexCache index_cache;   // written: index_k at index_slot_mapping
   TensorView q_out;         // [rows, QH, HD] bf16, normed + roped q
   TensorView index_q_out;   // [rows, H, D] bf16, normed + roped index_q
-  // The two parts of a token's vectors can run as separate calls (each reads only its columns
-  // of qkv, so the two may run concurrently on disjoint columns):
-  //  - index part: index_q and index_k. index_cache and index_q_out both not given (ndim 0): a
-  //    layer that shares another layer's selection (spec.md section 7) computes no index_q and
-  //    inserts no index_k; the index columns of qkv, index_q_norm and index_k_norm are not read.
-  //  - attention part: q, k and v. kv_cache and q_out both not given: only the index part runs
-  //    (q_norm, k_norm and the q, k, v columns are not read).
-  // At least one part is given.
+  // index_cache and index_q_out both not given (ndim 0): a layer that shares another layer's
+  // selection (spec.md section 7) computes no index_q and inserts no index_k; the index columns
+  // of qkv (and index_q_norm / index_k_norm) are then not read.
   bool has_index_part() const { return index_q_out.defined() || index_cache.data.defined(); }
-  bool has_attention_part() const { return q_out.defined() || kv_cache.data.defined(); }
 };
 
 // Index scoring + exact top-k block selection (spec.md section 4).

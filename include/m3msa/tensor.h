@@ -66,6 +66,9 @@ void check_tensor(const TensorView& view, const char* name, DType dtype,
 void check_tensor(const TensorView& view, const char* name, std::initializer_list<DType> dtypes,
                   std::initializer_list<int64_t> expected_shape);
 void check_device(const TensorView& view, const char* name, Device device);
+// The rank is in [0, kMaxDims], every extent >= 0 and the byte size fits int64 (so numel() and
+// nbytes() are exact): kInvalidArgument naming `name` otherwise.
+void check_extents(const TensorView& view, const char* name);
 
 // An owning, contiguous host tensor (64-byte aligned).
 class HostTensor {

@@ -22,4 +22,15 @@ for dg_weights in bf16 fp8; do
     "$OUT/demo_gpu_$dg_weights.log" | tail -n 30
   [[ $dg_one -ne 0 ]] && dg_rc=$dg_one
 done
-step_result "demo-gpu bf16 + fp8 ($((SECONDS - dg_start)) s)" $dg_rc
+# And once with the CP indexer inside the runtime (--cp; DEMO_GPU_CP=0 skips it).
+if [[ "${DEMO_GPU_CP:-1}" == 1 ]]; then
+  # shellcheck disable=SC2086
+  timeout "${DEMO_GPU_TIMEOUT:-240}" "$CLI" demo --backend cuda --cp --json "$OUT/demo_gpu_cp.json" \
+    ${DEMO_GPU_ARGS:-} >"$OUT/demo_gpu_cp.log" 2>&1
+  dg_one=$?
+  echo "---- m3msa demo --cp: exit $dg_one"
+  grep -v -E "^(step [0-9]+/[0-9]+|building the|copying the|check: the oracle)" \
+    "$OUT/demo_gpu_cp.log" | tail -n 30
+  [[ $dg_one -ne 0 ]] && dg_rc=$dg_one
+fi
+step_result "demo-gpu bf16 + fp8 + cp ($((SECONDS - dg_start)) s)" $dg_rc

@@ -1,5 +1,8 @@
 #include "m3msa/batch.h"
 
+#include <algorithm>
+#include <utility>
+
 #include "m3msa/error.h"
 #include "m3msa/sort_key.h"
 
@@ -114,6 +117,21 @@ void validate_batch_contents(const BatchMeta& batch, const SparseConfig& config,
   }
   check_slots(batch.slot_mapping, "batch.slot_mapping", kv_pages, config.block_size);
   check_slots(batch.index_slot_mapping, "batch.index_slot_mapping", index_pages, config.block_size);
+}
+
+void check_unique_slots(const TensorView& slots, const TensorView& positions, const char* name) {
+  const int64_t* slot = slots.ptr<const int64_t>();
+  const int64_t* pos = positions.ptr<const int64_t>();
+  std::vector<std::pair<int64_t, int64_t>> used;  // (slot, row)
+  for (int64_t row = 0; row < slots.shape[0]; ++row) {
+    if (pos[row] >= 0 && slot[row] >= 0) used.emplace_back(slot[row], row);
+  }
+  std::sort(used.begin(), used.end());
+  for (std::size_t i = 1; i < used.size(); ++i) {
+    M3MSA_CHECK_ARG(used[i].first != used[i - 1].first, name, "[", used[i].second,
+                    "] = ", used[i].first, " repeats ", name, "[", used[i - 1].second,
+                    "]: two tokens cannot share a cache slot");
+  }
 }
 
 std::vector<RowPosition> row_positions(const BatchMeta& batch) {

@@ -73,7 +73,9 @@ std::string SparseConfig::to_string() const {
 
 void ModelConfig::validate() const {
   M3MSA_CHECK_ARG(hidden > 0, "model.hidden must be > 0, got ", hidden);
-  M3MSA_CHECK_ARG(num_layers > 0, "model.num_layers must be > 0, got ", num_layers);
+  // The bound keeps per-layer bookkeeping (one slot per layer id) small; real models have ~100.
+  M3MSA_CHECK_ARG(num_layers > 0 && num_layers <= 65536,
+                  "model.num_layers must be in [1, 65536], got ", num_layers);
   M3MSA_CHECK_ARG(first_sparse_layer >= 0 && first_sparse_layer < num_layers,
                   "model.first_sparse_layer must be in [0, num_layers), got ", first_sparse_layer);
   M3MSA_CHECK_ARG(intermediate >= 0, "model.intermediate must be >= 0, got ", intermediate);

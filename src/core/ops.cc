@@ -25,28 +25,19 @@ void validate(const SparseConfig& config, const PreprocessArgs& args, Device dev
   validate_batch_shapes(args.batch, device);
   const int64_t rows = args.batch.num_rows();
   check_tensor(args.qkv, "qkv", DType::kBF16, {rows, config.qkv_width()});
+  check_tensor(args.q_norm, "q_norm", DType::kBF16, {config.head_dim});
+  check_tensor(args.k_norm, "k_norm", DType::kBF16, {config.head_dim});
   check_tensor(args.positions, "positions", DType::kI64, {rows});
-  check_device(args.qkv, "qkv", device);
-  check_device(args.positions, "positions", device);
-  M3MSA_CHECK_ARG(args.has_index_part() || args.has_attention_part(),
-                  "preprocess: neither the attention part (q_out, kv_cache) nor the index part "
-                  "(index_q_out, index_cache) is given");
-  if (args.has_attention_part()) {
-    M3MSA_CHECK_ARG(args.q_out.defined() && args.kv_cache.data.defined(),
-                    "q_out and kv_cache must be given together (neither: only the index part "
-                    "runs), got q_out ",
-                    describe(args.q_out), " and kv_cache ", describe(args.kv_cache.data));
-    check_tensor(args.q_norm, "q_norm", DType::kBF16, {config.head_dim});
-    check_tensor(args.k_norm, "k_norm", DType::kBF16, {config.head_dim});
-    M3MSA_CHECK_ARG(args.batch.slot_mapping.defined(), "batch.slot_mapping is required");
-    validate_kv_cache(args.kv_cache, config, "kv_cache");
-    check_tensor(args.q_out, "q_out", DType::kBF16, {rows, config.q_heads, config.head_dim});
-    for (const auto& [view, name] : {std::pair{args.q_norm, "q_norm"},
-                                     {args.k_norm, "k_norm"},
-                                     {args.kv_cache.data, "kv_cache"},
-                                     {args.q_out, "q_out"}}) {
-      check_device(view, name, device);
-    }
+  M3MSA_CHECK_ARG(args.batch.slot_mapping.defined(), "batch.slot_mapping is required");
+  validate_kv_cache(args.kv_cache, config, "kv_cache");
+  check_tensor(args.q_out, "q_out", DType::kBF16, {rows, config.q_heads, config.head_dim});
+  for (const auto& [view, name] : {std::pair{args.qkv, "qkv"},
+                                   {args.q_norm, "q_norm"},
+                                   {args.k_norm, "k_norm"},
+                                   {args.positions, "positions"},
+                                   {args.kv_cache.data, "kv_cache"},
+                                   {args.q_out, "q_out"}}) {
+    check_device(view, name, device);
   }
   if (!args.has_index_part()) return;  // a layer sharing another layer's selection
   M3MSA_CHECK_ARG(args.index_q_out.defined() && args.index_cache.data.defined(),

@@ -147,15 +147,7 @@ void check_shape_and_layout(const TensorView& view, const char* name,
   M3MSA_CHECK_ARG(view.ndim >= 0 && view.ndim <= kMaxDims, name, ": ", view.ndim,
                   " dimensions is outside [0, ", kMaxDims, "] (expected shape ",
                   expected_shape_string(expected_shape), ")");
-  for (int d = 0; d < view.ndim; ++d) {
-    M3MSA_CHECK_ARG(view.shape[d] >= 0, name, ": negative extent ", view.shape[d], " in dimension ",
-                    d, " of ", describe(view));
-  }
-  const int64_t product = checked_extent_product(view.shape.data(), view.ndim);
-  M3MSA_CHECK_ARG(product >= 0 && static_cast<uint64_t>(product) <=
-                                      static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) /
-                                          dtype_size(view.dtype),
-                  name, ": ", describe(view), " has more bytes than int64 holds");
+  check_extents(view, name);
   M3MSA_CHECK_ARG(view.data != nullptr || view.numel() == 0, name, ": null data pointer for ",
                   describe(view));
   bool shape_ok = view.ndim == static_cast<int>(expected_shape.size());
@@ -174,6 +166,20 @@ void check_shape_and_layout(const TensorView& view, const char* name,
                   " for shape ", shape_string(view.sizes()));
 }
 }  // namespace
+
+void check_extents(const TensorView& view, const char* name) {
+  M3MSA_CHECK_ARG(view.ndim >= 0 && view.ndim <= kMaxDims, name, ": ", view.ndim,
+                  " dimensions is outside [0, ", kMaxDims, "]");
+  for (int d = 0; d < view.ndim; ++d) {
+    M3MSA_CHECK_ARG(view.shape[d] >= 0, name, ": negative extent ", view.shape[d], " in dimension ",
+                    d, " of ", describe(view));
+  }
+  const int64_t product = checked_extent_product(view.shape.data(), view.ndim);
+  M3MSA_CHECK_ARG(product >= 0 && static_cast<uint64_t>(product) <=
+                                      static_cast<uint64_t>(std::numeric_limits<int64_t>::max()) /
+                                          dtype_size(view.dtype),
+                  name, ": ", describe(view), " has more bytes than int64 holds");
+}
 
 void check_tensor(const TensorView& view, const char* name, DType dtype,
                   std::initializer_list<int64_t> expected_shape) {

@@ -22,23 +22,6 @@
 namespace m3msa::cpu {
 namespace {
 
-// Two live rows writing one slot would make the cache depend on thread timing; the caller's
-// slot mapping is refused instead.
-void check_unique_slots(const TensorView& slots, const TensorView& positions, const char* name) {
-  const int64_t* slot = slots.ptr<const int64_t>();
-  const int64_t* pos = positions.ptr<const int64_t>();
-  std::vector<std::pair<int64_t, int64_t>> used;  // (slot, row)
-  for (int64_t row = 0; row < slots.shape[0]; ++row) {
-    if (pos[row] >= 0 && slot[row] >= 0) used.emplace_back(slot[row], row);
-  }
-  std::sort(used.begin(), used.end());
-  for (std::size_t i = 1; i < used.size(); ++i) {
-    M3MSA_CHECK_ARG(used[i].first != used[i - 1].first, name, "[", used[i].second,
-                    "] = ", used[i].first, " repeats ", name, "[", used[i - 1].second,
-                    "]: two tokens cannot share a cache slot");
-  }
-}
-
 void validate_preprocess(const SparseConfig& config, const PreprocessArgs& args) {
   validate(config, args, Device::cpu());
   // Preprocessing reads no block table; only the lengths and slots are checked.
@@ -46,12 +29,10 @@ void validate_preprocess(const SparseConfig& config, const PreprocessArgs& args)
   used.index_block_table = {};
   used.kv_block_table = {};
   const bool index = args.has_index_part();
-  const bool attention = args.has_attention_part();
   if (!index) used.index_slot_mapping = {};  // a layer sharing another layer's selection
-  if (!attention) used.slot_mapping = {};
   validate_batch_contents(used, config, index ? args.index_cache.pages() : 0,
-                          attention ? args.kv_cache.pages() : 0);
-  if (attention) check_unique_slots(args.batch.slot_mapping, args.positions, "batch.slot_mapping");
+                          args.kv_cache.pages());
+  check_unique_slots(args.batch.slot_mapping, args.positions, "batch.slot_mapping");
   if (index) {
     check_unique_slots(args.batch.index_slot_mapping, args.positions, "batch.index_slot_mapping");
   }
@@ -164,14 +145,13 @@ void preprocess(const SparseConfig& config, const PreprocessArgs& args, int thre
   const int64_t index_k_at = index_q_at + int64_t{ih} * id;
   const bool rope = config.rope_dim > 0;
   const bool index = args.has_index_part();
-  const bool attention = args.has_attention_part();
 
   detail::parallel_for(args.batch.num_rows(), threads, [&](int64_t row) {
-    uint16_t* q_out = attention ? args.q_out.ptr<uint16_t>() + row * qh * hd : nullptr;
+    uint16_t* q_out = args.q_out.ptr<uint16_t>() + row * qh * hd;
     uint16_t* index_q_out = index ? args.index_q_out.ptr<uint16_t>() + row * ih * id : nullptr;
     const int64_t pos = args.positions.ptr<const int64_t>()[row];
     if (pos < 0) {
-      if (attention) std::fill(q_out, q_out + int64_t{qh} * hd, float_to_bf16(0.0f));
+      std::fill(q_out, q_out + int64_t{qh} * hd, float_to_bf16(0.0f));
       if (index) std::fill(index_q_out, index_q_out + int64_t{ih} * id, float_to_bf16(0.0f));
       return;
     }
@@ -184,7 +164,7 @@ void preprocess(const SparseConfig& config, const PreprocessArgs& args, int thre
     std::vector<float> head(static_cast<std::size_t>(std::max(hd, id)));
     std::vector<float> value(static_cast<std::size_t>(hd));
 
-    for (int h = 0; attention && h < qh; ++h) {
+    for (int h = 0; h < qh; ++h) {
       norm_rope_head(in + int64_t{h} * hd, args.q_norm.ptr<const uint16_t>(), hd, config.rope_dim,
                      c, s, head.data(), config.rms_eps);
       store_bf16(head.data(), hd, q_out + int64_t{h} * hd);
@@ -196,8 +176,8 @@ void preprocess(const SparseConfig& config, const PreprocessArgs& args, int thre
     }
     // Slots are distinct across live rows (checked above), so these writes never overlap.
     KVCache kv_cache = args.kv_cache;
-    const int64_t slot = attention ? args.batch.slot_mapping.ptr<const int64_t>()[row] : -1;
-    for (int h = 0; attention && h < kvh; ++h) {
+    const int64_t slot = args.batch.slot_mapping.ptr<const int64_t>()[row];
+    for (int h = 0; h < kvh; ++h) {
       norm_rope_head(in + k_at + int64_t{h} * hd, args.k_norm.ptr<const uint16_t>(), hd,
                      config.rope_dim, c, s, head.data(), config.rms_eps);
       detail::load_bf16(in + v_at + int64_t{h} * hd, hd, value.data());

@@ -74,10 +74,9 @@ struct PreprocessParams {
   int rope_half = 0;  // rope_dim / 2; pairs (i, i + rope_half)
   int kv_fp8 = 0;     // main cache dtype: 0 bf16, 1 fp8 e4m3 (value / scale)
   int index_fp8 = 0;  // index cache dtype: 0 bf16, 1 fp8 e4m3 (no scale)
-  // The vectors of a row this launch processes, in the order q heads, k heads, v heads,
-  // index_q heads, index_k: [0, q + 2 kv) is the attention part, the rest the index part.
-  int vector_begin = 0;
-  int vector_end = 0;
+  // Vectors per row, in the order q heads, k heads, v heads, index_q heads, index_k (the last
+  // index_heads + 1 left out when the launch has no index part).
+  int num_vectors = 0;
   float rms_eps = 1e-6f;
   float k_scale = 1.0f;
   float v_scale = 1.0f;

@@ -85,8 +85,11 @@ void fill_device_bytes(const TensorView& device_view, uint8_t byte) {
                   "fill_device_bytes: ", describe(device_view), " is not a CUDA tensor");
   if (device_view.nbytes() == 0) return;
   cuda::DeviceGuard guard(device_view.device.index);
-  CUDA_CHECK(cudaMemset(device_view.data, byte, device_view.nbytes()));
-  CUDA_CHECK(cudaDeviceSynchronize());
+  // On a private stream, waited for alone: a device-wide synchronize would also wait for other
+  // threads' kernels (ranks sharing a GPU spin on each other's).
+  cuda::Stream stream;
+  CUDA_CHECK(cudaMemsetAsync(device_view.data, byte, device_view.nbytes(), stream.get()));
+  stream.synchronize();
 }
 
 // ---- DeviceCase ----

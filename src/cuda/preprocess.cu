@@ -32,16 +32,13 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args,
                         "CUDA preprocessing supports rope_dim <= ", 2 * kMaxRopeHalf, ", got ",
                         config.rope_dim);
   const bool index = args.has_index_part();
-  const bool attention = args.has_attention_part();
-  check_contiguous(args.positions, "positions");
-  if (attention) {
-    for (const auto& [view, name] : {std::pair{args.q_norm, "q_norm"},
-                                     {args.k_norm, "k_norm"},
-                                     {args.batch.slot_mapping, "batch.slot_mapping"},
-                                     {args.kv_cache.data, "kv_cache"},
-                                     {args.q_out, "q_out"}}) {
-      check_contiguous(view, name);
-    }
+  for (const auto& [view, name] : {std::pair{args.q_norm, "q_norm"},
+                                   {args.k_norm, "k_norm"},
+                                   {args.positions, "positions"},
+                                   {args.batch.slot_mapping, "batch.slot_mapping"},
+                                   {args.kv_cache.data, "kv_cache"},
+                                   {args.q_out, "q_out"}}) {
+    check_contiguous(view, name);
   }
   if (index) {
     for (const auto& [view, name] : {std::pair{args.index_q_norm, "index_q_norm"},
@@ -74,15 +71,14 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args,
   p.index_q_out = static_cast<uint16_t*>(args.index_q_out.data);
   p.num_rows = rows;
   p.qkv_row_stride = args.qkv.strides[0];
-  p.kv_slots = attention ? args.kv_cache.pages() * config.block_size : 0;
+  p.kv_slots = args.kv_cache.pages() * config.block_size;
   p.index_slots = index ? args.index_cache.pages() * config.block_size : 0;
   p.q_heads = config.q_heads;
   p.kv_heads = config.kv_heads;
   p.index_heads = config.index_heads;
-  // The vectors of a row: q heads, k heads, v heads | index_q heads, index_k.
-  const int attention_vectors = config.q_heads + 2 * config.kv_heads;
-  p.vector_begin = attention ? 0 : attention_vectors;
-  p.vector_end = attention_vectors + (index ? config.index_heads + 1 : 0);
+  // The vectors of a row: q heads, k heads, v heads, then (the index part) index_q heads and
+  // index_k.
+  p.num_vectors = config.q_heads + 2 * config.kv_heads + (index ? config.index_heads + 1 : 0);
   p.head_dim = config.head_dim;
   p.index_dim = config.index_dim;
   p.block_size = config.block_size;
@@ -97,7 +93,7 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args,
     p.inv_freq[i] = std::pow(config.rope_theta, -2.0 * static_cast<double>(i) / config.rope_dim);
   }
 
-  const int vectors = p.vector_end - p.vector_begin;
+  const int vectors = p.num_vectors;
   const dim3 grid(static_cast<unsigned>(rows),
                   static_cast<unsigned>((vectors + prep::kWarps - 1) / prep::kWarps));
   prep::preprocess_kernel<<<grid, prep::kThreads, 0, stream>>>(p);

@@ -7,9 +7,8 @@
 // dimension order in one lane with unfused fp32 mul/add (__fmul_rn/__fadd_rn, as the host code is
 // compiled), IEEE division and square root, the same two bf16 rounding points, cos/sin of a double
 // angle rounded once to fp32 (inv_freq comes from the host's std::pow), and the same fp8 encoder.
-// A launch processes the vectors [vector_begin, vector_end) of every row (ops.h: the attention
-// part q, k, v and the index part index_q, index_k can run as separate launches, or the index
-// part not at all for a layer sharing another layer's selection). Dead rows (position < 0) write
+// Without the index part (a layer sharing another layer's selection, ops.h) only the q, k and v
+// vectors of a row are processed. Dead rows (position < 0) write
 // zeros to q_out / index_q_out and nothing to the caches; negative (or out-of-range) slots skip the
 // insert.
 #pragma once
@@ -52,8 +51,8 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   // Which vector this warp handles.
-  int vec = p.vector_begin + blockIdx.y * kWarps + warp;
-  if (vec >= p.vector_end) return;
+  int vec = blockIdx.y * kWarps + warp;
+  if (vec >= p.num_vectors) return;
   VectorKind kind;
   int head;
   if (vec < p.q_heads) {

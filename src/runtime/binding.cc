@@ -83,6 +83,15 @@ Outcome Problems::outcome() const {
   return out;
 }
 
+std::string invalid_extents(const TensorView& view, const std::string& name) {
+  try {
+    check_extents(view, name.c_str());
+  } catch (const Error& e) {
+    return e.message();
+  }
+  return {};
+}
+
 namespace {
 
 std::string expected_shape(const std::vector<int64_t>& shape) {
@@ -125,6 +134,10 @@ bool check_bound(Problems& problems, const TensorView& t, const std::string& nam
   const std::string expected = dtype_list(dtypes) + expected_shape(shape);
   if (!t.defined()) {
     problems.error(ErrorCode::kInvalidArgument, name + ": not bound (expected " + expected + ")");
+    return false;
+  }
+  if (const std::string bad = invalid_extents(t, name); !bad.empty()) {
+    problems.error(ErrorCode::kInvalidArgument, bad + " (expected " + expected + ")");
     return false;
   }
   bool ok = true;
@@ -271,9 +284,24 @@ void check_model_support(const RuntimeConfig& config, int tp_size, Problems& pro
                            std::to_string(kMaxQueryLen));
     }
   }
-  if ((config.max_context + model.block_size - 1) / model.block_size > kMaxBlockId + 1) {
+  const int64_t max_blocks = blocks_for(config.max_context, model.block_size);
+  if (max_blocks > kMaxBlockId + 1) {
     problems.unsupported("max_context " + std::to_string(config.max_context) +
                          " needs block ids above " + std::to_string(kMaxBlockId));
+  } else if (config.max_requests > kMaxRequests) {
+    problems.unsupported("max_requests " + std::to_string(config.max_requests) + " is above " +
+                         std::to_string(kMaxRequests));
+  } else if (int64_t{config.max_requests} * max_blocks > kMaxTableEntries) {
+    // The fixed block-table buffers are allocated for the maxima: refuse what would not fit.
+    problems.unsupported("max_requests " + std::to_string(config.max_requests) + " x max_context " +
+                         std::to_string(config.max_context) + " (" + std::to_string(max_blocks) +
+                         " blocks) needs block tables of more than " +
+                         std::to_string(kMaxTableEntries) + " entries");
+  }
+  constexpr int kMaxBucketRows = 1 << 16;  // token rows of one decode step
+  if (!config.token_buckets.empty() && config.token_buckets.back() > kMaxBucketRows) {
+    problems.unsupported("token bucket " + std::to_string(config.token_buckets.back()) +
+                         " is above " + std::to_string(kMaxBucketRows) + " rows per step");
   }
   // Context parallelism places the index heads as TP places the KV heads (checked above), so
   // there is nothing more to refuse here; the exchange itself is agreed when the ranks connect.
@@ -287,6 +315,8 @@ void check_readiness(const ModelWeights& model, Problems& problems) {
     for (const auto& [view, name] : caches) {
       if (!view->defined()) {
         problems.not_ready(prefix + name + " is not bound");
+      } else if (const std::string bad = invalid_extents(*view, prefix + name); !bad.empty()) {
+        problems.error(ErrorCode::kInvalidArgument, bad);
       } else if (view->numel() == 0) {
         problems.not_ready(prefix + name + " is empty (" + describe(*view) + ")");
       }
@@ -324,6 +354,16 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
       break;
     }
   }
+  // The host (index 0) or a GPU: anything else is no device a backend runs on.
+  const bool known_device = (device.type == DeviceType::kCPU && device.index == 0) ||
+                            (device.type == DeviceType::kCUDA && device.index >= 0);
+  if (!known_device) {
+    problems.error(ErrorCode::kInvalidArgument, "qkv_proj: the bound tensors are on device type " +
+                                                    std::to_string(static_cast<int>(device.type)) +
+                                                    " index " + std::to_string(device.index) +
+                                                    ", neither the host (cpu) nor a GPU (cuda:N)");
+    return;
+  }
 
   const int64_t hidden = m.hidden;
   const int64_t width = sc.qkv_width();
@@ -333,13 +373,13 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
   int64_t index_pages = -1;
   int kv_pages_layer = -1;
   int index_pages_layer = -1;
+  std::vector<int> missing;  // sparse layers not bound (reported once, whatever their number)
   for (int i = 0; i < count; ++i) {
     const int id = first + i;
     const std::string prefix = "layer " + std::to_string(id) + " ";
     const LayerWeights* w = slots[static_cast<std::size_t>(i)];
     if (w == nullptr) {
-      problems.error(ErrorCode::kInvalidArgument,
-                     prefix + "is a sparse layer but is not bound (every sparse layer must be)");
+      missing.push_back(id);
       continue;
     }
     // With CP the width counts every index_q head (runtime.h, LayerWeights).
@@ -405,6 +445,17 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
       check_bound(problems, w->mlp_down, prefix + "mlp_down", {DType::kBF16}, {hidden, mlp_width},
                   device);
     }
+  }
+  if (!missing.empty()) {
+    constexpr std::size_t kListed = 8;
+    std::string ids;
+    for (std::size_t i = 0; i < missing.size() && i < kListed; ++i) {
+      ids += (i ? ", " : "") + std::to_string(missing[i]);
+    }
+    if (missing.size() > kListed) ids += ", ...";
+    problems.error(ErrorCode::kInvalidArgument,
+                   std::to_string(missing.size()) + " of the " + std::to_string(count) +
+                       " sparse layers are not bound (every sparse layer must be): layer " + ids);
   }
   if (!problems.empty()) return;
   by_layer.clear();

@@ -23,7 +23,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -130,16 +129,6 @@ class GpuEngineImpl final : public GpuEngine {
     } else {
       CUDA_CHECK(cudaStreamCreateWithFlags(&own_stream_, cudaStreamNonBlocking));
       stream_ = own_stream_;
-    }
-    // M3MSA_RUNTIME_SERIAL=1: every launch of a layer on the one stream (for comparison).
-    const char* serial = std::getenv("M3MSA_RUNTIME_SERIAL");
-    overlap_ = serial == nullptr || std::string(serial) != "1";
-    if (overlap_) {
-      int least = 0, greatest = 0;
-      CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
-      CUDA_CHECK(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, greatest));
-      CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
-      CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     }
     try {
       allocate(layers);
@@ -441,14 +430,8 @@ class GpuEngineImpl final : public GpuEngine {
     ++launches;
 
     // 2-4. The fused projection [q | k | v | index_q | index_k], head norms, RoPE and cache
-    // inserts, then the selection. The indexer needs only the index columns, so it need not wait
-    // for the q, k, v columns (most of the weight bytes): the index columns' GEMM and their
-    // preprocessing run first, then the indexer (a latency chain at small batches) starts on a
-    // high-priority side stream at the same moment as the q, k, v GEMM and preprocessing on the
-    // main stream, so the indexer's CTAs are placed first and the GEMM's fill the rest of the
-    // GPU; attention waits for both. (The GEMM's CTAs fit the GPU in one wave: started first,
-    // they would hold every SM until the whole projection is done.) A sharing layer projects
-    // [q | k | v] only (its index columns come last in qkv_proj) and selects nothing.
+    // inserts, then the selection. A sharing layer projects [q | k | v] only (its index columns
+    // come last in qkv_proj) and selects nothing.
     PreprocessArgs pre;
     pre.qkv =
         TensorView::contiguous(qkv_.data(), DType::kBF16, {int64_t{rows}, int64_t{width}}, dev);
@@ -464,47 +447,24 @@ class GpuEngineImpl final : public GpuEngine {
       pre.index_cache = w.index_cache;
       pre.index_q_out = index_q_view(rows);
     }
-    auto select = [&](cudaStream_t stream) {
+    gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
+         run_indexer ? width : attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width);
+    cuda::launch_preprocess(sc, pre, stream_);
+    launches += 2;
+    if (run_indexer) {
       IndexerArgs idx;
       idx.index_q = pre.index_q_out;
       idx.index_cache = w.index_cache;
       idx.batch = step;
       idx.topk_idx = topk_view(rows);
       if (cp_) {
-        cp_->select(w.layer, idx, stream);
+        cp_->select(w.layer, idx, stream_);
         launches += config_.cp_transport == CpTransport::kNccl && tp_size_ > 1 ? 5 : 3;
       } else {
         cuda::launch_indexer(indexer_plan_, sc, idx, IndexerVariant::kFused, indexer_ws_.data(),
-                             stream);
+                             stream_);
         ++launches;
       }
-    };
-    if (run_indexer && overlap_) {
-      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
-           width - attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width,
-           /*first_col=*/attention_cols);
-      PreprocessArgs index_part = pre;
-      index_part.kv_cache = {};
-      index_part.q_out = {};
-      cuda::launch_preprocess(sc, index_part, stream_);
-      CUDA_CHECK(cudaEventRecord(fork_, stream_));
-      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-      select(side_);
-      CUDA_CHECK(cudaEventRecord(join_, side_));
-      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), attention_cols,
-           /*out_f32=*/false, rows, /*out_stride=*/width);
-      PreprocessArgs attention_part = pre;
-      attention_part.index_cache = {};
-      attention_part.index_q_out = {};
-      cuda::launch_preprocess(sc, attention_part, stream_);
-      CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
-      launches += 4;
-    } else {
-      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
-           run_indexer ? width : attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width);
-      cuda::launch_preprocess(sc, pre, stream_);
-      launches += 2;
-      if (run_indexer) select(stream_);
     }
 
     // 5. Sparse attention; 6. output projection (this rank's heads) and the TP reduce;
@@ -569,13 +529,6 @@ class GpuEngineImpl final : public GpuEngine {
 
  private:
   void release_stream() {
-    if (side_) cudaStreamSynchronize(side_);
-    for (cudaEvent_t* e : {&fork_, &join_}) {
-      if (*e) cudaEventDestroy(*e);
-      *e = nullptr;
-    }
-    if (side_) cudaStreamDestroy(side_);
-    side_ = nullptr;
     if (own_stream_) cudaStreamDestroy(own_stream_);
     own_stream_ = nullptr;
   }
@@ -598,7 +551,7 @@ class GpuEngineImpl final : public GpuEngine {
     const ModelConfig& m = config_.model;
     max_reqs_ = config_.max_requests;
     max_rows_ = max_of(config_.token_buckets);
-    max_blocks_ = (config_.max_context + m.block_size - 1) / m.block_size;
+    max_blocks_ = blocks_for(config_.max_context, m.block_size);
     layout_ = meta_layout(max_reqs_, max_rows_, max_blocks_);
     meta_ = cuda::DeviceBuffer(layout_.total);
     CUDA_CHECK(cudaMemsetAsync(meta_.data(), 0, layout_.total, stream_));
@@ -679,26 +632,22 @@ class GpuEngineImpl final : public GpuEngine {
     cuda::launch_add_rmsnorm(p, stream_);
   }
 
-  // out[:, first_col + j] = x . w[first_col + j, :] (* scale) for j < n: the output columns
-  // [first_col, first_col + n) of a [*, k] weight, queued on `stream` (default: the main one).
+  // out[:, j] = x . w[j, :] (* scale) for the first n rows of a [*, k] weight.
   void gemm(const uint16_t* x, int k, const TensorView& w, const TensorView& scale, void* out,
-            int n, bool out_f32, int rows, int out_stride = 0, int first_col = 0,
-            cudaStream_t stream = nullptr) {
-    const std::size_t col = static_cast<std::size_t>(first_col);
+            int n, bool out_f32, int rows, int out_stride = 0) {
     cuda::SkinnyGemmParams p;
     p.x = x;
     p.x_stride = k;
-    p.w = static_cast<const uint8_t*>(w.data) +
-          col * static_cast<std::size_t>(k) * dtype_size(w.dtype);
-    p.scale = scale.defined() ? scale.ptr<const float>() + col : nullptr;
-    p.out = static_cast<uint8_t*>(out) + col * (out_f32 ? sizeof(float) : sizeof(uint16_t));
+    p.w = w.data;
+    p.scale = scale.defined() ? scale.ptr<const float>() : nullptr;
+    p.out = out;
     p.out_stride = out_stride > 0 ? out_stride : n;
     p.rows = rows;
     p.n = n;
     p.k = k;
     p.w_fp8 = w.dtype == DType::kFP8E4M3 ? 1 : 0;
     p.out_f32 = out_f32 ? 1 : 0;
-    cuda::launch_skinny_gemm(p, stream != nullptr ? stream : stream_);
+    cuda::launch_skinny_gemm(p, stream_);
   }
 
   // call_id labels the call for the peer all-reduce's shape check (2 * layer + 0 | 1).
@@ -721,10 +670,6 @@ class GpuEngineImpl final : public GpuEngine {
   std::unique_ptr<PeerAllReduce> peer_ar_;  // TP > 1 on peer stores
   cudaStream_t stream_ = nullptr;
   cudaStream_t own_stream_ = nullptr;
-  bool overlap_ = true;          // the indexer chain beside the q, k, v projection
-  cudaStream_t side_ = nullptr;  // high priority: the indexer
-  cudaEvent_t fork_ = nullptr;   // index_q ready (main -> side)
-  cudaEvent_t join_ = nullptr;   // the selection ready (side -> main, before attention)
   int max_reqs_ = 0;
   int max_rows_ = 0;
   int64_t max_blocks_ = 0;

@@ -201,7 +201,12 @@ struct Runtime::Impl {
   int selection_layer = -1;  // the last layer of the open step that ran its indexer
 
   // Scratch, sized for max_rows.
-  HostTensor normed;              // [max_rows, hidden] bf16
+  HostTensor normed;          // [max_rows, hidden] bf16
+  HostTensor hidden_out;      // [max_rows, hidden] bf16: the layer's outputs before they are
+  HostTensor residual_out;    // [max_rows, hidden] bf16  written back (CPU backend)
+  HostTensor meta_positions;  // [max_rows] i64: rows' positions from host metadata
+  int64_t kv_pages = 0;       // pages of every bound KV cache / index-K cache
+  int64_t index_pages = 0;
   HostTensor qkv;                 // [max_rows, qkv_width] bf16
   HostTensor q;                   // [max_rows, QH, HD] bf16
   HostTensor index_q;             // [max_rows, H, D] bf16
@@ -272,7 +277,7 @@ struct Runtime::Impl {
   void allocate() {
     const ModelConfig& m = config.model;
     max_rows = config.token_buckets.back();
-    max_blocks = (config.max_context + m.block_size - 1) / m.block_size;
+    max_blocks = runtime_detail::blocks_for(config.max_context, m.block_size);
     const int64_t rows = max_rows;
     const int64_t reqs = config.max_requests;
     seq_lens = HostTensor(DType::kI32, {reqs});
@@ -289,10 +294,12 @@ struct Runtime::Impl {
     const int64_t hidden = m.hidden;
     const int64_t width = sparse.qkv_width();
     const int64_t attn_width = int64_t{sparse.q_heads} * sparse.head_dim;
-    const int64_t mlp_width = m.intermediate / stats.tp_size;
     bool any_mlp = false;
     for (const LayerWeights& w : layers) any_mlp = any_mlp || w.mlp_gate_up.defined();
+    const int64_t mlp_width = any_mlp ? m.intermediate / stats.tp_size : 0;  // no MLP: no scratch
     normed = HostTensor(DType::kBF16, {rows, hidden});
+    hidden_out = HostTensor(DType::kBF16, {rows, hidden});
+    residual_out = HostTensor(DType::kBF16, {rows, hidden});
     qkv = HostTensor(DType::kBF16, {rows, width});
     q = HostTensor(DType::kBF16, {rows, sparse.q_heads, sparse.head_dim});
     index_q = HostTensor(DType::kBF16, {rows, sparse.index_heads, sparse.index_dim});
@@ -320,6 +327,9 @@ struct Runtime::Impl {
     slot_mapping = {};
     index_slot_mapping = {};
     normed = {};
+    hidden_out = {};
+    residual_out = {};
+    meta_positions = {};
     qkv = {};
     q = {};
     index_q = {};
@@ -533,11 +543,14 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
     s.config = config;
     s.sparse = config.model.sparse(tp, config.context_parallel);
     s.layers = bound;
+    s.kv_pages = bound.front().kv_cache.pages();  // every layer's (check_weights)
+    s.index_pages = bound.front().index_cache.pages();
+    s.meta_positions = HostTensor(DType::kI64, {int64_t{config.token_buckets.back()}});
     s.device = device;
     s.stats.backend = cuda ? "cuda" : "cpu";
     if (cuda) {
       s.max_rows = config.token_buckets.back();
-      s.max_blocks = (config.max_context + config.model.block_size - 1) / config.model.block_size;
+      s.max_blocks = runtime_detail::blocks_for(config.max_context, config.model.block_size);
       s.gpu = runtime_detail::make_gpu_engine(config, tp, comm, bound, device);
     } else {
       s.allocate();
@@ -645,6 +658,18 @@ bool Runtime::begin_step(const BatchMeta& batch, int pad_to_reqs) {
     }
   }
 
+  if (meta_device.type == DeviceType::kCPU) {
+    // What the layers rely on, before the step is accepted (device metadata cannot be read on
+    // the step path): lengths, table entries and slots inside the bound caches, and no two live
+    // rows writing one slot.
+    validate_batch_contents(batch, s.sparse, s.index_pages, s.kv_pages);
+    const std::vector<RowPosition> where = row_positions(batch);
+    int64_t* pos = s.meta_positions.ptr<int64_t>();
+    for (int64_t r = 0; r < rows; ++r) pos[r] = where[static_cast<std::size_t>(r)].pos;
+    const TensorView positions = TensorView::contiguous(pos, DType::kI64, {rows});
+    check_unique_slots(batch.slot_mapping, positions, "batch.slot_mapping");
+    check_unique_slots(batch.index_slot_mapping, positions, "batch.index_slot_mapping");
+  }
   if (s.gpu) {
     s.step = s.gpu->stage_step(batch, pad);
   } else {
@@ -750,15 +775,19 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
   }
   const SparseConfig& sc = s.sparse;
   const int threads = s.config.threads;
-  uint16_t* h = hidden.ptr<uint16_t>();
-  uint16_t* res = residual.ptr<uint16_t>();
+  // The layer works on scratch copies and writes hidden / residual only at the end, so a call
+  // that throws part way (a refused argument) leaves the engine's tensors as they were.
+  const uint16_t* h_in = hidden.ptr<const uint16_t>();
+  const uint16_t* res_in = residual.ptr<const uint16_t>();
+  uint16_t* h = s.hidden_out.ptr<uint16_t>();
+  uint16_t* res = s.residual_out.ptr<uint16_t>();
   uint16_t* normed = s.normed.ptr<uint16_t>();
   float* f32 = s.f32_out.data();
   char tag[48];
 
   // 1. x = hidden + residual (the new residual), h = input_norm(x).
   for (int64_t i = 0; i < rows * H; ++i) {
-    res[i] = float_to_bf16(bf16_to_float(h[i]) + bf16_to_float(res[i]));
+    res[i] = float_to_bf16(bf16_to_float(h_in[i]) + bf16_to_float(res_in[i]));
   }
   for (int64_t r = 0; r < rows; ++r) {
     runtime_detail::gemma_rmsnorm_row(res + r * H, w.input_norm.ptr<const uint16_t>(), H, m.rms_eps,
@@ -851,6 +880,9 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
     s.comm->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
     for (int64_t i = 0; i < rows * H; ++i) h[i] = float_to_bf16(f32[i]);
   }
+  const std::size_t bytes = sizeof(uint16_t) * static_cast<std::size_t>(rows * H);
+  std::memcpy(hidden.data, h, bytes);
+  std::memcpy(residual.data, res, bytes);
   ++s.stats.layers_run;
 }
 
@@ -865,6 +897,16 @@ void Runtime::detach(const std::vector<LayerCaches>& replacement) {
   Outcome mine = run_stage([&](Problems& problems) {
     for (const LayerCaches& c : replacement) {
       const std::string prefix = "layer " + std::to_string(c.layer) + " ";
+      bool countable = true;
+      for (const auto& [view, name] :
+           {std::pair{&c.kv_cache.data, "kv_cache"}, {&c.index_cache.data, "index_cache"}}) {
+        if (const std::string bad = runtime_detail::invalid_extents(*view, prefix + name);
+            !bad.empty()) {
+          problems.error(ErrorCode::kInvalidArgument, "replacement " + bad);
+          countable = false;
+        }
+      }
+      if (!countable) continue;
       if (c.kv_cache.data.numel() > 0) {
         problems.error(ErrorCode::kInvalidArgument,
                        prefix + "kv_cache: the replacement must be empty storage, found " +
@@ -878,9 +920,18 @@ void Runtime::detach(const std::vector<LayerCaches>& replacement) {
     }
   });
   if (s.state == RuntimeState::kActive) {
-    if (s.gpu) s.gpu->drain(*s.comm);
-    // All ranks detach together: agree, so a bad replacement on one rank fails every rank.
-    const std::vector<Outcome> all = s.agree("detach", mine);
+    // All ranks detach together: agree, so a bad replacement on one rank fails every rank. When
+    // the agreement itself fails (a peer gone or out of lockstep) the runtime still lets go of
+    // the caches the engine is about to free, as close() does.
+    std::vector<Outcome> all;
+    try {
+      if (s.gpu) s.gpu->drain(*s.comm);
+      all = s.agree("detach", mine);
+    } catch (...) {
+      s.release();
+      s.state = RuntimeState::kClosed;
+      throw;
+    }
     for (const Outcome& o : all) {
       if (o.kind != OutcomeKind::kOk) {
         throw Error(o.code, "detach refused: " + list_outcomes(all), __FILE__, __LINE__,

@@ -13,6 +13,21 @@
 
 namespace m3msa::runtime_detail {
 
+// Blocks of `block_size` tokens that hold `tokens` (rounded up without overflowing near INT64_MAX).
+inline int64_t blocks_for(int64_t tokens, int block_size) {
+  return tokens / block_size + (tokens % block_size != 0 ? 1 : 0);
+}
+
+// Sizes of the fixed metadata buffers above which prepare refuses (unsupported) instead of
+// allocating: 2^24 i32 entries = 64 MiB per block table (max_requests x max_blocks), far above
+// any decode deployment (256 requests x 1M tokens / 128 = 2^21), and 2^16 requests.
+inline constexpr int64_t kMaxTableEntries = int64_t{1} << 24;
+inline constexpr int kMaxRequests = 1 << 16;
+
+// Tensors and how many elements they hold, or why they cannot be counted (a hostile view whose
+// rank, extents or byte size is out of range): the message names `name`, empty when valid.
+std::string invalid_extents(const TensorView& view, const std::string& name);
+
 // ---- Stage outcomes and the host agreement ----
 
 enum class OutcomeKind : uint8_t { kOk = 0, kNotReady = 1, kUnsupported = 2, kError = 3 };

@@ -371,7 +371,10 @@ TEST(RuntimeLifecycle, WeightRefusalsNameTheTensorAndTheExpectedAndFoundValues) 
   ModelWeights one_layer = base.weights;
   one_layer.layers.pop_back();
   text = prepare_error(one_layer);
-  EXPECT_NE(text.find("layer 2 is a sparse layer but is not bound"), std::string::npos) << text;
+  EXPECT_NE(
+      text.find("1 of the 2 sparse layers are not bound (every sparse layer must be): layer 2"),
+      std::string::npos)
+      << text;
 
   ModelWeights twice = base.weights;
   twice.layers[1].layer = 1;

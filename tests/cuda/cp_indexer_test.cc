@@ -179,6 +179,9 @@ void check_graph_replay(CpTransport transport) {
     cuda::Graph graph =
         cuda::Graph::capture(stream.get(), [&] { ind.select(7, args, stream.get()); });
     HostTensor host(DType::kI32, {base.num_rows(), merged, k});
+    // Every rank's setup (copies, capture, instantiation) done before the first replay spins
+    // on the peer: when the ranks share a GPU, a peer's setup could otherwise wait for it.
+    world.comms[static_cast<std::size_t>(r)]->all_gather({}, "test/captured");
     for (int i = 0; i < kReplays; ++i) {
       const int v = i % kVariants;
       CUDA_CHECK(cudaMemcpyAsync(d.seq_lens.data(), seqs[v].data(), seqs[v].nbytes(),
@@ -330,6 +333,9 @@ MismatchOutcome run_mismatch(CpTransport transport, const std::string& odd) {
     DeviceCase d1 = upload(c1, device_of(r));
     DeviceTensor out(DType::kI32, {c.num_rows(), merged, k}, device_of(r));
     DeviceTensor out1(DType::kI32, {c1.num_rows(), merged, k}, device_of(r));
+    // Allocated up front: a cudaMalloc / cudaFree while the peer's exchange spins would wait for
+    // it when the ranks share a GPU.
+    DeviceTensor small(DType::kI32, {int64_t{5} * c.batch.q_len, merged, k}, device_of(r));
     cuda::Stream stream;
     ind.select(0, d.indexer_args(out.view()), stream.get());
     ind.check(stream.get());
@@ -337,9 +343,7 @@ MismatchOutcome run_mismatch(CpTransport transport, const std::string& odd) {
     int layer = 1;
     if (r == 1) {
       if (odd == "num_reqs") {
-        DeviceTensor small(DType::kI32, {int64_t{5} * c.batch.q_len, merged, k}, device_of(r));
         args = first_requests(args, 5, small.view());
-        out = std::move(small);
       } else if (odd == "q_len") {
         args = d1.indexer_args(out1.view());
       } else {

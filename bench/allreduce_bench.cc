@@ -37,6 +37,7 @@
 #include <vector>
 
 #include "bench_registry.h"
+#include "comm/nccl_check.h"
 #include "comm/peer_allreduce.h"
 #include "commands.h"
 #include "cuda/common.cuh"
@@ -51,15 +52,6 @@ namespace {
 
 constexpr double kNvlinkGBs = 397.0;       // NVLink peer copy (method.md)
 constexpr double kOneWayLatencyUs = 0.63;  // NVLink peer store, one way (method.md)
-
-#define AR_NCCL_CHECK(expr)                                                       \
-  do {                                                                            \
-    const ncclResult_t m3msa_nccl_status_ = (expr);                               \
-    if (m3msa_nccl_status_ != ncclSuccess) {                                      \
-      M3MSA_THROW(::m3msa::ErrorCode::kInternal, "NCCL call failed: " #expr ": ", \
-                  ncclGetErrorString(m3msa_nccl_status_));                        \
-    }                                                                             \
-  } while (0)
 
 struct Options {
   std::vector<int> rows = {1, 2, 4, 8, 16};
@@ -206,8 +198,8 @@ int run_allreduce_bench(int argc, char** argv) {
       };
       auto oneshot = [&](int call_id) { ar.run(d, count, call_id, stream.get()); };
       auto nccl_call = [&] {
-        AR_NCCL_CHECK(ncclAllReduce(d, d, static_cast<std::size_t>(count), ncclFloat32, ncclSum,
-                                    static_cast<ncclComm_t>(nc->nccl_comm()), stream.get()));
+        M3MSA_NCCL_CHECK(ncclAllReduce(d, d, static_cast<std::size_t>(count), ncclFloat32, ncclSum,
+                                       static_cast<ncclComm_t>(nc->nccl_comm()), stream.get()));
       };
       auto wait_for = [&](bool is_nccl) {
         if (is_nccl) {

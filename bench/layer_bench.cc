@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "bench_registry.h"
+#include "comm/nccl_check.h"
 #include "comm/peer_allreduce.h"
 #include "cuda/common.cuh"
 #include "fill.h"
@@ -177,8 +178,10 @@ StepMeta make_step(int reqs, int q_len, int64_t context, int block_size) {
   return s;
 }
 
-// One NCCL all-reduce of `count` f32 per rank, timed as a graph of 20 (median per call).
-double measure_allreduce(std::vector<std::unique_ptr<NcclCommunicator>>& comms, int64_t count) {
+// One all-reduce of `count` f32 per rank alone, NCCL's or the one-shot peer all-reduce's, timed
+// as a graph of 20 calls (median per call, rank 0).
+double measure_allreduce(std::vector<std::unique_ptr<NcclCommunicator>>& comms, int64_t count,
+                         bool peer) {
   const int world = static_cast<int>(comms.size());
   std::vector<double> per_call(static_cast<std::size_t>(world), 0.0);
   run_threads(world, [&](int r) {
@@ -187,47 +190,36 @@ double measure_allreduce(std::vector<std::unique_ptr<NcclCommunicator>>& comms, 
     cuda::Stream stream;
     cuda::DeviceBuffer buf(static_cast<std::size_t>(count) * sizeof(float));
     CUDA_CHECK(cudaMemset(buf.data(), 0, buf.bytes()));
-    auto reduce = [&] {
-      const ncclResult_t rc =
-          ncclAllReduce(buf.data(), buf.data(), static_cast<std::size_t>(count), ncclFloat32,
-                        ncclSum, static_cast<ncclComm_t>(comm.nccl_comm()), stream.get());
-      M3MSA_CHECK(rc == ncclSuccess, ErrorCode::kInternal,
-                  "ncclAllReduce: ", ncclGetErrorString(rc));
+    std::unique_ptr<PeerAllReduce> one_shot;
+    if (peer) {
+      PeerAllReduceConfig config;
+      config.max_count = count;
+      one_shot = std::make_unique<PeerAllReduce>(comm, comm.device(), config);
+    }
+    auto reduce = [&](int call) {
+      if (one_shot) {
+        one_shot->run(buf.as<float>(), count, call, stream.get());
+      } else {
+        M3MSA_NCCL_CHECK(ncclAllReduce(buf.data(), buf.data(), static_cast<std::size_t>(count),
+                                       ncclFloat32, ncclSum,
+                                       static_cast<ncclComm_t>(comm.nccl_comm()), stream.get()));
+      }
     };
-    reduce();
-    comm.wait(stream.get(), "bench layer: all-reduce warm-up");
+    auto wait = [&] {
+      if (one_shot) {
+        one_shot->check(stream.get());
+      } else {
+        comm.wait(stream.get(), "bench layer: all-reduce");
+      }
+    };
+    reduce(0);
+    wait();
     constexpr int kCalls = 20;
     cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
-      for (int i = 0; i < kCalls; ++i) reduce();
+      for (int i = 0; i < kCalls; ++i) reduce(i);
     });
     const Timing t = time_graph(graph, stream.get(), kCalls, 2, 10);
-    per_call[static_cast<std::size_t>(r)] = t.median_us;
-  });
-  return per_call[0];
-}
-
-// The one-shot peer all-reduce of `count` f32 per rank alone, timed like measure_allreduce.
-double measure_peer_allreduce(std::vector<std::unique_ptr<NcclCommunicator>>& comms,
-                              int64_t count) {
-  const int world = static_cast<int>(comms.size());
-  std::vector<double> per_call(static_cast<std::size_t>(world), 0.0);
-  run_threads(world, [&](int r) {
-    NcclCommunicator& comm = *comms[static_cast<std::size_t>(r)];
-    cuda::DeviceGuard guard(comm.device());
-    cuda::Stream stream;
-    cuda::DeviceBuffer buf(static_cast<std::size_t>(count) * sizeof(float));
-    CUDA_CHECK(cudaMemset(buf.data(), 0, buf.bytes()));
-    PeerAllReduceConfig config;
-    config.max_count = count;
-    PeerAllReduce reduce(comm, comm.device(), config);
-    reduce.run(buf.as<float>(), count, 0, stream.get());
-    reduce.check(stream.get());
-    constexpr int kCalls = 20;
-    cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
-      for (int i = 0; i < kCalls; ++i) reduce.run(buf.as<float>(), count, i, stream.get());
-    });
-    const Timing t = time_graph(graph, stream.get(), kCalls, 2, 10);
-    reduce.check(stream.get());
+    wait();
     per_call[static_cast<std::size_t>(r)] = t.median_us;
   });
   return per_call[0];
@@ -331,8 +323,8 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
   res.cache_bytes = index_bytes + kv_bytes;
   if (c.tp > 1) {
     const int64_t count = int64_t{c.tokens} * m.hidden;
-    res.nccl_allreduce_us = measure_allreduce(comms, count);
-    res.peer_allreduce_us = measure_peer_allreduce(comms, count);
+    res.nccl_allreduce_us = measure_allreduce(comms, count, /*peer=*/false);
+    res.peer_allreduce_us = measure_allreduce(comms, count, /*peer=*/true);
     res.allreduce_us = std::min(res.nccl_allreduce_us, res.peer_allreduce_us);
   }
   res.floor_us =

@@ -28,6 +28,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include "comm/nccl_check.h"
+
 #include <cstdlib>
 #endif
 
@@ -38,15 +40,6 @@ namespace m3msa {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-#define NCCL_COMM_CHECK(expr)                                                     \
-  do {                                                                            \
-    const ncclResult_t m3msa_nccl_status_ = (expr);                               \
-    if (m3msa_nccl_status_ != ncclSuccess) {                                      \
-      M3MSA_THROW(::m3msa::ErrorCode::kInternal, "NCCL call failed: " #expr ": ", \
-                  ncclGetErrorString(m3msa_nccl_status_));                        \
-    }                                                                             \
-  } while (0)
 
 #define CUDA_COMM_CHECK(expr)                                                     \
   do {                                                                            \
@@ -406,7 +399,7 @@ std::vector<ByteRecord> NcclCommunicator::all_gather(const ByteRecord& record,
     auto* send = static_cast<uint8_t*>(m.device_buffer) + kHeaderBytes * P;
     CUDA_COMM_CHECK(
         cudaMemcpyAsync(send, header, kHeaderBytes, cudaMemcpyHostToDevice, impl_->stream));
-    NCCL_COMM_CHECK(
+    M3MSA_NCCL_CHECK(
         ncclAllGather(send, m.device_buffer, kHeaderBytes, ncclUint8, comm, impl_->stream));
     CUDA_COMM_CHECK(cudaMemcpyAsync(m.host_buffer, m.device_buffer, kHeaderBytes * P,
                                     cudaMemcpyDeviceToHost, impl_->stream));
@@ -442,7 +435,7 @@ std::vector<ByteRecord> NcclCommunicator::all_gather(const ByteRecord& record,
     if (!record.empty()) std::memcpy(mine, record.data(), record.size());
     auto* send = static_cast<uint8_t*>(m.device_buffer) + max_length * P;
     CUDA_COMM_CHECK(cudaMemcpyAsync(send, mine, max_length, cudaMemcpyHostToDevice, impl_->stream));
-    NCCL_COMM_CHECK(
+    M3MSA_NCCL_CHECK(
         ncclAllGather(send, m.device_buffer, max_length, ncclUint8, comm, impl_->stream));
     CUDA_COMM_CHECK(cudaMemcpyAsync(m.host_buffer, m.device_buffer, max_length * P,
                                     cudaMemcpyDeviceToHost, impl_->stream));
@@ -478,8 +471,8 @@ void NcclCommunicator::all_reduce_sum(float* data, std::size_t count, std::strin
   std::memcpy(m.host_buffer, data, bytes);
   CUDA_COMM_CHECK(cudaMemcpyAsync(m.device_buffer, m.host_buffer, bytes, cudaMemcpyHostToDevice,
                                   impl_->stream));
-  NCCL_COMM_CHECK(ncclAllReduce(m.device_buffer, m.device_buffer, count, ncclFloat32, ncclSum,
-                                static_cast<ncclComm_t>(comm_), impl_->stream));
+  M3MSA_NCCL_CHECK(ncclAllReduce(m.device_buffer, m.device_buffer, count, ncclFloat32, ncclSum,
+                                 static_cast<ncclComm_t>(comm_), impl_->stream));
   CUDA_COMM_CHECK(cudaMemcpyAsync(m.host_buffer, m.device_buffer, bytes, cudaMemcpyDeviceToHost,
                                   impl_->stream));
   wait(impl_->stream, detail::concat("all_reduce_sum '", tag, "'"));
@@ -493,7 +486,7 @@ std::vector<std::unique_ptr<NcclCommunicator>> make_nccl_communicators_in_proces
   const int n = static_cast<int>(devices.size());
   connect_at_init();
   std::vector<ncclComm_t> comms(devices.size(), nullptr);
-  NCCL_COMM_CHECK(ncclCommInitAll(comms.data(), n, devices.data()));
+  M3MSA_NCCL_CHECK(ncclCommInitAll(comms.data(), n, devices.data()));
   std::vector<std::unique_ptr<NcclCommunicator>> out;
   for (int r = 0; r < n; ++r) {
     out.push_back(std::unique_ptr<NcclCommunicator>(new NcclCommunicator(
@@ -517,12 +510,12 @@ std::unique_ptr<NcclCommunicator> make_nccl_communicator_from_env(
   const int device = local_rank % devices;
   ncclUniqueId id{};
   connect_at_init();
-  if (rank == 0) NCCL_COMM_CHECK(ncclGetUniqueId(&id));
+  if (rank == 0) M3MSA_NCCL_CHECK(ncclGetUniqueId(&id));
   if (world_size > 1) bootstrap_unique_id(id, rank, world_size, addr, port, timeout);
   DeviceScope scope(device);
   CUDA_COMM_CHECK(cudaSetDevice(device));
   ncclComm_t comm = nullptr;
-  NCCL_COMM_CHECK(ncclCommInitRank(&comm, world_size, id, rank));
+  M3MSA_NCCL_CHECK(ncclCommInitRank(&comm, world_size, id, rank));
   return std::unique_ptr<NcclCommunicator>(
       new NcclCommunicator(comm, rank, world_size, device, timeout));
 }

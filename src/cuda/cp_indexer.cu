@@ -33,6 +33,8 @@
 #include <thread>
 #include <tuple>
 
+#include "comm/call_digest.h"
+#include "comm/nccl_check.h"
 #include "cuda/common.cuh"
 #include "cuda/cp_kernels.cuh"
 #include "cuda/indexer.h"
@@ -47,15 +49,6 @@ namespace {
 using cuda::DeviceBuffer;
 using cuda::DeviceGuard;
 using cuda::narrow_int;
-
-#define NCCL_CHECK(expr)                                                          \
-  do {                                                                            \
-    const ncclResult_t m3msa_nccl_status_ = (expr);                               \
-    if (m3msa_nccl_status_ != ncclSuccess) {                                      \
-      M3MSA_THROW(::m3msa::ErrorCode::kInternal, "NCCL call failed: " #expr ": ", \
-                  ncclGetErrorString(m3msa_nccl_status_));                        \
-    }                                                                             \
-  } while (0)
 
 using Clock = std::chrono::steady_clock;
 
@@ -74,19 +67,10 @@ bool cp_debug() {
 
 // FNV-1a over the call's shape: what every rank must pass identically for one call.
 uint32_t call_digest(int layer, const IndexerArgs& args) {
-  uint32_t h = 2166136261u;
-  auto mix = [&](int64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= static_cast<uint32_t>((static_cast<uint64_t>(v) >> (8 * i)) & 0xFFu);
-      h *= 16777619u;
-    }
-  };
-  mix(layer);
-  mix(args.batch.num_reqs);
-  mix(args.batch.q_len);
-  mix(args.batch.index_block_table.defined() ? args.batch.index_block_table.shape[1] : -1);
-  mix(static_cast<int64_t>(args.index_cache.data.dtype));
-  return h;
+  return call_digest_of(
+      {layer, args.batch.num_reqs, args.batch.q_len,
+       args.batch.index_block_table.defined() ? args.batch.index_block_table.shape[1] : -1,
+       static_cast<int64_t>(args.index_cache.data.dtype)});
 }
 
 std::string describe_word(uint64_t word) {
@@ -550,8 +534,8 @@ void CudaCpIndexer::Impl::launch_exchange(int layer, const IndexerArgs& args, cu
     // The scores, then the [P][2] digest slots after them (cp_kernels.cuh).
     const std::size_t count = static_cast<std::size_t>(max_rows) * H * max_cols +
                               2 * static_cast<std::size_t>(cp.world_size);
-    NCCL_CHECK(ncclAllReduce(full_scores.data(), full_scores.data(), count, ncclFloat32, ncclMax,
-                             static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
+    M3MSA_NCCL_CHECK(ncclAllReduce(full_scores.data(), full_scores.data(), count, ncclFloat32,
+                                   ncclMax, static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
     cuda::cp::cp_select_full_kernel<<<merge_grid, cuda::cp::kThreads, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH();
   } else {
@@ -565,9 +549,9 @@ void CudaCpIndexer::Impl::launch_exchange(int layer, const IndexerArgs& args, cu
       cuda::cp::cp_nominate_kernel<<<nominate_grid, cuda::cp::kThreads, 0, stream>>>(p);
       CUDA_CHECK_LAUNCH();
       if (cp.transport == CpTransport::kNccl) {
-        NCCL_CHECK(ncclAllGather(send.data(), recv.data(),
-                                 static_cast<std::size_t>(H) * max_rows * (config.topk + 1),
-                                 ncclUint64, static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
+        M3MSA_NCCL_CHECK(ncclAllGather(
+            send.data(), recv.data(), static_cast<std::size_t>(H) * max_rows * (config.topk + 1),
+            ncclUint64, static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
       }
       cuda::cp::cp_merge_kernel<<<merge_grid, cuda::cp::kThreads, 0, stream>>>(p);
       CUDA_CHECK_LAUNCH();

@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 
+#include "comm/call_digest.h"
 #include "comm/peer_allreduce.h"
 #include "comm/peer_memory.h"
 #include "cuda/common.cuh"
@@ -43,16 +44,7 @@ Kernel kernel_for(int world) {
 
 // FNV-1a over (count, call_id): what every rank must pass identically for one call.
 uint32_t call_digest(int64_t count, int call_id) {
-  uint32_t h = 2166136261u;
-  auto mix = [&](int64_t v) {
-    for (int i = 0; i < 8; ++i) {
-      h ^= static_cast<uint32_t>((static_cast<uint64_t>(v) >> (8 * i)) & 0xFFu);
-      h *= 16777619u;
-    }
-  };
-  mix(count);
-  mix(call_id);
-  return h;
+  return call_digest_of({count, call_id});
 }
 
 std::string config_string(const PeerAllReduceConfig& c, int world) {

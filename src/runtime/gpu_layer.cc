@@ -33,6 +33,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include "comm/nccl_check.h"
 #include "comm/peer_allreduce.h"
 #include "cuda/attention.h"
 #include "cuda/common.cuh"
@@ -47,15 +48,6 @@ namespace m3msa::runtime_detail {
 #if defined(M3MSA_WITH_CUDA)
 
 namespace {
-
-#define RT_NCCL_CHECK(expr)                                              \
-  do {                                                                   \
-    const ncclResult_t m3msa_rt_nccl_ = (expr);                          \
-    if (m3msa_rt_nccl_ != ncclSuccess) {                                 \
-      M3MSA_THROW(ErrorCode::kInternal, "NCCL call failed: " #expr ": ", \
-                  ncclGetErrorString(m3msa_rt_nccl_));                   \
-    }                                                                    \
-  } while (0)
 
 int max_of(const std::vector<int>& values) {
   return values.empty() ? 0 : *std::max_element(values.begin(), values.end());
@@ -656,8 +648,8 @@ class GpuEngineImpl final : public GpuEngine {
       peer_ar_->run(data, count, call_id, stream_);
       return;
     }
-    RT_NCCL_CHECK(ncclAllReduce(data, data, static_cast<std::size_t>(count), ncclFloat32, ncclSum,
-                                static_cast<ncclComm_t>(nccl_), stream_));
+    M3MSA_NCCL_CHECK(ncclAllReduce(data, data, static_cast<std::size_t>(count), ncclFloat32,
+                                   ncclSum, static_cast<ncclComm_t>(nccl_), stream_));
   }
 
   RuntimeConfig config_;

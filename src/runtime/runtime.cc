@@ -556,18 +556,22 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
       s.allocate();
     }
   });
-  try {
-    all = s.agree("prepare/weight support", mine);
-    decision = s.decide("weight support", all);
-  } catch (...) {
-    s.release();
-    throw;
-  }
-  if (decision == OutcomeKind::kUnsupported) {
+  // The stages after binding agree like the others, and release what was bound on any
+  // outcome but ok (an error on every rank, or a unanimous fallback).
+  auto agreed_or_released = [&](const std::string& stage) {
+    try {
+      all = s.agree("prepare/" + stage, mine);
+      decision = s.decide(stage, all);
+    } catch (...) {
+      s.release();
+      throw;
+    }
+    if (decision != OutcomeKind::kUnsupported) return true;
     s.release();
     s.state = RuntimeState::kFallback;
-    return PrepareResult::kFallback;
-  }
+    return false;
+  };
+  if (!agreed_or_released("weight support")) return PrepareResult::kFallback;
 
   // Stage 4: connect (every rank is here: the weight stage was agreed). The CUDA backend agrees
   // on its TP all-reduce and CP exchange and builds them (collectives); the CPU backend's
@@ -575,18 +579,7 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
   mine = run_stage([&](Problems& problems) {
     if (s.gpu) s.gpu->connect(comm, problems);
   });
-  try {
-    all = s.agree("prepare/connect", mine);
-    decision = s.decide("connect", all);
-  } catch (...) {
-    s.release();
-    throw;
-  }
-  if (decision == OutcomeKind::kUnsupported) {
-    s.release();
-    s.state = RuntimeState::kFallback;
-    return PrepareResult::kFallback;
-  }
+  if (!agreed_or_released("connect")) return PrepareResult::kFallback;
   s.stats.context_parallel = config.context_parallel;
   s.stats.tp_allreduce = s.gpu ? s.gpu->tp_allreduce_name() : tp > 1 ? "communicator" : "none";
   s.stats.buckets = config.token_buckets;

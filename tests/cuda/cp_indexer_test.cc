@@ -188,9 +188,12 @@ void check_graph_replay(CpTransport transport) {
                                  cudaMemcpyHostToDevice, stream.get()));
       CUDA_CHECK(cudaMemsetAsync(out.data(), kPoisonByte, out.nbytes(), stream.get()));
       graph.launch(stream.get());
+      // The replay done before the copy is queued: a copy queued behind a kernel that spins on
+      // the peer would hold the copy engine the peer's own copies need (ranks sharing a GPU).
+      ind.check(stream.get());
       CUDA_CHECK(cudaMemcpyAsync(host.data(), out.data(), out.nbytes(), cudaMemcpyDeviceToHost,
                                  stream.get()));
-      ind.check(stream.get());
+      CUDA_CHECK(cudaStreamSynchronize(stream.get()));
       bad[static_cast<std::size_t>(r)] +=
           count_mismatches(refs[v], host, H, ind.merged_heads().front(), merged, k);
     }

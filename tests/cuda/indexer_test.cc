@@ -168,10 +168,16 @@ TEST(CudaIndexer, ScoresDoNotDependOnTheBatch) {
     DeviceCase d = upload(sc);
     DeviceTensor topk(DType::kI32, {sc.num_rows(), sc.config.index_heads, sc.config.topk});
     GpuIndexer gpu(sc.config, limits_for(sc));
-    gpu.launch(sc.config, d.indexer_args(topk.view()), IndexerVariant::kUnfused);
-    gpu.sync();
     const cuda::IndexerPlan& plan = gpu.plan();
     const int64_t n = sc.num_rows() * sc.config.index_heads * plan.score_cols;
+    // The kernel writes only the visible blocks' columns; the rest is copied back but never
+    // compared: define it, so the copy reads no uninitialized memory (compute-sanitizer
+    // initcheck).
+    CUDA_CHECK(
+        cudaMemset(static_cast<uint8_t*>(gpu.workspace()) + plan.off_scores, 0, n * sizeof(float)));
+    CUDA_CHECK(cudaDeviceSynchronize());
+    gpu.launch(sc.config, d.indexer_args(topk.view()), IndexerVariant::kUnfused);
+    gpu.sync();
     std::vector<float> s(static_cast<size_t>(n));
     CUDA_CHECK(cudaMemcpy(s.data(), static_cast<uint8_t*>(gpu.workspace()) + plan.off_scores,
                           n * sizeof(float), cudaMemcpyDeviceToHost));

@@ -599,7 +599,9 @@ void bind_configs(py::module_& m) {
       .def_readwrite("intermediate", &ModelConfig::intermediate)
       .def_property_readonly("num_sparse_layers", &ModelConfig::num_sparse_layers)
       .def("sparse", &ModelConfig::sparse, py::arg("tp_size") = 1,
-           "The per-rank SparseConfig under tensor parallelism of tp_size ranks.")
+           py::arg("context_parallel") = false,
+           "The per-rank SparseConfig under tensor parallelism of tp_size ranks (with "
+           "context_parallel: the CP view, every index head on every rank).")
       .def("validate", &ModelConfig::validate)
       .def("__repr__", [](const ModelConfig& c) { return repr(c); })
       .def("__eq__", [](const ModelConfig& a, const ModelConfig& b) { return same(a, b); })

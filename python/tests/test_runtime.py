@@ -226,6 +226,23 @@ class RuntimeTest(TestCase):
         layer.q_norm = m3msa.as_bf16(np.zeros(15))
         with self.assertRaisesError("invalid_argument", "q_norm"):
             runtime.prepare([layer, Model(np.random.default_rng(5)).layers[1]], runtime_config())
+        with self.assertRaisesError("invalid_argument", "tp_allreduce"):
+            runtime_config(tp_allreduce="ring")
+        with self.assertRaisesError("invalid_argument", "transport"):
+            runtime_config(cp_transport="smoke-signals")
+
+    def test_context_parallel_and_sharing_options(self):
+        config = runtime_config(context_parallel=True, cp_transport="nccl",
+                                selection_share_period=2, tp_allreduce="peer")
+        self.assertTrue(config.context_parallel)
+        self.assertEqual(config.cp_transport, "nccl")
+        self.assertEqual(config.selection_share_period, 2)
+        self.assertEqual(config.tp_allreduce, "peer")
+        self.assertEqual(runtime_config().tp_allreduce, "auto")
+        # The CP view of a rank keeps every index head.
+        model = m3msa.ModelConfig(**MODEL)
+        self.assertEqual(model.sparse(2, context_parallel=True).index_heads, MODEL["index_heads"])
+        self.assertEqual(model.sparse(2).index_heads, MODEL["index_heads"] // 2)
 
 
 if __name__ == "__main__":

@@ -79,6 +79,9 @@ void ModelConfig::validate() const {
   M3MSA_CHECK_ARG(first_sparse_layer >= 0 && first_sparse_layer < num_layers,
                   "model.first_sparse_layer must be in [0, num_layers), got ", first_sparse_layer);
   M3MSA_CHECK_ARG(intermediate >= 0, "model.intermediate must be >= 0, got ", intermediate);
+  // Checked here, not only through sparse(1): the split maps 0 KV heads to 1 per rank.
+  M3MSA_CHECK_ARG(q_heads > 0 && kv_heads > 0, "model.q_heads and model.kv_heads must be > 0, got ",
+                  q_heads, " and ", kv_heads);
   M3MSA_CHECK_ARG(index_heads == kv_heads, "model.index_heads (", index_heads,
                   ") must equal model.kv_heads (", kv_heads,
                   "): index head h selects for KV head h");

@@ -68,6 +68,24 @@ TEST(HostileConfig, ModelSplitsValidateOrNameTheField) {
   expect_rejected([&] { m.validate(); }, "model.first_sparse_layer");
 }
 
+// Found by fuzz_config (fuzz/corpus/fuzz_config/regression-zero-kv-heads-model): a model with
+// 0 KV and index heads passed validate(), since sparse(1) maps 0 KV heads to 1 per rank; its CP
+// view (every index head on the rank) then had 0 index heads.
+TEST(HostileConfig, ModelWithoutKvHeadsIsRejected) {
+  ModelConfig m;
+  m.kv_heads = m.index_heads = 0;
+  expect_rejected([&] { m.validate(); }, "model.kv_heads");
+  m = ModelConfig{};
+  m.q_heads = 0;
+  expect_rejected([&] { m.validate(); }, "model.q_heads");
+  // Every valid model's CP view validates, with all its index heads.
+  for (int tp : {1, 2, 4, 8}) {
+    const SparseConfig cp = ModelConfig{}.sparse(tp, true);
+    EXPECT_NO_THROW(cp.validate()) << tp;
+    EXPECT_EQ(cp.index_heads, ModelConfig{}.index_heads) << tp;
+  }
+}
+
 // ---- Tensor views ----
 
 TEST(HostileTensor, RankOutsideTheViewIsRejectedBeforeAnyIndexing) {

@@ -128,40 +128,44 @@ LayerWeights import_layer(ImportScope& scope, py::handle layer, std::size_t inde
 
 void bind_config(py::module_& m) {
   const RuntimeConfig d;
-  py::class_<RuntimeConfig>(m, "RuntimeConfig",
-                            "What every rank of a runtime must agree on, plus the rank-local "
-                            "threads (runtime.h). The CUDA stream is prepare()'s stream=.")
-      .def(py::init([](const ModelConfig& model, int pipeline_parallel_size, int cache_block_size,
-                       std::vector<int> token_buckets, std::vector<int> query_lens,
-                       int max_requests, int64_t max_context, bool context_parallel,
-                       const std::string& cp_transport, int selection_share_period,
-                       const std::string& tp_allreduce, float swiglu_limit, int threads) {
-             RuntimeConfig c;
-             c.model = model;
-             c.pipeline_parallel_size = pipeline_parallel_size;
-             c.cache_block_size = cache_block_size;
-             c.token_buckets = std::move(token_buckets);
-             c.query_lens = std::move(query_lens);
-             c.max_requests = max_requests;
-             c.max_context = max_context;
-             c.context_parallel = context_parallel;
-             c.cp_transport = parse_cp_transport(cp_transport);
-             c.selection_share_period = selection_share_period;
-             c.tp_allreduce = parse_tp_allreduce(tp_allreduce);
-             c.swiglu_limit = swiglu_limit;
-             c.threads = threads;
-             return c;
-           }),
-           py::kw_only(), py::arg("model") = d.model,
-           py::arg("pipeline_parallel_size") = d.pipeline_parallel_size,
-           py::arg("cache_block_size") = d.cache_block_size,
-           py::arg("token_buckets") = d.token_buckets, py::arg("query_lens") = d.query_lens,
-           py::arg("max_requests") = d.max_requests, py::arg("max_context") = d.max_context,
-           py::arg("context_parallel") = d.context_parallel,
-           py::arg("cp_transport") = cp_transport_name(d.cp_transport),
-           py::arg("selection_share_period") = d.selection_share_period,
-           py::arg("tp_allreduce") = tp_allreduce_name(d.tp_allreduce),
-           py::arg("swiglu_limit") = d.swiglu_limit, py::arg("threads") = d.threads)
+  py::class_<RuntimeConfig>(
+      m, "RuntimeConfig",
+      "What every rank of a runtime must agree on, plus the rank-local "
+      "threads and indexer_overlap (runtime.h). The CUDA stream is prepare()'s stream=.")
+      .def(
+          py::init([](const ModelConfig& model, int pipeline_parallel_size, int cache_block_size,
+                      std::vector<int> token_buckets, std::vector<int> query_lens, int max_requests,
+                      int64_t max_context, bool context_parallel, const std::string& cp_transport,
+                      int selection_share_period, const std::string& tp_allreduce,
+                      float swiglu_limit, int threads, bool indexer_overlap) {
+            RuntimeConfig c;
+            c.model = model;
+            c.pipeline_parallel_size = pipeline_parallel_size;
+            c.cache_block_size = cache_block_size;
+            c.token_buckets = std::move(token_buckets);
+            c.query_lens = std::move(query_lens);
+            c.max_requests = max_requests;
+            c.max_context = max_context;
+            c.context_parallel = context_parallel;
+            c.cp_transport = parse_cp_transport(cp_transport);
+            c.selection_share_period = selection_share_period;
+            c.tp_allreduce = parse_tp_allreduce(tp_allreduce);
+            c.swiglu_limit = swiglu_limit;
+            c.threads = threads;
+            c.indexer_overlap = indexer_overlap;
+            return c;
+          }),
+          py::kw_only(), py::arg("model") = d.model,
+          py::arg("pipeline_parallel_size") = d.pipeline_parallel_size,
+          py::arg("cache_block_size") = d.cache_block_size,
+          py::arg("token_buckets") = d.token_buckets, py::arg("query_lens") = d.query_lens,
+          py::arg("max_requests") = d.max_requests, py::arg("max_context") = d.max_context,
+          py::arg("context_parallel") = d.context_parallel,
+          py::arg("cp_transport") = cp_transport_name(d.cp_transport),
+          py::arg("selection_share_period") = d.selection_share_period,
+          py::arg("tp_allreduce") = tp_allreduce_name(d.tp_allreduce),
+          py::arg("swiglu_limit") = d.swiglu_limit, py::arg("threads") = d.threads,
+          py::arg("indexer_overlap") = d.indexer_overlap)
       .def_readwrite("model", &RuntimeConfig::model)
       .def_readwrite("pipeline_parallel_size", &RuntimeConfig::pipeline_parallel_size)
       .def_readwrite("cache_block_size", &RuntimeConfig::cache_block_size)
@@ -179,6 +183,7 @@ void bind_config(py::module_& m) {
           [](RuntimeConfig& c, const std::string& v) { c.tp_allreduce = parse_tp_allreduce(v); })
       .def_readwrite("swiglu_limit", &RuntimeConfig::swiglu_limit)
       .def_readwrite("threads", &RuntimeConfig::threads)
+      .def_readwrite("indexer_overlap", &RuntimeConfig::indexer_overlap)
       .def("__repr__",
            [](const RuntimeConfig& c) { return "RuntimeConfig(" + c.to_string() + ")"; });
 }

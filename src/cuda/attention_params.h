@@ -77,6 +77,7 @@ struct PreprocessParams {
   // Vectors per row, in the order q heads, k heads, v heads, index_q heads, index_k (the last
   // index_heads + 1 left out when the launch has no index part).
   int num_vectors = 0;
+  int first_vector = 0;  // the launch covers vectors [first_vector, num_vectors) of each row
   float rms_eps = 1e-6f;
   float k_scale = 1.0f;
   float v_scale = 1.0f;

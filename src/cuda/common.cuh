@@ -163,7 +163,8 @@ class Graph {
       throw;
     }
     CUDA_CHECK(cudaStreamEndCapture(stream, &g.graph_));
-    CUDA_CHECK(cudaGraphInstantiate(&g.exec_, g.graph_, 0));
+    // Node priorities: kernels captured on a high-priority stream keep their priority.
+    CUDA_CHECK(cudaGraphInstantiate(&g.exec_, g.graph_, cudaGraphInstantiateFlagUseNodePriority));
     return g;
   }
   void launch(cudaStream_t stream) const { CUDA_CHECK(cudaGraphLaunch(exec_, stream)); }

@@ -20,8 +20,8 @@ void check_contiguous(const TensorView& view, const char* name) {
 
 }  // namespace
 
-void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args,
-                       cudaStream_t stream) {
+void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, cudaStream_t stream,
+                       PreprocessPart part) {
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   validate(config, args, Device::cuda(device));
@@ -32,6 +32,8 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args,
                         "CUDA preprocessing supports rope_dim <= ", 2 * kMaxRopeHalf, ", got ",
                         config.rope_dim);
   const bool index = args.has_index_part();
+  M3MSA_CHECK_ARG(index || part != PreprocessPart::kIndex,
+                  "preprocess: the index part was asked for but args have none");
   for (const auto& [view, name] : {std::pair{args.q_norm, "q_norm"},
                                    {args.k_norm, "k_norm"},
                                    {args.positions, "positions"},
@@ -78,7 +80,10 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args,
   p.index_heads = config.index_heads;
   // The vectors of a row: q heads, k heads, v heads, then (the index part) index_q heads and
   // index_k.
-  p.num_vectors = config.q_heads + 2 * config.kv_heads + (index ? config.index_heads + 1 : 0);
+  const int attention_vectors = config.q_heads + 2 * config.kv_heads;
+  p.num_vectors = attention_vectors +
+                  (index && part != PreprocessPart::kAttention ? config.index_heads + 1 : 0);
+  p.first_vector = part == PreprocessPart::kIndex ? attention_vectors : 0;
   p.head_dim = config.head_dim;
   p.index_dim = config.index_dim;
   p.block_size = config.block_size;
@@ -93,7 +98,7 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args,
     p.inv_freq[i] = std::pow(config.rope_theta, -2.0 * static_cast<double>(i) / config.rope_dim);
   }
 
-  const int vectors = p.num_vectors;
+  const int vectors = p.num_vectors - p.first_vector;
   const dim3 grid(static_cast<unsigned>(rows),
                   static_cast<unsigned>((vectors + prep::kWarps - 1) / prep::kWarps));
   prep::preprocess_kernel<<<grid, prep::kThreads, 0, stream>>>(p);

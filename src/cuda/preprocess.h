@@ -10,6 +10,13 @@
 
 namespace m3msa::cuda {
 
-void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, cudaStream_t stream);
+// Which vectors of each row a launch covers: all, the attention part (q, k, v: RoPE'd q and the
+// KV cache insert) or the index part (index_q and the index-K cache insert). The two parts
+// together write exactly what kAll writes, so the runtime can run the index part (and the
+// indexer after it) beside the attention part. args are validated whole either way.
+enum class PreprocessPart { kAll, kAttention, kIndex };
+
+void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, cudaStream_t stream,
+                       PreprocessPart part = PreprocessPart::kAll);
 
 }  // namespace m3msa::cuda

@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kThreads)
   __syncthreads();
 
   // Which vector this warp handles.
-  int vec = blockIdx.y * kWarps + warp;
+  int vec = p.first_vector + blockIdx.y * kWarps + warp;
   if (vec >= p.num_vectors) return;
   VectorKind kind;
   int head;

@@ -102,6 +102,7 @@ inline constexpr int kChunk = 64;       // k per warp step (4 MMAs of k16)
 // <= 102 registers: 5 CTAs per SM, so the 616 CTAs of M3's TP = 1 projection are resident at once
 // (4 per SM would leave a second partial wave).
 inline constexpr int kGemmMinCtasPerSm = 5;
+inline constexpr int kGemmWideWarps = 16;
 
 // Weights are read exactly once: keep them out of L1.
 __device__ __forceinline__ uint4 load_stream(const void* ptr) {
@@ -176,22 +177,19 @@ __device__ __forceinline__ void weight_words(const WeightRegs<kFp8>& w, uint32_t
   }
 }
 
-// Grid: ceil(n / 16) CTAs of 4 warps. Warp w handles the chunks c = w, w + 4, ... of K for the
-// CTA's 16 columns; kUnroll chunks' weights are loaded before any is used (bytes in flight).
-// Lanes: g = lane / 4 is the MMA group (rows g and g + 8 of A, column g of each n8 tile of B),
-// t = lane % 4 picks the k slice (see load_x).
-template <bool kFp8>
-__global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
-    skinny_gemm_kernel(const __grid_constant__ SkinnyGemmParams p) {
-  constexpr int kUnroll = kFp8 ? 6 : 3;
+// One 16-column tile: out[:, n0 .. n0 + 16). Warp w handles the chunks c = w, w + kWarps, ... of
+// K for the tile's 16 columns; kUnroll chunks' weights are loaded before any is used (bytes in
+// flight). Lanes: g = lane / 4 is the MMA group (rows g and g + 8 of A, column g of each n8 tile
+// of B), t = lane % 4 picks the k slice (see load_x). kWarps warps split K (chunks w, w + kWarps,
+// ...), reduced in warp order. Ends with a __syncthreads (s_red reuse).
+template <bool kFp8, int kUnroll, int kWarps>
+__device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
+                                          float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
   constexpr int kElem = kFp8 ? 1 : 2;
-  __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
-
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int n0 = blockIdx.x * kColsPerCta;
   const int chunks = p.k / kChunk;
   const bool lo_ok = g < p.rows;
   const bool hi_ok = g + 8 < p.rows;
@@ -208,11 +206,11 @@ __global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
   }
 
   float acc[2][4] = {};
-  for (int first = warp; first < chunks; first += kGemmWarps * kUnroll) {
+  for (int first = warp; first < chunks; first += kWarps * kUnroll) {
     WeightRegs<kFp8> w[kUnroll][2];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int c = first + u * kGemmWarps;
+      const int c = first + u * kWarps;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         if (c < chunks && col_ok[j]) {
@@ -225,7 +223,7 @@ __global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int c = first + u * kGemmWarps;
+      const int c = first + u * kWarps;
       if (c >= chunks) break;  // warp-uniform
       uint32_t a_lo[8] = {}, a_hi[8] = {};
       if (lo_ok) load_x<kFp8>(x_lo + static_cast<int64_t>(c) * kChunk, t, a_lo);
@@ -253,13 +251,13 @@ __global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
     s_red[warp][g + 8][col + 1] = acc[j][3];
   }
   __syncthreads();
-  for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kGemmThreads) {
+  for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kWarps * 32) {
     const int row = o / kColsPerCta;
     const int col = n0 + o % kColsPerCta;
     if (row >= p.rows || col >= p.n) continue;
     float sum = s_red[0][row][o % kColsPerCta];
 #pragma unroll
-    for (int w = 1; w < kGemmWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
+    for (int w = 1; w < kWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
     if (p.scale != nullptr) sum = __fmul_rn(sum, p.scale[col]);
     if (p.out_f32) {
       static_cast<float*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] = sum;
@@ -268,6 +266,24 @@ __global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
           float_to_bf16(sum);
     }
   }
+  __syncthreads();
+}
+
+// Grid: ceil(n / 16) CTAs of 4 warps, one tile each.
+template <bool kFp8>
+__global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
+    skinny_gemm_kernel(const __grid_constant__ SkinnyGemmParams p) {
+  __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
+  gemm_tile<kFp8, kFp8 ? 6 : 3, kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
+}
+
+// SkinnyGemmParams::wide: ceil(n / 16) CTAs of 16 warps, one tile each (4x the bytes in flight
+// of a tile for narrow outputs, whose few CTAs would otherwise wait on latency).
+template <bool kFp8>
+__global__ void __launch_bounds__(kGemmWideWarps * 32, 1)
+    skinny_gemm_wide_kernel(const __grid_constant__ SkinnyGemmParams p) {
+  __shared__ float s_red[kGemmWideWarps][kSkinnyMaxRows][kColsPerCta + 1];
+  gemm_tile<kFp8, kFp8 ? 6 : 3, kGemmWideWarps>(p, blockIdx.x * kColsPerCta, s_red);
 }
 
 // ---- SwiGLU-OAI and conversion ----
@@ -335,12 +351,12 @@ void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
   M3MSA_CHECK_ARG(p.x_stride >= p.k && p.out_stride >= p.n, "skinny GEMM: strides (x ", p.x_stride,
                   ", out ", p.out_stride, ") below the widths (", p.k, ", ", p.n, ")");
   if (p.rows == 0) return;
-  const int ctas = skinny_gemm_ctas(p.n);
-  if (p.w_fp8) {
-    rk::skinny_gemm_kernel<true><<<ctas, rk::kGemmThreads, 0, stream>>>(p);
-  } else {
-    rk::skinny_gemm_kernel<false><<<ctas, rk::kGemmThreads, 0, stream>>>(p);
-  }
+  const int tiles = skinny_gemm_ctas(p.n);
+  const unsigned threads = p.wide ? rk::kGemmWideWarps * 32 : rk::kGemmThreads;
+  auto* kernel =
+      p.wide ? (p.w_fp8 ? rk::skinny_gemm_wide_kernel<true> : rk::skinny_gemm_wide_kernel<false>)
+             : (p.w_fp8 ? rk::skinny_gemm_kernel<true> : rk::skinny_gemm_kernel<false>);
+  kernel<<<tiles, threads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 

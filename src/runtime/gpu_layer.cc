@@ -123,6 +123,15 @@ class GpuEngineImpl final : public GpuEngine {
       stream_ = own_stream_;
     }
     try {
+      CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
+      overlap_ = config.indexer_overlap;
+      if (overlap_) {
+        int least = 0, greatest = 0;
+        CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+        CUDA_CHECK(cudaStreamCreateWithPriority(&side_, cudaStreamNonBlocking, greatest));
+        CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+        CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
+      }
       allocate(layers);
     } catch (...) {
       if (stream_) cudaStreamSynchronize(stream_);
@@ -153,6 +162,7 @@ class GpuEngineImpl final : public GpuEngine {
     // plan_indexer sets the scoring kernels' shared-memory limit to this plan's (a later plan
     // elsewhere in the process may have lowered it); the workspace layout is unchanged.
     indexer_plan_ = cuda::plan_indexer(sparse_, limits_, device_);
+    side_indexer_plan_ = side_plan(indexer_plan_);
   }
 
   void connect(Communicator& comm, Problems& problems) override {
@@ -234,6 +244,7 @@ class GpuEngineImpl final : public GpuEngine {
       cp.max_context = config_.max_context;
       cp.transport = config_.cp_transport;
       cp.spin_budget = config_.cp_spin_budget;
+      cp.score_ctas_per_sm = overlap_ ? 1 : 2;
       cp_ = std::make_unique<CudaCpIndexer>(comm, device_, config_.model.sparse(1), cp);
     }
     if (P > 1 && use_peer_ar_) {
@@ -439,20 +450,50 @@ class GpuEngineImpl final : public GpuEngine {
       pre.index_cache = w.index_cache;
       pre.index_q_out = index_q_view(rows);
     }
-    gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
-         run_indexer ? width : attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width);
-    cuda::launch_preprocess(sc, pre, stream_);
-    launches += 2;
+    // The index columns get their own launch (narrow: 16 warps per tile), in every mode, so
+    // index_q has the same bits with and without the overlap and with CP.
     if (run_indexer) {
-      IndexerArgs idx;
-      idx.index_q = pre.index_q_out;
-      idx.index_cache = w.index_cache;
-      idx.batch = step;
-      idx.topk_idx = topk_view(rows);
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
+           width - attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width,
+           /*first_col=*/attention_cols, /*wide=*/true);
+      ++launches;
+    }
+    IndexerArgs idx;
+    idx.index_q = pre.index_q_out;
+    idx.index_cache = w.index_cache;
+    idx.batch = step;
+    idx.topk_idx = topk_view(rows);
+    if (run_indexer && overlap_) {
+      // The indexer (a latency chain at small batches) runs on a high-priority side stream
+      // beside the q, k, v columns' projection (most of the weight bytes): it is queued first,
+      // at one CTA per SM, so the projection's CTAs fill the rest of every SM and take its
+      // place when it is done; attention waits for both.
+      cuda::launch_preprocess(sc, pre, stream_, cuda::PreprocessPart::kIndex);
+      CUDA_CHECK(cudaEventRecord(fork_, stream_));
+      CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
       if (cp_) {
-        cp_->select(w.layer, idx, stream_);
+        cp_->select(w.layer, idx, side_);
         launches += config_.cp_transport == CpTransport::kNccl && tp_size_ > 1 ? 5 : 3;
       } else {
+        cuda::launch_indexer(side_indexer_plan_, sc, idx, IndexerVariant::kFused,
+                             indexer_ws_.data(), side_);
+        ++launches;
+      }
+      CUDA_CHECK(cudaEventRecord(join_, side_));
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), attention_cols,
+           /*out_f32=*/false, rows, /*out_stride=*/width);
+      cuda::launch_preprocess(sc, pre, stream_, cuda::PreprocessPart::kAttention);
+      CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
+      launches += 3;
+    } else {
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), attention_cols,
+           /*out_f32=*/false, rows, /*out_stride=*/width);
+      cuda::launch_preprocess(sc, pre, stream_);
+      launches += 2;
+      if (run_indexer && cp_) {
+        cp_->select(w.layer, idx, stream_);
+        launches += config_.cp_transport == CpTransport::kNccl && tp_size_ > 1 ? 5 : 3;
+      } else if (run_indexer) {
         cuda::launch_indexer(indexer_plan_, sc, idx, IndexerVariant::kFused, indexer_ws_.data(),
                              stream_);
         ++launches;
@@ -523,6 +564,18 @@ class GpuEngineImpl final : public GpuEngine {
   void release_stream() {
     if (own_stream_) cudaStreamDestroy(own_stream_);
     own_stream_ = nullptr;
+    if (side_) cudaStreamDestroy(side_);
+    if (fork_) cudaEventDestroy(fork_);
+    if (join_) cudaEventDestroy(join_);
+    side_ = nullptr;
+    fork_ = join_ = nullptr;
+  }
+
+  // The indexer beside the projection: one CTA per SM (its kernel takes any grid).
+  cuda::IndexerPlan side_plan(const cuda::IndexerPlan& plan) const {
+    cuda::IndexerPlan side = plan;
+    side.grid = std::min(plan.grid, sm_count_);
+    return side;
   }
 
   void free_buffers() {
@@ -579,6 +632,7 @@ class GpuEngineImpl final : public GpuEngine {
     limits_.max_context = 0;          // the fused decode indexer's workspace does not depend on it
     if (!config_.context_parallel) {  // with CP the CP indexer (made by connect) selects
       indexer_plan_ = cuda::plan_indexer(sc, limits_, device_);
+      side_indexer_plan_ = side_plan(indexer_plan_);
       indexer_ws_ = cuda::DeviceBuffer(indexer_plan_.workspace_bytes);
       cuda::init_indexer_workspace(indexer_plan_, indexer_ws_.data(), stream_);
     }
@@ -624,15 +678,19 @@ class GpuEngineImpl final : public GpuEngine {
     cuda::launch_add_rmsnorm(p, stream_);
   }
 
-  // out[:, j] = x . w[j, :] (* scale) for the first n rows of a [*, k] weight.
+  // out[:, first_col + j] = x . w[first_col + j, :] (* scale) for j < n, of a [*, k] weight
+  // (wide: SkinnyGemmParams::wide).
   void gemm(const uint16_t* x, int k, const TensorView& w, const TensorView& scale, void* out,
-            int n, bool out_f32, int rows, int out_stride = 0) {
+            int n, bool out_f32, int rows, int out_stride = 0, int first_col = 0,
+            bool wide = false) {
     cuda::SkinnyGemmParams p;
     p.x = x;
     p.x_stride = k;
-    p.w = w.data;
-    p.scale = scale.defined() ? scale.ptr<const float>() : nullptr;
-    p.out = out;
+    p.w = static_cast<const uint8_t*>(w.data) +
+          int64_t{first_col} * k * static_cast<int64_t>(dtype_size(w.dtype));
+    p.scale = scale.defined() ? scale.ptr<const float>() + first_col : nullptr;
+    p.out = static_cast<uint8_t*>(out) + int64_t{first_col} * (out_f32 ? 4 : 2);
+    p.wide = wide ? 1 : 0;
     p.out_stride = out_stride > 0 ? out_stride : n;
     p.rows = rows;
     p.n = n;
@@ -666,6 +724,13 @@ class GpuEngineImpl final : public GpuEngine {
   int max_rows_ = 0;
   int64_t max_blocks_ = 0;
   int64_t launches_ = 0;
+  int sm_count_ = 0;
+  // The indexer (or the CP selection) beside the q/k/v projection (RuntimeConfig::
+  // indexer_overlap).
+  bool overlap_ = false;
+  cudaStream_t side_ = nullptr;  // high priority: index columns, their preprocessing, indexer
+  cudaEvent_t fork_ = nullptr;   // normed input ready (main -> side)
+  cudaEvent_t join_ = nullptr;   // the selection ready (side -> main, before attention)
 
   MetaLayout layout_;
   cuda::DeviceBuffer meta_;
@@ -676,6 +741,7 @@ class GpuEngineImpl final : public GpuEngine {
   cuda::DeviceBuffer normed_, qkv_, q_, index_q_, topk_, attn_, o16_, o32_, mlp_gu_, mlp_act_;
   PlanLimits limits_;
   cuda::IndexerPlan indexer_plan_;
+  cuda::IndexerPlan side_indexer_plan_;  // overlap_: one CTA per SM (beside the projection)
   cuda::DeviceBuffer indexer_ws_;
   cuda::DeviceBuffer attention_ws_;
 };

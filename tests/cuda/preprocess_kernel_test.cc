@@ -203,6 +203,23 @@ void run_shape(const PrepShape& s, const std::string& name) {
               ic.view, q_out.view, iq_out.view, s.k_scale, s.v_scale),
       nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
+  // The attention part then the index part (the runtime's overlap) write the same bytes.
+  DevTensor kv2 = to_dev(h.kv_cache), ic2 = to_dev(h.index_cache), q_out2 = to_dev(h.q_out),
+            iq_out2 = to_dev(h.index_q_out);
+  const PreprocessArgs split_args =
+      args_of(cfg, qkv.view, qn.view, kn.view, iqn.view, ikn.view, pos.view, dev_batch, kv2.view,
+              ic2.view, q_out2.view, iq_out2.view, s.k_scale, s.v_scale);
+  cuda::launch_preprocess(cfg, split_args, nullptr, cuda::PreprocessPart::kAttention);
+  cuda::launch_preprocess(cfg, split_args, nullptr, cuda::PreprocessPart::kIndex);
+  CUDA_CHECK(cudaDeviceSynchronize());
+  auto same_bytes = [](const TensorView& a, const TensorView& b) {
+    const HostTensor ha = to_host(a), hb = to_host(b);
+    return ha.nbytes() == hb.nbytes() && std::memcmp(ha.data(), hb.data(), ha.nbytes()) == 0;
+  };
+  EXPECT_TRUE(same_bytes(kv2.view, kv.view)) << name << ": kv_cache";
+  EXPECT_TRUE(same_bytes(ic2.view, ic.view)) << name << ": index_cache";
+  EXPECT_TRUE(same_bytes(q_out2.view, q_out.view)) << name << ": q_out";
+  EXPECT_TRUE(same_bytes(iq_out2.view, iq_out.view)) << name << ": index_q_out";
 
   BatchMeta host_batch = h.batch;
   host_batch.seq_lens = h.seq_lens.view();

@@ -398,7 +398,7 @@ int run_layer_bench(int argc, char** argv) {
                  "cross-layer selection sharing period (1: every layer runs its indexer)");
   app.add_option("--overlap", overlap,
                  "comma-separated RuntimeConfig::indexer_overlap settings (the indexer beside the "
-                 "q/k/v projection): on, off");
+                 "q/k/v projection; with --cp on the runtime stays serial): on, off");
   app.add_option("--weights", weights, "comma-separated projection weight dtypes: bf16, fp8");
   app.add_option("--kv", kv, "KV cache dtype: bf16 or fp8");
   app.add_option("--layers", layers, "distinct sparse layers per captured step (L2 rotation)");
@@ -483,6 +483,8 @@ int run_layer_bench(int argc, char** argv) {
               for (bool with_overlap : overlap_list) {
                 if (t % q != 0) continue;  // tokens = requests * q_len
                 Config c;
+                // With CP the runtime is serial: one row, not two identical ones.
+                if (cp && with_overlap && overlap_list.size() > 1) continue;
                 c.overlap = with_overlap;
                 c.tp = tp;
                 c.cp = cp;
@@ -504,7 +506,7 @@ int run_layer_bench(int argc, char** argv) {
                                                   fmt::format("{}", q),
                                                   fmt::format("{}", t / q),
                                                   fmt::format("{}", context),
-                                                  with_overlap ? "on" : "off",
+                                                  with_overlap && !cp ? "on" : "off",
                                                   fmt::format("{:.2f}", us),
                                                   fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
                                                   fmt::format("{}", r.launches),
@@ -529,7 +531,7 @@ int run_layer_bench(int argc, char** argv) {
                                   {"q_len", q},
                                   {"requests", t / q},
                                   {"context", context},
-                                  {"indexer_overlap", with_overlap},
+                                  {"indexer_overlap", with_overlap && !cp},
                                   {"layers_per_graph", layers},
                                   {"median_us", us},
                                   {"p10_us", r.timing.p10_us},

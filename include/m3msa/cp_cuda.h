@@ -140,9 +140,6 @@ struct CudaCpConfig {
   // by spin_budget; this bounds what has no device-side bound (an NCCL collective whose peer
   // never joins) and anything else queued before check() on that stream.
   std::chrono::milliseconds host_timeout{10000};
-  // Rank-local, changes no result: CTAs per SM of the scoring kernel (1 or 2). The runtime asks
-  // for 1 when it runs the indexer beside its q/k/v projection (RuntimeConfig::indexer_overlap).
-  int score_ctas_per_sm = 2;
 };
 
 // What check() found, when it threw (tests and tools; see the fault list above).

@@ -103,11 +103,10 @@ struct RuntimeConfig {
   float swiglu_limit = 7.0f;                      // clamping limit of the SwiGLU-OAI MLP
   // Rank-local: CPU threads one rank uses (0 = hardware concurrency). Not agreed.
   int threads = 1;
-  // Rank-local, CUDA backend: run the selection (the indexer, or CP's shard scoring and
-  // exchange) on a second, high-priority stream beside the q/k/v projection, at one CTA per SM
-  // so the projection's CTAs fill the rest of every SM. The index columns are projected first
-  // (their own launch) in either mode, so this changes no result. Engines that capture the
-  // runtime into their own graphs should instantiate them with
+  // Rank-local, CUDA backend without CP: project the index columns first (their own launch,
+  // the same bits), then run the indexer on a second, high-priority stream beside the q/k/v
+  // projection, at one CTA per SM so the projection's CTAs fill the rest of every SM. Changes no
+  // result. Engines that capture the runtime into their own graphs should instantiate them with
   // cudaGraphInstantiateFlagUseNodePriority (StepGraphs does). Not agreed.
   bool indexer_overlap = true;
   // Rank-local, CUDA backend: the cudaStream_t every kernel is queued on (the engine's stream, so

@@ -626,9 +626,7 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
     DeviceGuard guard(device);
     int sms = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    M3MSA_CHECK_ARG(cp.score_ctas_per_sm == 1 || cp.score_ctas_per_sm == 2,
-                    "CUDA CP: score_ctas_per_sm must be 1 or 2, got ", cp.score_ctas_per_sm);
-    m.grid_sm = cp.score_ctas_per_sm * sms;
+    m.grid_sm = 2 * sms;
     if (cp.transport != CpTransport::kReplicated) {
       const std::size_t smem = score_smem_bytes(cp.max_reqs);
       int optin = 0;

@@ -102,7 +102,6 @@ inline constexpr int kChunk = 64;       // k per warp step (4 MMAs of k16)
 // <= 102 registers: 5 CTAs per SM, so the 616 CTAs of M3's TP = 1 projection are resident at once
 // (4 per SM would leave a second partial wave).
 inline constexpr int kGemmMinCtasPerSm = 5;
-inline constexpr int kGemmWideWarps = 16;
 
 // Weights are read exactly once: keep them out of L1.
 __device__ __forceinline__ uint4 load_stream(const void* ptr) {
@@ -177,14 +176,16 @@ __device__ __forceinline__ void weight_words(const WeightRegs<kFp8>& w, uint32_t
   }
 }
 
-// One 16-column tile: out[:, n0 .. n0 + 16). Warp w handles the chunks c = w, w + kWarps, ... of
-// K for the tile's 16 columns; kUnroll chunks' weights are loaded before any is used (bytes in
+// One 16-column tile: out[:, n0 .. n0 + 16). Warp w handles the chunks c = w, w + 4, ... of K
+// for the tile's 16 columns; kUnroll chunks' weights are loaded before any is used (bytes in
 // flight). Lanes: g = lane / 4 is the MMA group (rows g and g + 8 of A, column g of each n8 tile
-// of B), t = lane % 4 picks the k slice (see load_x). kWarps warps split K (chunks w, w + kWarps,
-// ...), reduced in warp order. Ends with a __syncthreads (s_red reuse).
-template <bool kFp8, int kUnroll, int kWarps>
-__device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
-                                          float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
+// of B), t = lane % 4 picks the k slice (see load_x). A warp accumulates its chunks in increasing
+// order whatever kUnroll is, so every kUnroll gives the same bits. Ends with a __syncthreads
+// (s_red reuse).
+template <bool kFp8, int kUnroll>
+__device__ __forceinline__ void gemm_tile(
+    const SkinnyGemmParams& p, int n0,
+    float (&s_red)[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
   constexpr int kElem = kFp8 ? 1 : 2;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -206,11 +207,11 @@ __device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
   }
 
   float acc[2][4] = {};
-  for (int first = warp; first < chunks; first += kWarps * kUnroll) {
+  for (int first = warp; first < chunks; first += kGemmWarps * kUnroll) {
     WeightRegs<kFp8> w[kUnroll][2];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int c = first + u * kWarps;
+      const int c = first + u * kGemmWarps;
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         if (c < chunks && col_ok[j]) {
@@ -223,7 +224,7 @@ __device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      const int c = first + u * kWarps;
+      const int c = first + u * kGemmWarps;
       if (c >= chunks) break;  // warp-uniform
       uint32_t a_lo[8] = {}, a_hi[8] = {};
       if (lo_ok) load_x<kFp8>(x_lo + static_cast<int64_t>(c) * kChunk, t, a_lo);
@@ -251,13 +252,13 @@ __device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
     s_red[warp][g + 8][col + 1] = acc[j][3];
   }
   __syncthreads();
-  for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kWarps * 32) {
+  for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kGemmThreads) {
     const int row = o / kColsPerCta;
     const int col = n0 + o % kColsPerCta;
     if (row >= p.rows || col >= p.n) continue;
     float sum = s_red[0][row][o % kColsPerCta];
 #pragma unroll
-    for (int w = 1; w < kWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
+    for (int w = 1; w < kGemmWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
     if (p.scale != nullptr) sum = __fmul_rn(sum, p.scale[col]);
     if (p.out_f32) {
       static_cast<float*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] = sum;
@@ -274,16 +275,17 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
     skinny_gemm_kernel(const __grid_constant__ SkinnyGemmParams p) {
   __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
-  gemm_tile<kFp8, kFp8 ? 6 : 3, kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
+  gemm_tile<kFp8, kFp8 ? 6 : 3>(p, blockIdx.x * kColsPerCta, s_red);
 }
 
-// SkinnyGemmParams::wide: ceil(n / 16) CTAs of 16 warps, one tile each (4x the bytes in flight
-// of a tile for narrow outputs, whose few CTAs would otherwise wait on latency).
+// SkinnyGemmParams::deep: the same grid and bits, 4x (bf16) / 2.7x (fp8) the weight chunks in
+// flight per warp (up to 255 registers): for narrow outputs, whose few CTAs would otherwise wait
+// on latency.
 template <bool kFp8>
-__global__ void __launch_bounds__(kGemmWideWarps * 32, 1)
-    skinny_gemm_wide_kernel(const __grid_constant__ SkinnyGemmParams p) {
-  __shared__ float s_red[kGemmWideWarps][kSkinnyMaxRows][kColsPerCta + 1];
-  gemm_tile<kFp8, kFp8 ? 6 : 3, kGemmWideWarps>(p, blockIdx.x * kColsPerCta, s_red);
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    skinny_gemm_deep_kernel(const __grid_constant__ SkinnyGemmParams p) {
+  __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
+  gemm_tile<kFp8, kFp8 ? 16 : 12>(p, blockIdx.x * kColsPerCta, s_red);
 }
 
 // ---- SwiGLU-OAI and conversion ----
@@ -352,11 +354,10 @@ void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
                   ", out ", p.out_stride, ") below the widths (", p.k, ", ", p.n, ")");
   if (p.rows == 0) return;
   const int tiles = skinny_gemm_ctas(p.n);
-  const unsigned threads = p.wide ? rk::kGemmWideWarps * 32 : rk::kGemmThreads;
   auto* kernel =
-      p.wide ? (p.w_fp8 ? rk::skinny_gemm_wide_kernel<true> : rk::skinny_gemm_wide_kernel<false>)
+      p.deep ? (p.w_fp8 ? rk::skinny_gemm_deep_kernel<true> : rk::skinny_gemm_deep_kernel<false>)
              : (p.w_fp8 ? rk::skinny_gemm_kernel<true> : rk::skinny_gemm_kernel<false>);
-  kernel<<<tiles, threads, 0, stream>>>(p);
+  kernel<<<tiles, rk::kGemmThreads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -61,9 +61,9 @@ struct SkinnyGemmParams {
   int k = 0;  // multiple of 64
   int w_fp8 = 0;
   int out_f32 = 0;
-  // 1: 16 warps split K in each CTA instead of 4, for narrow outputs (few tiles: more bytes in
-  // flight per tile). A different (fixed) reduction order: bits differ from wide = 0.
-  int wide = 0;
+  // 1: 2.7-4x the weight chunks in flight per warp (up to 255 registers: fewer CTAs per SM), for
+  // narrow outputs whose few CTAs would otherwise wait on latency. The same bits as deep = 0.
+  int deep = 0;
 };
 
 void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream);

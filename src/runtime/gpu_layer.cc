@@ -124,7 +124,7 @@ class GpuEngineImpl final : public GpuEngine {
     }
     try {
       CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
-      overlap_ = config.indexer_overlap;
+      overlap_ = config.indexer_overlap && !config.context_parallel;
       if (overlap_) {
         int least = 0, greatest = 0;
         CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -244,7 +244,6 @@ class GpuEngineImpl final : public GpuEngine {
       cp.max_context = config_.max_context;
       cp.transport = config_.cp_transport;
       cp.spin_budget = config_.cp_spin_budget;
-      cp.score_ctas_per_sm = overlap_ ? 1 : 2;
       cp_ = std::make_unique<CudaCpIndexer>(comm, device_, config_.model.sparse(1), cp);
     }
     if (P > 1 && use_peer_ar_) {
@@ -450,44 +449,35 @@ class GpuEngineImpl final : public GpuEngine {
       pre.index_cache = w.index_cache;
       pre.index_q_out = index_q_view(rows);
     }
-    // The index columns get their own launch (narrow: 16 warps per tile), in every mode, so
-    // index_q has the same bits with and without the overlap and with CP.
-    if (run_indexer) {
-      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
-           width - attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width,
-           /*first_col=*/attention_cols, /*wide=*/true);
-      ++launches;
-    }
     IndexerArgs idx;
     idx.index_q = pre.index_q_out;
     idx.index_cache = w.index_cache;
     idx.batch = step;
     idx.topk_idx = topk_view(rows);
     if (run_indexer && overlap_) {
-      // The indexer (a latency chain at small batches) runs on a high-priority side stream
-      // beside the q, k, v columns' projection (most of the weight bytes): it is queued first,
-      // at one CTA per SM, so the projection's CTAs fill the rest of every SM and take its
-      // place when it is done; attention waits for both.
+      // The indexer needs only the index columns: they are projected first (a launch of their
+      // own, deep: few CTAs; the same bits as inside the whole projection) and preprocessed,
+      // then the indexer (a latency chain at small batches) runs on a high-priority side stream
+      // beside the q, k, v columns' projection (most of the weight bytes). It is queued first,
+      // at one CTA per SM, so the projection's CTAs fill the rest of every SM and take its place
+      // when it is done; attention waits for both.
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
+           width - attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width,
+           /*first_col=*/attention_cols, /*deep=*/true);
       cuda::launch_preprocess(sc, pre, stream_, cuda::PreprocessPart::kIndex);
       CUDA_CHECK(cudaEventRecord(fork_, stream_));
       CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
-      if (cp_) {
-        cp_->select(w.layer, idx, side_);
-        launches += config_.cp_transport == CpTransport::kNccl && tp_size_ > 1 ? 5 : 3;
-      } else {
-        cuda::launch_indexer(side_indexer_plan_, sc, idx, IndexerVariant::kFused,
-                             indexer_ws_.data(), side_);
-        ++launches;
-      }
+      cuda::launch_indexer(side_indexer_plan_, sc, idx, IndexerVariant::kFused, indexer_ws_.data(),
+                           side_);
       CUDA_CHECK(cudaEventRecord(join_, side_));
       gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), attention_cols,
            /*out_f32=*/false, rows, /*out_stride=*/width);
       cuda::launch_preprocess(sc, pre, stream_, cuda::PreprocessPart::kAttention);
       CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
-      launches += 3;
+      launches += 5;
     } else {
-      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), attention_cols,
-           /*out_f32=*/false, rows, /*out_stride=*/width);
+      gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
+           run_indexer ? width : attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width);
       cuda::launch_preprocess(sc, pre, stream_);
       launches += 2;
       if (run_indexer && cp_) {
@@ -679,10 +669,10 @@ class GpuEngineImpl final : public GpuEngine {
   }
 
   // out[:, first_col + j] = x . w[first_col + j, :] (* scale) for j < n, of a [*, k] weight
-  // (wide: SkinnyGemmParams::wide).
+  // (deep: SkinnyGemmParams::deep).
   void gemm(const uint16_t* x, int k, const TensorView& w, const TensorView& scale, void* out,
             int n, bool out_f32, int rows, int out_stride = 0, int first_col = 0,
-            bool wide = false) {
+            bool deep = false) {
     cuda::SkinnyGemmParams p;
     p.x = x;
     p.x_stride = k;
@@ -690,7 +680,7 @@ class GpuEngineImpl final : public GpuEngine {
           int64_t{first_col} * k * static_cast<int64_t>(dtype_size(w.dtype));
     p.scale = scale.defined() ? scale.ptr<const float>() + first_col : nullptr;
     p.out = static_cast<uint8_t*>(out) + int64_t{first_col} * (out_f32 ? 4 : 2);
-    p.wide = wide ? 1 : 0;
+    p.deep = deep ? 1 : 0;
     p.out_stride = out_stride > 0 ? out_stride : n;
     p.rows = rows;
     p.n = n;
@@ -725,8 +715,7 @@ class GpuEngineImpl final : public GpuEngine {
   int64_t max_blocks_ = 0;
   int64_t launches_ = 0;
   int sm_count_ = 0;
-  // The indexer (or the CP selection) beside the q/k/v projection (RuntimeConfig::
-  // indexer_overlap).
+  // The fused indexer beside the q/k/v projection (RuntimeConfig::indexer_overlap; CP: serial).
   bool overlap_ = false;
   cudaStream_t side_ = nullptr;  // high priority: index columns, their preprocessing, indexer
   cudaEvent_t fork_ = nullptr;   // normed input ready (main -> side)

@@ -30,6 +30,7 @@
 #include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -348,24 +349,26 @@ std::vector<std::string> split_list(const std::string& text) {
 
 std::vector<int64_t> parse_list(const std::string& text) {
   std::vector<int64_t> out;
-  std::size_t at = 0;
-  while (at < text.size()) {
-    std::size_t end = text.find(',', at);
-    if (end == std::string::npos) end = text.size();
-    out.push_back(std::stoll(text.substr(at, end - at)));
-    at = end + 1;
-  }
+  for (const std::string& item : split_list(text)) out.push_back(std::stoll(item));
   return out;
 }
 
 std::vector<DType> parse_dtypes(const std::string& text, const char* what) {
   std::vector<DType> out;
-  std::size_t at = 0;
-  while (at < text.size()) {
-    std::size_t end = text.find(',', at);
-    if (end == std::string::npos) end = text.size();
-    out.push_back(parse_dtype(text.substr(at, end - at), what));
-    at = end + 1;
+  for (const std::string& item : split_list(text)) out.push_back(parse_dtype(item, what));
+  return out;
+}
+
+// "on,off" -> {true, false}; anything else: an error naming the flag (nullopt).
+std::optional<std::vector<bool>> parse_switches(const std::string& text, const char* flag) {
+  std::vector<bool> out;
+  for (const std::string& v : split_list(text)) {
+    if (v != "on" && v != "off") {
+      std::fprintf(stderr, "m3msa bench layer: %s takes on and/or off, got '%s'\n", flag,
+                   v.c_str());
+      return std::nullopt;
+    }
+    out.push_back(v == "on");
   }
   return out;
 }
@@ -435,18 +438,8 @@ int run_layer_bench(int argc, char** argv) {
     }
     tp_list.push_back(static_cast<int>(tp));
   }
-  std::vector<bool> cp_list;
-  for (std::size_t at = 0; at < cps.size();) {
-    std::size_t end = cps.find(',', at);
-    if (end == std::string::npos) end = cps.size();
-    const std::string v = cps.substr(at, end - at);
-    if (v != "on" && v != "off") {
-      std::fprintf(stderr, "m3msa bench layer: --cp takes off and/or on, got '%s'\n", v.c_str());
-      return 2;
-    }
-    cp_list.push_back(v == "on");
-    at = end + 1;
-  }
+  const auto cp_list = parse_switches(cps, "--cp");
+  if (!cp_list) return 2;
   if (share_period < 1) {
     std::fprintf(stderr, "m3msa bench layer: --share-period must be >= 1, got %d\n", share_period);
     return 2;
@@ -457,15 +450,8 @@ int run_layer_bench(int argc, char** argv) {
       "m3msa bench layer on %s; read ceiling %.2f TB/s; M3 attention dims, %d layers per graph, "
       "kv %s, no MLP, share period %d; per layer under graph replay\n",
       device.c_str(), kReadCeilingTBs, layers, dtype_name(kv_dtype), share_period);
-  std::vector<bool> overlap_list;
-  for (const std::string& v : split_list(overlap)) {
-    if (v != "on" && v != "off") {
-      std::fprintf(stderr, "m3msa bench layer: --overlap takes on and/or off, got '%s'\n",
-                   v.c_str());
-      return 2;
-    }
-    overlap_list.push_back(v == "on");
-  }
+  const auto overlap_list = parse_switches(overlap, "--overlap");
+  if (!overlap_list) return 2;
   Table table({"tp", "cp", "weights", "tokens", "q_len", "reqs", "context", "overlap", "median us",
                "noise", "launches", "MB", "allreduce", "nccl us", "peer us", "floor us", "ratio"});
   for (int tp : tp_list) {
@@ -475,16 +461,16 @@ int run_layer_bench(int argc, char** argv) {
       for (int r = 0; r < tp; ++r) devices.push_back(r);
       comms = make_nccl_communicators_in_process(devices);
     }
-    for (bool cp : cp_list) {
+    for (bool cp : *cp_list) {
       for (DType w : weight_dtypes) {
         for (int64_t context : parse_list(contexts)) {
           for (int64_t q : parse_list(q_lens)) {
             for (int64_t t : parse_list(tokens)) {
-              for (bool with_overlap : overlap_list) {
+              for (bool with_overlap : *overlap_list) {
                 if (t % q != 0) continue;  // tokens = requests * q_len
                 Config c;
                 // With CP the runtime is serial: one row, not two identical ones.
-                if (cp && with_overlap && overlap_list.size() > 1) continue;
+                if (cp && with_overlap && overlap_list->size() > 1) continue;
                 c.overlap = with_overlap;
                 c.tp = tp;
                 c.cp = cp;

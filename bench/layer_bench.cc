@@ -55,7 +55,7 @@ struct Config {
   bool cp = false;
   int share_period = 1;
   TpAllReduce allreduce = TpAllReduce::kAuto;
-  bool overlap = true;
+  IndexerOverlap overlap = IndexerOverlap::kAuto;
   DType weights = DType::kBF16;
   DType kv = DType::kBF16;
   int tokens = 1;
@@ -382,7 +382,7 @@ int run_layer_bench(int argc, char** argv) {
   std::string cps = "off,on";
   std::string allreduce = "auto";
   int share_period = 1;
-  std::string overlap = "on";
+  std::string overlap = "auto";
   std::string weights = "bf16,fp8";
   std::string kv = "bf16";
   int layers = 4;
@@ -400,8 +400,8 @@ int run_layer_bench(int argc, char** argv) {
   app.add_option("--share-period", share_period,
                  "cross-layer selection sharing period (1: every layer runs its indexer)");
   app.add_option("--overlap", overlap,
-                 "comma-separated RuntimeConfig::indexer_overlap settings (the indexer beside the "
-                 "q/k/v projection; with --cp on the runtime stays serial): on, off");
+                 "comma-separated RuntimeConfig::indexer_overlap settings: auto, off, on (the "
+                 "indexer beside the q/k/v projection; with --cp on the runtime is serial)");
   app.add_option("--weights", weights, "comma-separated projection weight dtypes: bf16, fp8");
   app.add_option("--kv", kv, "KV cache dtype: bf16 or fp8");
   app.add_option("--layers", layers, "distinct sparse layers per captured step (L2 rotation)");
@@ -450,8 +450,8 @@ int run_layer_bench(int argc, char** argv) {
       "m3msa bench layer on %s; read ceiling %.2f TB/s; M3 attention dims, %d layers per graph, "
       "kv %s, no MLP, share period %d; per layer under graph replay\n",
       device.c_str(), kReadCeilingTBs, layers, dtype_name(kv_dtype), share_period);
-  const auto overlap_list = parse_switches(overlap, "--overlap");
-  if (!overlap_list) return 2;
+  std::vector<IndexerOverlap> overlap_list;
+  for (const std::string& v : split_list(overlap)) overlap_list.push_back(parse_indexer_overlap(v));
   Table table({"tp", "cp", "weights", "tokens", "q_len", "reqs", "context", "overlap", "median us",
                "noise", "launches", "MB", "allreduce", "nccl us", "peer us", "floor us", "ratio"});
   for (int tp : tp_list) {
@@ -466,11 +466,11 @@ int run_layer_bench(int argc, char** argv) {
         for (int64_t context : parse_list(contexts)) {
           for (int64_t q : parse_list(q_lens)) {
             for (int64_t t : parse_list(tokens)) {
-              for (bool with_overlap : *overlap_list) {
+              for (IndexerOverlap with_overlap : overlap_list) {
                 if (t % q != 0) continue;  // tokens = requests * q_len
                 Config c;
                 // With CP the runtime is serial: one row, not two identical ones.
-                if (cp && with_overlap && overlap_list->size() > 1) continue;
+                if (cp && with_overlap != overlap_list.front()) continue;
                 c.overlap = with_overlap;
                 c.tp = tp;
                 c.cp = cp;
@@ -485,54 +485,56 @@ int run_layer_bench(int argc, char** argv) {
                 const Result r = run_config(c, comms, reps, seed);
                 const double us = r.timing.median_us;
                 const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;
-                std::vector<std::string> cells = {fmt::format("{}", tp),
-                                                  cp ? "on" : "off",
-                                                  dtype_name(w),
-                                                  fmt::format("{}", t),
-                                                  fmt::format("{}", q),
-                                                  fmt::format("{}", t / q),
-                                                  fmt::format("{}", context),
-                                                  with_overlap && !cp ? "on" : "off",
-                                                  fmt::format("{:.2f}", us),
-                                                  fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
-                                                  fmt::format("{}", r.launches),
-                                                  fmt::format("{:.1f}", mb),
-                                                  r.allreduce_used,
-                                                  fmt::format("{:.2f}", r.nccl_allreduce_us),
-                                                  fmt::format("{:.2f}", r.peer_allreduce_us),
-                                                  fmt::format("{:.2f}", r.floor_us),
-                                                  fmt::format("{:.2f}", us / r.floor_us)};
+                std::vector<std::string> cells = {
+                    fmt::format("{}", tp),
+                    cp ? "on" : "off",
+                    dtype_name(w),
+                    fmt::format("{}", t),
+                    fmt::format("{}", q),
+                    fmt::format("{}", t / q),
+                    fmt::format("{}", context),
+                    cp ? "serial" : indexer_overlap_name(with_overlap),
+                    fmt::format("{:.2f}", us),
+                    fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
+                    fmt::format("{}", r.launches),
+                    fmt::format("{:.1f}", mb),
+                    r.allreduce_used,
+                    fmt::format("{:.2f}", r.nccl_allreduce_us),
+                    fmt::format("{:.2f}", r.peer_allreduce_us),
+                    fmt::format("{:.2f}", r.floor_us),
+                    fmt::format("{:.2f}", us / r.floor_us)};
                 std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
                 const double tbs = (r.weight_bytes + r.cache_bytes) / (us * 1e-6) / 1e12;
-                table.add(cells, {{"bench", "layer"},
-                                  {"tp", tp},
-                                  {"cp", cp},
-                                  {"share_period", share_period},
-                                  {"allreduce", r.allreduce_used},
-                                  {"nccl_allreduce_us", r.nccl_allreduce_us},
-                                  {"peer_allreduce_us", r.peer_allreduce_us},
-                                  {"weights", dtype_name(w)},
-                                  {"kv", dtype_name(kv_dtype)},
-                                  {"tokens", t},
-                                  {"q_len", q},
-                                  {"requests", t / q},
-                                  {"context", context},
-                                  {"indexer_overlap", with_overlap && !cp},
-                                  {"layers_per_graph", layers},
-                                  {"median_us", us},
-                                  {"p10_us", r.timing.p10_us},
-                                  {"p90_us", r.timing.p90_us},
-                                  {"noise", r.timing.noise()},
-                                  {"launches_per_layer", r.launches},
-                                  {"weight_bytes", r.weight_bytes},
-                                  {"cache_bytes", r.cache_bytes},
-                                  {"allreduce_us", r.allreduce_us},
-                                  {"floor_us", r.floor_us},
-                                  {"ratio", us / r.floor_us},
-                                  {"tb_per_s", tbs},
-                                  {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
-                                  {"device", device},
-                                  {"commit", commit}});
+                table.add(cells,
+                          {{"bench", "layer"},
+                           {"tp", tp},
+                           {"cp", cp},
+                           {"share_period", share_period},
+                           {"allreduce", r.allreduce_used},
+                           {"nccl_allreduce_us", r.nccl_allreduce_us},
+                           {"peer_allreduce_us", r.peer_allreduce_us},
+                           {"weights", dtype_name(w)},
+                           {"kv", dtype_name(kv_dtype)},
+                           {"tokens", t},
+                           {"q_len", q},
+                           {"requests", t / q},
+                           {"context", context},
+                           {"indexer_overlap", cp ? "serial" : indexer_overlap_name(with_overlap)},
+                           {"layers_per_graph", layers},
+                           {"median_us", us},
+                           {"p10_us", r.timing.p10_us},
+                           {"p90_us", r.timing.p90_us},
+                           {"noise", r.timing.noise()},
+                           {"launches_per_layer", r.launches},
+                           {"weight_bytes", r.weight_bytes},
+                           {"cache_bytes", r.cache_bytes},
+                           {"allreduce_us", r.allreduce_us},
+                           {"floor_us", r.floor_us},
+                           {"ratio", us / r.floor_us},
+                           {"tb_per_s", tbs},
+                           {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
+                           {"device", device},
+                           {"commit", commit}});
                 write_json(json_path, table.records());  // a stopped run keeps what it measured
               }
             }

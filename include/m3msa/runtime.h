@@ -82,6 +82,20 @@ enum class TpAllReduce : int {
 const char* tp_allreduce_name(TpAllReduce mode);
 TpAllReduce parse_tp_allreduce(const std::string& text);  // kInvalidArgument naming the value
 
+// CUDA backend without CP: whether the indexer runs beside the q/k/v projection. With it the
+// index columns are projected first (a launch of their own; the same bits as inside the whole
+// projection) and preprocessed, then the indexer runs on a second, high-priority stream, at one
+// CTA per SM, while the projection's CTAs fill the rest of every SM. It changes no result; it
+// pays where the indexer is long next to the projection (several query rows per request, long
+// contexts) and costs ~2-5 % at q_len 1 (docs/benchmarks.md, session 4).
+enum class IndexerOverlap : int {
+  kAuto = 0,  // on for steps with q_len >= 2 (speculative rows), off for q_len 1
+  kOff = 1,
+  kOn = 2,
+};
+const char* indexer_overlap_name(IndexerOverlap mode);
+IndexerOverlap parse_indexer_overlap(const std::string& text);  // kInvalidArgument naming it
+
 // What every rank must agree on (the host agreement compares to_string() across ranks), plus a
 // few rank-local knobs marked as such.
 struct RuntimeConfig {
@@ -103,12 +117,10 @@ struct RuntimeConfig {
   float swiglu_limit = 7.0f;                      // clamping limit of the SwiGLU-OAI MLP
   // Rank-local: CPU threads one rank uses (0 = hardware concurrency). Not agreed.
   int threads = 1;
-  // Rank-local, CUDA backend without CP: project the index columns first (their own launch,
-  // the same bits), then run the indexer on a second, high-priority stream beside the q/k/v
-  // projection, at one CTA per SM so the projection's CTAs fill the rest of every SM. Changes no
-  // result. Engines that capture the runtime into their own graphs should instantiate them with
-  // cudaGraphInstantiateFlagUseNodePriority (StepGraphs does). Not agreed.
-  bool indexer_overlap = true;
+  // Rank-local, CUDA backend without CP (see IndexerOverlap). Engines that capture the runtime
+  // into their own graphs should instantiate them with cudaGraphInstantiateFlagUseNodePriority
+  // (StepGraphs does), so the indexer keeps its stream's priority. Not agreed.
+  IndexerOverlap indexer_overlap = IndexerOverlap::kAuto;
   // Rank-local, CUDA backend: the cudaStream_t every kernel is queued on (the engine's stream, so
   // an engine capture records them); null: a stream the runtime owns (Runtime::cuda_stream()).
   // prepare() refuses to run while this stream is capturing. Not agreed.

@@ -92,7 +92,7 @@ typedef struct m3msa_runtime_config {
   int32_t tp_allreduce; /* TpAllReduce: 0 auto, 1 nccl, 2 peer */
   float swiglu_limit;
   int32_t threads;
-  int32_t indexer_overlap; /* rank-local: the selection beside the q/k/v projection (CUDA) */
+  int32_t indexer_overlap; /* rank-local IndexerOverlap: 0 auto, 1 off, 2 on (CUDA, no CP) */
 } m3msa_runtime_config;
 
 /* Fills `config` with the C++ defaults (MiniMax-M3 dimensions, default buckets). The bucket and

@@ -137,7 +137,7 @@ void bind_config(py::module_& m) {
                       std::vector<int> token_buckets, std::vector<int> query_lens, int max_requests,
                       int64_t max_context, bool context_parallel, const std::string& cp_transport,
                       int selection_share_period, const std::string& tp_allreduce,
-                      float swiglu_limit, int threads, bool indexer_overlap) {
+                      float swiglu_limit, int threads, const std::string& indexer_overlap) {
             RuntimeConfig c;
             c.model = model;
             c.pipeline_parallel_size = pipeline_parallel_size;
@@ -152,7 +152,7 @@ void bind_config(py::module_& m) {
             c.tp_allreduce = parse_tp_allreduce(tp_allreduce);
             c.swiglu_limit = swiglu_limit;
             c.threads = threads;
-            c.indexer_overlap = indexer_overlap;
+            c.indexer_overlap = parse_indexer_overlap(indexer_overlap);
             return c;
           }),
           py::kw_only(), py::arg("model") = d.model,
@@ -165,7 +165,7 @@ void bind_config(py::module_& m) {
           py::arg("selection_share_period") = d.selection_share_period,
           py::arg("tp_allreduce") = tp_allreduce_name(d.tp_allreduce),
           py::arg("swiglu_limit") = d.swiglu_limit, py::arg("threads") = d.threads,
-          py::arg("indexer_overlap") = d.indexer_overlap)
+          py::arg("indexer_overlap") = indexer_overlap_name(d.indexer_overlap))
       .def_readwrite("model", &RuntimeConfig::model)
       .def_readwrite("pipeline_parallel_size", &RuntimeConfig::pipeline_parallel_size)
       .def_readwrite("cache_block_size", &RuntimeConfig::cache_block_size)
@@ -183,7 +183,12 @@ void bind_config(py::module_& m) {
           [](RuntimeConfig& c, const std::string& v) { c.tp_allreduce = parse_tp_allreduce(v); })
       .def_readwrite("swiglu_limit", &RuntimeConfig::swiglu_limit)
       .def_readwrite("threads", &RuntimeConfig::threads)
-      .def_readwrite("indexer_overlap", &RuntimeConfig::indexer_overlap)
+      .def_property(
+          "indexer_overlap",
+          [](const RuntimeConfig& c) { return indexer_overlap_name(c.indexer_overlap); },
+          [](RuntimeConfig& c, const std::string& v) {
+            c.indexer_overlap = parse_indexer_overlap(v);
+          })
       .def("__repr__",
            [](const RuntimeConfig& c) { return "RuntimeConfig(" + c.to_string() + ")"; });
 }

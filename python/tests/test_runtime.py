@@ -239,8 +239,10 @@ class RuntimeTest(TestCase):
         self.assertEqual(config.selection_share_period, 2)
         self.assertEqual(config.tp_allreduce, "peer")
         self.assertEqual(runtime_config().tp_allreduce, "auto")
-        self.assertTrue(runtime_config().indexer_overlap)
-        self.assertFalse(runtime_config(indexer_overlap=False).indexer_overlap)
+        self.assertEqual(runtime_config().indexer_overlap, "auto")
+        self.assertEqual(runtime_config(indexer_overlap="on").indexer_overlap, "on")
+        with self.assertRaisesError("invalid_argument", "indexer_overlap"):
+            runtime_config(indexer_overlap="sometimes")
         # The CP view of a rank keeps every index head.
         model = m3msa.ModelConfig(**MODEL)
         self.assertEqual(model.sparse(2, context_parallel=True).index_heads, MODEL["index_heads"])

@@ -244,6 +244,11 @@ void check_model_support(const RuntimeConfig& config, int tp_size, Problems& pro
             config.cp_transport == CpTransport::kAllReduceMax,
         "config.cp_transport has no valid value (" +
             std::to_string(static_cast<int>(config.cp_transport)) + ")");
+  error(config.indexer_overlap == IndexerOverlap::kAuto ||
+            config.indexer_overlap == IndexerOverlap::kOff ||
+            config.indexer_overlap == IndexerOverlap::kOn,
+        "config.indexer_overlap has no valid value (" +
+            std::to_string(static_cast<int>(config.indexer_overlap)) + ")");
   error(config.tp_allreduce == TpAllReduce::kAuto || config.tp_allreduce == TpAllReduce::kNccl ||
             config.tp_allreduce == TpAllReduce::kPeer,
         "config.tp_allreduce has no valid value (" +

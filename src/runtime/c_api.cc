@@ -127,7 +127,7 @@ m3msa::RuntimeConfig to_config(const m3msa_runtime_config& c) {
   config.tp_allreduce = static_cast<m3msa::TpAllReduce>(c.tp_allreduce);
   config.swiglu_limit = c.swiglu_limit;
   config.threads = c.threads;
-  config.indexer_overlap = c.indexer_overlap != 0;
+  config.indexer_overlap = static_cast<m3msa::IndexerOverlap>(c.indexer_overlap);
   return config;
 }
 
@@ -253,7 +253,7 @@ void m3msa_runtime_config_default(m3msa_runtime_config* config) {
   config->tp_allreduce = static_cast<int32_t>(defaults.tp_allreduce);
   config->swiglu_limit = defaults.swiglu_limit;
   config->threads = defaults.threads;
-  config->indexer_overlap = defaults.indexer_overlap ? 1 : 0;
+  config->indexer_overlap = static_cast<int32_t>(defaults.indexer_overlap);
 }
 
 m3msa_status m3msa_runtime_create(m3msa_log_fn log, void* user, m3msa_runtime** out) {

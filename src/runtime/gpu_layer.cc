@@ -124,7 +124,7 @@ class GpuEngineImpl final : public GpuEngine {
     }
     try {
       CUDA_CHECK(cudaDeviceGetAttribute(&sm_count_, cudaDevAttrMultiProcessorCount, device_));
-      overlap_ = config.indexer_overlap && !config.context_parallel;
+      overlap_ = config.indexer_overlap != IndexerOverlap::kOff && !config.context_parallel;
       if (overlap_) {
         int least = 0, greatest = 0;
         CUDA_CHECK(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -454,7 +454,9 @@ class GpuEngineImpl final : public GpuEngine {
     idx.index_cache = w.index_cache;
     idx.batch = step;
     idx.topk_idx = topk_view(rows);
-    if (run_indexer && overlap_) {
+    const bool overlap = run_indexer && overlap_ &&
+                         (config_.indexer_overlap == IndexerOverlap::kOn || step.q_len >= 2);
+    if (overlap) {
       // The indexer needs only the index columns: they are projected first (a launch of their
       // own, deep: few CTAs; the same bits as inside the whole projection) and preprocessed,
       // then the indexer (a latency chain at small batches) runs on a high-priority side stream
@@ -715,7 +717,8 @@ class GpuEngineImpl final : public GpuEngine {
   int64_t max_blocks_ = 0;
   int64_t launches_ = 0;
   int sm_count_ = 0;
-  // The fused indexer beside the q/k/v projection (RuntimeConfig::indexer_overlap; CP: serial).
+  // The fused indexer may run beside the q/k/v projection (RuntimeConfig::indexer_overlap not
+  // kOff, no CP: the side stream exists); kAuto decides per step by q_len.
   bool overlap_ = false;
   cudaStream_t side_ = nullptr;  // high priority: index columns, their preprocessing, indexer
   cudaEvent_t fork_ = nullptr;   // normed input ready (main -> side)

@@ -72,6 +72,23 @@ TpAllReduce parse_tp_allreduce(const std::string& text) {
               "'");
 }
 
+const char* indexer_overlap_name(IndexerOverlap mode) {
+  switch (mode) {
+    case IndexerOverlap::kAuto: return "auto";
+    case IndexerOverlap::kOff: return "off";
+    case IndexerOverlap::kOn: return "on";
+  }
+  return "unknown";
+}
+
+IndexerOverlap parse_indexer_overlap(const std::string& text) {
+  for (IndexerOverlap mode : {IndexerOverlap::kAuto, IndexerOverlap::kOff, IndexerOverlap::kOn}) {
+    if (text == indexer_overlap_name(mode)) return mode;
+  }
+  M3MSA_THROW(ErrorCode::kInvalidArgument, "indexer_overlap must be auto, off or on, got '", text,
+              "'");
+}
+
 std::string RuntimeConfig::to_string() const {
   std::ostringstream out;
   const ModelConfig& m = model;

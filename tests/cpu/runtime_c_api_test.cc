@@ -86,7 +86,7 @@ TEST(RuntimeCApi, StatusCodesAndLastError) {
   EXPECT_EQ(defaults.hidden, 6144);
   EXPECT_EQ(defaults.q_heads, 64);
   EXPECT_EQ(defaults.num_token_buckets, 5);
-  EXPECT_EQ(defaults.indexer_overlap, 1);
+  EXPECT_EQ(defaults.indexer_overlap, 0);  // auto
 
   m3msa_thread_group* group = nullptr;
   EXPECT_EQ(m3msa_thread_group_create(0, 1000, &group), M3MSA_ERR_INVALID_ARGUMENT);

@@ -323,6 +323,28 @@ TEST(RuntimeLifecycle, PrepareWhileCapturingIsAnErrorAndNoMetadataDoesNothing) {
   EXPECT_FALSE(world.group->broken());
 }
 
+// A rank-local option with no valid value is refused by name before any collective.
+TEST(RuntimeLifecycle, AnIndexerOverlapOutsideTheEnumIsRefusedByName) {
+  Fixture fx;
+  World world(1, 20s);
+  rt_test::RankModel model = rt_test::make_rank_model(fx.master, 0, 1);
+  RuntimeConfig config = fx.config;
+  config.indexer_overlap = static_cast<IndexerOverlap>(7);
+  Runtime rt([](const std::string&) {});
+  try {
+    rt.prepare(model.weights, config, world.comm(0));
+    ADD_FAILURE() << "prepare accepted indexer_overlap = 7";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("config.indexer_overlap has no valid value (7)"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(rt.state(), RuntimeState::kIdle);
+  EXPECT_EQ(parse_indexer_overlap("on"), IndexerOverlap::kOn);
+  EXPECT_THROW(parse_indexer_overlap("always"), Error);
+}
+
 TEST(RuntimeLifecycle, ConfigurationsThatDifferAcrossRanksAreAnError) {
   Fixture fx;
   World world(2, 20s);

@@ -1092,25 +1092,28 @@ std::vector<std::vector<LayerRecord>> record_tp1(const Scenario& s) {
   return records;
 }
 
-// The indexer chain beside the q/k/v projection (RuntimeConfig::indexer_overlap) only moves
-// when kernels run: with and without it every layer's outputs and selections are the same bits.
+// The indexer beside the q/k/v projection (RuntimeConfig::indexer_overlap) only moves when
+// kernels run: off, on and auto (on for the q_len >= 2 steps) give every layer the same bits.
 TEST(RuntimeGpu, IndexerOverlapChangesNoResult) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
   Scenario s = make_scenario(611);
-  s.config.indexer_overlap = false;
+  s.config.indexer_overlap = IndexerOverlap::kOff;
   const auto serial = record_tp1(s);
-  s.config.indexer_overlap = true;
-  const auto overlapped = record_tp1(s);
-  ASSERT_EQ(overlapped.size(), serial.size());
-  for (std::size_t step = 0; step < serial.size(); ++step) {
-    for (std::size_t l = 0; l < serial[step].size(); ++l) {
-      const LayerRecord& a = overlapped[step][l];
-      const LayerRecord& b = serial[step][l];
-      const std::string where = "step " + std::to_string(step) + ", layer " + std::to_string(l);
-      EXPECT_EQ(a.out_hidden, b.out_hidden) << where;
-      EXPECT_EQ(a.out_residual, b.out_residual) << where;
-      EXPECT_EQ(a.topk, b.topk) << where;
-      EXPECT_NE(a.out_residual, a.in_residual) << where << ": the layer did not run";
+  for (IndexerOverlap mode : {IndexerOverlap::kOn, IndexerOverlap::kAuto}) {
+    s.config.indexer_overlap = mode;
+    const auto overlapped = record_tp1(s);
+    ASSERT_EQ(overlapped.size(), serial.size());
+    for (std::size_t step = 0; step < serial.size(); ++step) {
+      for (std::size_t l = 0; l < serial[step].size(); ++l) {
+        const LayerRecord& a = overlapped[step][l];
+        const LayerRecord& b = serial[step][l];
+        const std::string where = std::string(indexer_overlap_name(mode)) + ", step " +
+                                  std::to_string(step) + ", layer " + std::to_string(l);
+        EXPECT_EQ(a.out_hidden, b.out_hidden) << where;
+        EXPECT_EQ(a.out_residual, b.out_residual) << where;
+        EXPECT_EQ(a.topk, b.topk) << where;
+        EXPECT_NE(a.out_residual, a.in_residual) << where << ": the layer did not run";
+      }
     }
   }
 }

@@ -720,8 +720,8 @@ class GpuEngineImpl final : public GpuEngine {
   // The fused indexer may run beside the q/k/v projection (RuntimeConfig::indexer_overlap not
   // kOff, no CP: the side stream exists); kAuto decides per step by q_len.
   bool overlap_ = false;
-  cudaStream_t side_ = nullptr;  // high priority: index columns, their preprocessing, indexer
-  cudaEvent_t fork_ = nullptr;   // normed input ready (main -> side)
+  cudaStream_t side_ = nullptr;  // high priority: the indexer
+  cudaEvent_t fork_ = nullptr;   // index_q and the index-K insert done (main -> side)
   cudaEvent_t join_ = nullptr;   // the selection ready (side -> main, before attention)
 
   MetaLayout layout_;

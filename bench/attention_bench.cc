@@ -201,18 +201,6 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
   return res;
 }
 
-std::vector<int64_t> parse_list(const std::string& text) {
-  std::vector<int64_t> out;
-  size_t at = 0;
-  while (at < text.size()) {
-    size_t end = text.find(',', at);
-    if (end == std::string::npos) end = text.size();
-    out.push_back(std::stoll(text.substr(at, end - at)));
-    at = end + 1;
-  }
-  return out;
-}
-
 int run_attention_bench(int argc, char** argv) {
   CLI::App app{"CUDA block-sparse decode attention (graph replay, rotated inputs)"};
   std::string batches = "1,4,32,128";

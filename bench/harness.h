@@ -26,6 +26,26 @@ namespace m3msa::bench {
 inline constexpr double kReadCeilingTBs = 4.57;  // measured HBM read-only ceiling (method.md)
 inline constexpr int64_t kL2Bytes = 60ll << 20;
 
+// "a,b,c" -> {"a", "b", "c"} (the comma lists of the bench flags; "" -> {}).
+inline std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> out;
+  std::size_t at = 0;
+  while (at < text.size()) {
+    std::size_t end = text.find(',', at);
+    if (end == std::string::npos) end = text.size();
+    out.push_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  return out;
+}
+
+// "1,4,16" -> {1, 4, 16}.
+inline std::vector<int64_t> parse_list(const std::string& text) {
+  std::vector<int64_t> out;
+  for (const std::string& item : split_list(text)) out.push_back(std::stoll(item));
+  return out;
+}
+
 struct Timing {
   double median_us = 0.0;
   double p10_us = 0.0;

@@ -335,24 +335,6 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
   return res;
 }
 
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  while (at < text.size()) {
-    std::size_t end = text.find(',', at);
-    if (end == std::string::npos) end = text.size();
-    out.push_back(text.substr(at, end - at));
-    at = end + 1;
-  }
-  return out;
-}
-
-std::vector<int64_t> parse_list(const std::string& text) {
-  std::vector<int64_t> out;
-  for (const std::string& item : split_list(text)) out.push_back(std::stoll(item));
-  return out;
-}
-
 std::vector<DType> parse_dtypes(const std::string& text, const char* what) {
   std::vector<DType> out;
   for (const std::string& item : split_list(text)) out.push_back(parse_dtype(item, what));

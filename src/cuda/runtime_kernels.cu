@@ -180,8 +180,7 @@ __device__ __forceinline__ void weight_words(const WeightRegs<kFp8>& w, uint32_t
 // for the tile's 16 columns; kUnroll chunks' weights are loaded before any is used (bytes in
 // flight). Lanes: g = lane / 4 is the MMA group (rows g and g + 8 of A, column g of each n8 tile
 // of B), t = lane % 4 picks the k slice (see load_x). A warp accumulates its chunks in increasing
-// order whatever kUnroll is, so every kUnroll gives the same bits. Ends with a __syncthreads
-// (s_red reuse).
+// order whatever kUnroll is, so every kUnroll gives the same bits.
 template <bool kFp8, int kUnroll>
 __device__ __forceinline__ void gemm_tile(
     const SkinnyGemmParams& p, int n0,
@@ -267,7 +266,6 @@ __device__ __forceinline__ void gemm_tile(
           float_to_bf16(sum);
     }
   }
-  __syncthreads();
 }
 
 // Grid: ceil(n / 16) CTAs of 4 warps, one tile each.

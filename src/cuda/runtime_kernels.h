@@ -10,8 +10,9 @@
 //    a fixed-order tree in fp32 (not the CPU's sequential order), so r can differ in its last
 //    bits and y by one bf16 ulp.
 //  - skinny GEMM: fp32 accumulation on tensor cores (mma.sync m16n8k16 bf16), fp8 e4m3 weights
-//    converted exactly to bf16 in registers, then * scale[n]; fixed reduction order, so the same
-//    inputs give bit-identical outputs run to run (graph replay == eager).
+//    converted exactly to bf16 in registers (an e4m3 NaN makes its output column NaN), then *
+//    scale[n]; fixed reduction order, so the same inputs give bit-identical outputs run to run
+//    (graph replay == eager) and whichever loop a launch takes (ring, group, deep).
 // Deterministic run to run: every kernel here.
 #pragma once
 
@@ -61,9 +62,13 @@ struct SkinnyGemmParams {
   int k = 0;  // multiple of 64
   int w_fp8 = 0;
   int out_f32 = 0;
-  // 1: 2.7-4x the weight chunks in flight per warp (up to 255 registers: fewer CTAs per SM), for
-  // narrow outputs whose few CTAs would otherwise wait on latency. The same bits as deep = 0.
+  // 1: 4x (bf16) / 2.7x (fp8) the weight chunks in flight per warp (up to 255 registers: fewer
+  // CTAs per SM), for narrow outputs whose few CTAs would otherwise wait on latency. The same bits
+  // as deep = 0.
   int deep = 0;
+  // 1: bf16 weights take the ring loop whatever the grid (tests: it is otherwise taken only for
+  // grids of >= 4 CTAs per SM; fp8 never takes it). The same bits.
+  int force_ring = 0;
 };
 
 void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream);

@@ -613,7 +613,7 @@ TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
           cuda::launch_skinny_gemm(p, nullptr);
           CUDA_CHECK(cudaDeviceSynchronize());
           const std::vector<uint8_t> raw = download<uint8_t>(dout.view());
-          // Again with the other unrolling (deep): the same bits (also: run to run determinism).
+          // Again with the other loops (deep, ring): the same bits (also: run to run determinism).
           const std::vector<uint8_t> raw2 = [&] {
             cuda::SkinnyGemmParams other = p;
             other.deep = 1 - p.deep;
@@ -622,6 +622,16 @@ TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
             return download<uint8_t>(dout.view());
           }();
           EXPECT_EQ(raw, raw2) << "deep = 0 and deep = 1 differ";
+          // And through the ring loop (these grids are too small to take it by themselves).
+          const std::vector<uint8_t> raw3 = [&] {
+            cuda::SkinnyGemmParams other = p;
+            other.deep = 0;
+            other.force_ring = 1;
+            cuda::launch_skinny_gemm(other, nullptr);
+            CUDA_CHECK(cudaDeviceSynchronize());
+            return download<uint8_t>(dout.view());
+          }();
+          EXPECT_EQ(raw, raw3) << "the ring and the group loops differ";
           int64_t bad = 0;
           std::string first;
           const std::size_t elem = f32 ? 4 : 2;
@@ -670,6 +680,77 @@ TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
   }
 }
 
+// Every e4m3 code through the fp8 GEMM, exactly: column n holds code n % 256 at every k, row r of
+// x is 1 at k = 5 r + 1 and 0 elsewhere, so out[r, n] must be the decoded code itself (f32 out, no
+// scale). Covers +-0, the subnormals, the largest normals and the two NaN codes, which must make
+// their whole column NaN; so must one NaN weight met only by zero activations (columns 256 ..
+// 271: random codes, one NaN at a k no row selects, in the odd columns).
+TEST(RuntimeKernels, SkinnyGemmDecodesEveryFp8CodeExactly) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  rt_test::Rng rng(29);
+  constexpr int kN = 272, kK = 128, kRows = 16, kHiddenNanK = 2;
+  std::vector<uint16_t> x(static_cast<std::size_t>(kRows) * kK, float_to_bf16(0.0f));
+  for (int r = 0; r < kRows; ++r)
+    x[static_cast<std::size_t>(r) * kK + 5 * r + 1] = float_to_bf16(1.0f);
+  std::vector<uint8_t> w(static_cast<std::size_t>(kN) * kK);
+  for (int n = 0; n < kN; ++n) {
+    for (int k = 0; k < kK; ++k) {
+      uint8_t code = static_cast<uint8_t>(n % 256);
+      if (n >= 256) {
+        do {
+          code = static_cast<uint8_t>(rng.next() & 0xFFu);
+        } while ((code & 0x7Fu) == 0x7Fu);
+        if (n % 2 == 1 && k == kHiddenNanK) code = 0xFF;
+      }
+      w[static_cast<std::size_t>(n) * kK + k] = code;
+    }
+  }
+  DeviceTensor dx(DType::kBF16, {kRows, kK}), dw(DType::kU8, {int64_t(w.size())});
+  DeviceTensor dout(DType::kF32, {kRows, kN});
+  upload_into(dx.view(), x.data(), x.size() * 2);
+  upload_into(dw.view(), w.data(), w.size());
+  for (int variant = 0; variant < 6; ++variant) {
+    const int loop = variant % 3;  // group, deep, ring (fp8 takes the group loop for it)
+    const int rows = variant < 3 ? kRows : 8;
+    fill_device_bytes(dout.view(), 0x5A);
+    cuda::SkinnyGemmParams p;
+    p.x = static_cast<const uint16_t*>(dx.data());
+    p.x_stride = kK;
+    p.w = dw.data();
+    p.out = dout.data();
+    p.out_stride = kN;
+    p.rows = rows;
+    p.n = kN;
+    p.k = kK;
+    p.w_fp8 = 1;
+    p.out_f32 = 1;
+    p.deep = loop == 1;
+    p.force_ring = loop == 2;
+    cuda::launch_skinny_gemm(p, nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    const std::vector<float> out = download<float>(dout.view());
+    int64_t bad = 0;
+    std::string first;
+    for (int r = 0; r < rows; ++r) {
+      for (int n = 0; n < kN; ++n) {
+        const int k = 5 * r + 1;
+        const uint8_t code = w[static_cast<std::size_t>(n) * kK + k];
+        const bool want_nan = (code & 0x7Fu) == 0x7Fu || (n >= 256 && n % 2 == 1);
+        const float want = fp8e4m3_to_float(code);
+        const float got = out[static_cast<std::size_t>(r) * kN + n];
+        // == (not the bits): a -0 weight's products sum to +0 from the +0 accumulator.
+        const bool ok = want_nan ? std::isnan(got) : got == want;
+        if (!ok && bad++ == 0) {
+          first = "row " + std::to_string(r) + " col " + std::to_string(n) + " code " +
+                  std::to_string(code) + ": got " + std::to_string(got) + ", want " +
+                  (want_nan ? std::string("NaN") : std::to_string(want));
+        }
+      }
+    }
+    EXPECT_EQ(bad, 0) << "loop " << loop << " (group, deep, ring), rows " << rows << ": " << first;
+  }
+}
+
 TEST(RuntimeKernels, SkinnyGemmRefusesUnsupportedShapes) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
   DeviceTensor buf(DType::kU8, {1 << 20});
@@ -692,7 +773,8 @@ TEST(RuntimeKernels, SkinnyGemmRefusesUnsupportedShapes) {
 TEST(RuntimeKernels, AddRmsNormMatchesCpu) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
   rt_test::Rng rng(5);
-  for (int n : {512, 6144}) {
+  // One pass with 1, 2 and 4 chunks per thread (6144, 8200, 24576), the loop beyond (40000).
+  for (int n : {512, 6144, 8200, 24576, 40000}) {
     for (int rows : {1, 7, 16}) {
       for (bool f32 : {false, true}) {
         const std::size_t count = static_cast<std::size_t>(rows) * n;

@@ -51,6 +51,7 @@ struct Shape {
   int tp;
   int64_t n;
   int64_t k;
+  bool split_k8;  // SkinnyGemmParams::split_k8, as the runtime launches this projection
 };
 
 std::vector<Shape> m3_shapes() {
@@ -58,8 +59,9 @@ std::vector<Shape> m3_shapes() {
   std::vector<Shape> out;
   for (int tp : {1, 2}) {
     const SparseConfig sc = m.sparse(tp);
-    out.push_back({fmt::format("qkv_tp{}", tp), tp, sc.qkv_width(), m.hidden});
-    out.push_back({fmt::format("o_tp{}", tp), tp, m.hidden, int64_t{sc.q_heads} * sc.head_dim});
+    out.push_back({fmt::format("qkv_tp{}", tp), tp, sc.qkv_width(), m.hidden, false});
+    out.push_back(
+        {fmt::format("o_tp{}", tp), tp, m.hidden, int64_t{sc.q_heads} * sc.head_dim, true});
   }
   return out;
 }
@@ -276,6 +278,7 @@ int run_gemm_bench(int argc, char** argv) {
           p.k = static_cast<int>(k);
           p.w_fp8 = fp8 ? 1 : 0;
           p.out_f32 = 0;
+          p.split_k8 = shape.split_k8 ? 1 : 0;
           return p;
         };
 
@@ -372,6 +375,7 @@ int run_gemm_bench(int argc, char** argv) {
                               {"pct_roof", roof},
                               {"floor_us", floor_us},
                               {"ctas", cuda::skinny_gemm_ctas(static_cast<int>(n))},
+                              {"split_k8", shape.split_k8},
                               {"copies", copies},
                               {"launches", launches},
                               {"reps", t.reps},

@@ -259,10 +259,9 @@ __device__ __forceinline__ void weight_words(const WeightRegs<kFp8>& w, uint32_t
 // flight). Lanes: g = lane / 4 is the MMA group (rows g and g + 8 of A, column g of each n8 tile
 // of B), t = lane % 4 picks the k slice (see load_x). A warp accumulates its chunks in increasing
 // order whatever kUnroll is, so every kUnroll gives the same bits.
-template <bool kFp8, int kUnroll, bool kRing>
-__device__ __forceinline__ void gemm_tile(
-    const SkinnyGemmParams& p, int n0,
-    float (&s_red)[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
+template <bool kFp8, int kUnroll, bool kRing, int kWarps>
+__device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
+                                          float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
   constexpr int kElem = kFp8 ? 1 : 2;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
@@ -313,7 +312,7 @@ __device__ __forceinline__ void gemm_tile(
   };
 
   if constexpr (kRing) {
-    // Slot u of the register ring holds chunk first + u * kGemmWarps and is refilled with the
+    // Slot u of the register ring holds chunk first + u * kWarps and is refilled with the
     // chunk kUnroll steps ahead as soon as its MMAs are issued, so each warp keeps kUnroll - 1
     // chunks in flight while it computes (the group loop below leaves HBM idle while the warps
     // of an SM, started together, compute at once). bf16 only: each slot needs a load
@@ -321,25 +320,25 @@ __device__ __forceinline__ void gemm_tile(
     // (measured 18-38 % slower).
     WeightRegs<kFp8> w[kUnroll][2];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) load_chunk(warp + u * kGemmWarps, w[u]);
-    for (int first = warp; first < chunks; first += kGemmWarps * kUnroll) {
+    for (int u = 0; u < kUnroll; ++u) load_chunk(warp + u * kWarps, w[u]);
+    for (int first = warp; first < chunks; first += kWarps * kUnroll) {
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int c = first + u * kGemmWarps;
+        const int c = first + u * kWarps;
         if (c >= chunks) break;  // warp-uniform
         compute_chunk(c, w[u]);
-        load_chunk(c + kGemmWarps * kUnroll, w[u]);
+        load_chunk(c + kWarps * kUnroll, w[u]);
       }
     }
   } else {
     // Groups: kUnroll chunks' weights are loaded before any is used.
-    for (int first = warp; first < chunks; first += kGemmWarps * kUnroll) {
+    for (int first = warp; first < chunks; first += kWarps * kUnroll) {
       WeightRegs<kFp8> w[kUnroll][2];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) load_chunk(first + u * kGemmWarps, w[u]);
+      for (int u = 0; u < kUnroll; ++u) load_chunk(first + u * kWarps, w[u]);
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int c = first + u * kGemmWarps;
+        const int c = first + u * kWarps;
         if (c >= chunks) break;  // warp-uniform
         compute_chunk(c, w[u]);
       }
@@ -370,13 +369,13 @@ __device__ __forceinline__ void gemm_tile(
     s_red[warp][g + 8][col + 1] = acc[j][3];
   }
   __syncthreads();
-  for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kGemmThreads) {
+  for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kWarps * 32) {
     const int row = o / kColsPerCta;
     const int col = n0 + o % kColsPerCta;
     if (row >= p.rows || col >= p.n) continue;
     float sum = s_red[0][row][o % kColsPerCta];
 #pragma unroll
-    for (int w = 1; w < kGemmWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
+    for (int w = 1; w < kWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
     if (p.scale != nullptr) sum = __fmul_rn(sum, p.scale[col]);
     if (p.out_f32) {
       static_cast<float*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] = sum;
@@ -392,7 +391,16 @@ template <bool kFp8, bool kRing>
 __global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
     skinny_gemm_kernel(const __grid_constant__ SkinnyGemmParams p) {
   __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
-  gemm_tile<kFp8, kFp8 ? 6 : 3, kRing>(p, blockIdx.x * kColsPerCta, s_red);
+  gemm_tile<kFp8, kFp8 ? 6 : 3, kRing, kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
+}
+
+// SkinnyGemmParams::split_k8: 8 warps over K per tile (another reduction order), 3 CTAs per SM
+// (<= 85 registers: two chunks per group).
+template <bool kFp8>
+__global__ void __launch_bounds__(2 * kGemmThreads, 3)
+    skinny_gemm_k8_kernel(const __grid_constant__ SkinnyGemmParams p) {
+  __shared__ float s_red[2 * kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
+  gemm_tile<kFp8, kFp8 ? 4 : 2, false, 2 * kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
 }
 
 // SkinnyGemmParams::deep: the same grid and bits, 4x (bf16) / 2.7x (fp8) the weight chunks in
@@ -402,7 +410,7 @@ template <bool kFp8>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     skinny_gemm_deep_kernel(const __grid_constant__ SkinnyGemmParams p) {
   __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
-  gemm_tile<kFp8, kFp8 ? 16 : 12, false>(p, blockIdx.x * kColsPerCta, s_red);
+  gemm_tile<kFp8, kFp8 ? 16 : 12, false, kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
 }
 
 // ---- SwiGLU-OAI and conversion ----
@@ -489,6 +497,12 @@ void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
   CUDA_CHECK(cudaGetDevice(&device));
   CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const bool ring = !p.w_fp8 && !p.deep && (tiles >= 4 * sms || p.force_ring);
+  if (p.split_k8) {
+    auto* kernel = p.w_fp8 ? rk::skinny_gemm_k8_kernel<true> : rk::skinny_gemm_k8_kernel<false>;
+    kernel<<<tiles, 2 * rk::kGemmThreads, 0, stream>>>(p);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   auto* kernel =
       p.deep    ? (p.w_fp8 ? rk::skinny_gemm_deep_kernel<true> : rk::skinny_gemm_deep_kernel<false>)
       : p.w_fp8 ? rk::skinny_gemm_kernel<true, false>

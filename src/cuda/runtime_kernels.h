@@ -69,6 +69,10 @@ struct SkinnyGemmParams {
   // 1: bf16 weights take the ring loop whatever the grid (tests: it is otherwise taken only for
   // grids of >= 4 CTAs per SM; fp8 never takes it). The same bits.
   int force_ring = 0;
+  // 1: 8 warps split K per 16-column tile instead of 4: twice the bytes in flight for grids of
+  // < 4 CTAs per SM (M3's o_proj: 384). Another reduction order than 0, so a projection must
+  // always be launched with the same value (the runtime: o_proj, which is never split).
+  int split_k8 = 0;
 };
 
 void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream);

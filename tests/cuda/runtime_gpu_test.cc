@@ -572,8 +572,9 @@ TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
   for (const Case c : {Case{40, 64}, Case{1920, 512}, Case{136, 6144}, Case{24, 192}}) {
     for (int rows : {1, 3, 8, 9, 16}) {
       for (bool fp8 : {false, true}) {
-        for (int variant = 0; variant < 3; ++variant) {  // bf16 / f32 out, then deep (bf16)
-          const bool f32 = variant == 1;
+        // bf16 / f32 out, then deep (bf16), then 8 warps over K (f32; its own reduction order)
+        for (int variant = 0; variant < 4; ++variant) {
+          const bool f32 = variant == 1 || variant == 3;
           const int deep = variant == 2 ? 1 : 0;
           std::vector<uint16_t> x(static_cast<std::size_t>(16) * c.k);
           for (auto& v : x) v = float_to_bf16(rng.unit() * 2.0f);
@@ -610,6 +611,7 @@ TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
           p.w_fp8 = fp8;
           p.out_f32 = f32;
           p.deep = deep;
+          p.split_k8 = variant == 3;
           cuda::launch_skinny_gemm(p, nullptr);
           CUDA_CHECK(cudaDeviceSynchronize());
           const std::vector<uint8_t> raw = download<uint8_t>(dout.view());
@@ -673,7 +675,8 @@ TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
             }
           }
           EXPECT_EQ(bad, 0) << "n " << c.n << " k " << c.k << " rows " << rows << " fp8 " << fp8
-                            << " f32 " << f32 << " deep " << deep << ": " << first;
+                            << " f32 " << f32 << " deep " << deep << " split_k8 " << (variant == 3)
+                            << ": " << first;
         }
       }
     }

@@ -51,7 +51,6 @@ struct Shape {
   int tp;
   int64_t n;
   int64_t k;
-  bool split_k8;  // SkinnyGemmParams::split_k8, as the runtime launches this projection
 };
 
 std::vector<Shape> m3_shapes() {
@@ -59,9 +58,8 @@ std::vector<Shape> m3_shapes() {
   std::vector<Shape> out;
   for (int tp : {1, 2}) {
     const SparseConfig sc = m.sparse(tp);
-    out.push_back({fmt::format("qkv_tp{}", tp), tp, sc.qkv_width(), m.hidden, false});
-    out.push_back(
-        {fmt::format("o_tp{}", tp), tp, m.hidden, int64_t{sc.q_heads} * sc.head_dim, true});
+    out.push_back({fmt::format("qkv_tp{}", tp), tp, sc.qkv_width(), m.hidden});
+    out.push_back({fmt::format("o_tp{}", tp), tp, m.hidden, int64_t{sc.q_heads} * sc.head_dim});
   }
   return out;
 }
@@ -265,6 +263,8 @@ int run_gemm_bench(int argc, char** argv) {
                                      cudaMemcpyHostToDevice, stream.get()));
         }
         CUDA_CHECK(cudaMemsetAsync(out.data(), 0xFF, out.bytes(), stream.get()));  // poison
+        // The K split the runtime would use for this projection on this device.
+        const bool split_k8 = cuda::skinny_gemm_prefers_split_k8(static_cast<int>(n));
         auto params = [&](int c) {
           cuda::SkinnyGemmParams p;
           p.x = x.as<const uint16_t>() + c * x_elems;
@@ -278,7 +278,7 @@ int run_gemm_bench(int argc, char** argv) {
           p.k = static_cast<int>(k);
           p.w_fp8 = fp8 ? 1 : 0;
           p.out_f32 = 0;
-          p.split_k8 = shape.split_k8 ? 1 : 0;
+          p.split_k8 = split_k8 ? 1 : 0;
           return p;
         };
 
@@ -375,7 +375,7 @@ int run_gemm_bench(int argc, char** argv) {
                               {"pct_roof", roof},
                               {"floor_us", floor_us},
                               {"ctas", cuda::skinny_gemm_ctas(static_cast<int>(n))},
-                              {"split_k8", shape.split_k8},
+                              {"split_k8", split_k8},
                               {"copies", copies},
                               {"launches", launches},
                               {"reps", t.reps},

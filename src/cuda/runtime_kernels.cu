@@ -394,13 +394,21 @@ __global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
   gemm_tile<kFp8, kFp8 ? 6 : 3, kRing, kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
 }
 
-// SkinnyGemmParams::split_k8: 8 warps over K per tile (another reduction order), 3 CTAs per SM
-// (<= 85 registers: two chunks per group).
+// SkinnyGemmParams::split_k8: 8 warps over K per tile (another reduction order than 4), 3 CTAs
+// per SM (<= 85 registers: groups of two bf16 / four fp8 chunks); with deep, the deep variant's
+// groups at one CTA per SM (the same bits as without deep).
 template <bool kFp8>
 __global__ void __launch_bounds__(2 * kGemmThreads, 3)
     skinny_gemm_k8_kernel(const __grid_constant__ SkinnyGemmParams p) {
   __shared__ float s_red[2 * kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
   gemm_tile<kFp8, kFp8 ? 4 : 2, false, 2 * kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(2 * kGemmThreads, 1)
+    skinny_gemm_k8_deep_kernel(const __grid_constant__ SkinnyGemmParams p) {
+  __shared__ float s_red[2 * kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
+  gemm_tile<kFp8, kFp8 ? 16 : 12, false, 2 * kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
 }
 
 // SkinnyGemmParams::deep: the same grid and bits, 4x (bf16) / 2.7x (fp8) the weight chunks in
@@ -475,6 +483,19 @@ int skinny_gemm_ctas(int n) {
   return (n + rk::kColsPerCta - 1) / rk::kColsPerCta;
 }
 
+namespace {
+int current_device_sms() {
+  int device = 0, sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+}  // namespace
+
+bool skinny_gemm_prefers_split_k8(int n) {
+  return skinny_gemm_ctas(n) < 4 * current_device_sms();
+}
+
 void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
   M3MSA_CHECK_SUPPORTED(p.rows >= 0 && p.rows <= kSkinnyMaxRows,
                         "skinny GEMM: rows must be in [0, ", kSkinnyMaxRows, "], got ", p.rows);
@@ -493,12 +514,12 @@ void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
   // The ring (bf16) when the grid puts >= 4 CTAs on every SM: M3's TP = 1 q/k/v projection (616
   // CTAs) measured 9-15 % faster; o_proj's 384 CTAs were up to 9 % slower with it (a group puts
   // three chunks in flight per warp at its start, the ring two). Every loop gives the same bits.
-  int device = 0, sms = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const bool ring = !p.w_fp8 && !p.deep && (tiles >= 4 * sms || p.force_ring);
+  const bool ring = !p.w_fp8 && !p.deep && (tiles >= 4 * current_device_sms() || p.force_ring);
   if (p.split_k8) {
-    auto* kernel = p.w_fp8 ? rk::skinny_gemm_k8_kernel<true> : rk::skinny_gemm_k8_kernel<false>;
+    auto* kernel =
+        p.deep ? (p.w_fp8 ? rk::skinny_gemm_k8_deep_kernel<true>
+                          : rk::skinny_gemm_k8_deep_kernel<false>)
+               : (p.w_fp8 ? rk::skinny_gemm_k8_kernel<true> : rk::skinny_gemm_k8_kernel<false>);
     kernel<<<tiles, 2 * rk::kGemmThreads, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH();
     return;

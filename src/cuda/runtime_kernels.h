@@ -70,14 +70,18 @@ struct SkinnyGemmParams {
   // grids of >= 4 CTAs per SM; fp8 never takes it). The same bits.
   int force_ring = 0;
   // 1: 8 warps split K per 16-column tile instead of 4: twice the bytes in flight for grids of
-  // < 4 CTAs per SM (M3's o_proj: 384). Another reduction order than 0, so a projection must
-  // always be launched with the same value (the runtime: o_proj, which is never split).
+  // < 4 CTAs per SM (skinny_gemm_prefers_split_k8). Another reduction order than 0, so every
+  // launch of one projection (also column ranges of it, deep or not) must use the same value.
   int split_k8 = 0;
 };
 
 void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream);
 // CTAs of one launch (for the launch-count and byte bookkeeping of the benchmarks).
 int skinny_gemm_ctas(int n);
+// Whether a projection of n output columns should be launched with split_k8 on this device: its
+// grid puts < 4 CTAs on every SM (measured on H200: M3's o_proj, 384 CTAs, 3-22 % faster). Decide
+// once per projection from its full width and use it for every launch of it.
+bool skinny_gemm_prefers_split_k8(int n);
 
 // ---- SwiGLU-OAI activation: act[r, j] = bf16(swiglu(gate_up[r, j], gate_up[r, I + j])) ----
 

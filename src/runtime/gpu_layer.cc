@@ -504,11 +504,8 @@ class GpuEngineImpl final : public GpuEngine {
     ++launches;
 
     const bool reduce = tp_size_ > 1;
-    // o_proj is always one launch (every mode), so its own K split is free to differ from q/k/v's:
-    // 8 warps per tile for its 384 CTAs (< 4 per SM).
     gemm(attn_.as<uint16_t>(), attn_width, w.o_proj, w.o_proj_scale,
-         reduce ? o32_.data() : o16_.data(), H, /*out_f32=*/reduce, rows, /*out_stride=*/0,
-         /*first_col=*/0, /*deep=*/false, /*split_k8=*/true);
+         reduce ? o32_.data() : o16_.data(), H, /*out_f32=*/reduce, rows);
     ++launches;
     if (reduce) {
       all_reduce(o32_.as<float>(), int64_t{rows} * H, 2 * w.layer);
@@ -674,10 +671,11 @@ class GpuEngineImpl final : public GpuEngine {
   }
 
   // out[:, first_col + j] = x . w[first_col + j, :] (* scale) for j < n, of a [*, k] weight
-  // (deep, split_k8: SkinnyGemmParams::deep / split_k8).
+  // (deep: SkinnyGemmParams::deep). The K split (split_k8) follows from the weight's full row
+  // count, so every column range of one projection reduces in the same order.
   void gemm(const uint16_t* x, int k, const TensorView& w, const TensorView& scale, void* out,
-            int n, bool out_f32, int rows, int out_stride = 0, int first_col = 0, bool deep = false,
-            bool split_k8 = false) {
+            int n, bool out_f32, int rows, int out_stride = 0, int first_col = 0,
+            bool deep = false) {
     cuda::SkinnyGemmParams p;
     p.x = x;
     p.x_stride = k;
@@ -686,7 +684,7 @@ class GpuEngineImpl final : public GpuEngine {
     p.scale = scale.defined() ? scale.ptr<const float>() + first_col : nullptr;
     p.out = static_cast<uint8_t*>(out) + int64_t{first_col} * (out_f32 ? 4 : 2);
     p.deep = deep ? 1 : 0;
-    p.split_k8 = split_k8 ? 1 : 0;
+    p.split_k8 = cuda::skinny_gemm_prefers_split_k8(static_cast<int>(w.shape[0])) ? 1 : 0;
     p.out_stride = out_stride > 0 ? out_stride : n;
     p.rows = rows;
     p.n = n;

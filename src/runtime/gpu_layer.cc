@@ -17,7 +17,8 @@
 //
 // Projection choice: decode has <= 16 token rows, so one m16 tensor-core tile covers every row
 // and the projections are pure weight streams; our skinny GEMM (runtime_kernels.h) reads each
-// weight byte once with 16-byte loads and converts fp8 e4m3 weights to bf16 in registers. It
+// weight byte once with 16-byte loads and converts fp8 e4m3 weights to bf16 in registers; grids
+// of < 4 CTAs per SM (o_proj, TP = 2 q/k/v) split K over 8 warps per tile instead of 4. It
 // needs no cuBLAS(Lt) (whose static library would not fit the carried build, and whose fp8 path
 // wants per-tensor scales, not the per-output-channel scales bound here).
 #include <unistd.h>

@@ -6,6 +6,9 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <array>
+#include <atomic>
+#include <cstddef>
 #include <cstdint>
 
 #include "cuda/common.cuh"
@@ -40,6 +43,20 @@ __device__ __forceinline__ uint4 pack_bf16x8(const float (&f)[8]) {
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
+// delta[at .. at + 8) as floats: bf16, or f32 rounded to bf16 first (as the CPU does).
+__device__ __forceinline__ void load_delta8(const AddNormParams& p, int64_t at, float (&d)[8]) {
+  if (p.delta_f32) {
+    const float* delta = static_cast<const float*>(p.delta) + at;
+    const float4 d0 = *reinterpret_cast<const float4*>(delta);
+    const float4 d1 = *reinterpret_cast<const float4*>(delta + 4);
+    const float raw[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d[j] = round_to_bf16(raw[j]);
+  } else {
+    unpack_bf16x8(*reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.delta) + at), d);
+  }
+}
+
 // One CTA per row. Pass 1: x = bf16(residual + delta) -> residual, sum of squares; a fixed-order
 // block reduction; pass 2: y = bf16((x * r) * (1 + w)) -> out. Each thread re-reads only what it
 // wrote itself, and reads delta[i] before writing out[i], so out may alias delta.
@@ -53,17 +70,7 @@ __global__ void __launch_bounds__(kNormThreads)
   for (int i = threadIdx.x * 8; i < p.n; i += kNormThreads * 8) {
     float r[8], d[8], x[8];
     unpack_bf16x8(*reinterpret_cast<const uint4*>(residual + i), r);
-    if (p.delta_f32) {
-      const float* delta = static_cast<const float*>(p.delta) + base + i;
-      const float4 d0 = *reinterpret_cast<const float4*>(delta);
-      const float4 d1 = *reinterpret_cast<const float4*>(delta + 4);
-      const float raw[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) d[j] = round_to_bf16(raw[j]);
-    } else {
-      unpack_bf16x8(
-          *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.delta) + base + i), d);
-    }
+    load_delta8(p, base + i, d);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       x[j] = round_to_bf16(__fadd_rn(r[j], d[j]));
@@ -118,17 +125,7 @@ __global__ void __launch_bounds__(kNormMaxThreads)
     w[c] = __ldg(reinterpret_cast<const uint4*>(p.weight + i));
     float r[8], d[8];
     unpack_bf16x8(*reinterpret_cast<const uint4*>(residual + i), r);
-    if (p.delta_f32) {
-      const float* delta = static_cast<const float*>(p.delta) + base + i;
-      const float4 d0 = *reinterpret_cast<const float4*>(delta);
-      const float4 d1 = *reinterpret_cast<const float4*>(delta + 4);
-      const float raw[8] = {d0.x, d0.y, d0.z, d0.w, d1.x, d1.y, d1.z, d1.w};
-#pragma unroll
-      for (int j = 0; j < 8; ++j) d[j] = round_to_bf16(raw[j]);
-    } else {
-      unpack_bf16x8(
-          *reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.delta) + base + i), d);
-    }
+    load_delta8(p, base + i, d);
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       x[c][j] = round_to_bf16(__fadd_rn(r[j], d[j]));
@@ -484,10 +481,17 @@ int skinny_gemm_ctas(int n) {
 }
 
 namespace {
+// The current device's SM count, queried once per device (launches call this on every step).
 int current_device_sms() {
-  int device = 0, sms = 0;
+  static std::array<std::atomic<int>, 64> cached{};
+  int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  M3MSA_CHECK_INTERNAL(device >= 0 && device < 64, "skinny GEMM: device ", device);
+  int sms = cached[static_cast<std::size_t>(device)].load(std::memory_order_relaxed);
+  if (sms == 0) {
+    CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+    cached[static_cast<std::size_t>(device)].store(sms, std::memory_order_relaxed);
+  }
   return sms;
 }
 }  // namespace

@@ -251,11 +251,12 @@ __device__ __forceinline__ void weight_words(const WeightRegs<kFp8>& w, uint32_t
   }
 }
 
-// One 16-column tile: out[:, n0 .. n0 + 16). Warp w handles the chunks c = w, w + 4, ... of K
-// for the tile's 16 columns; kUnroll chunks' weights are loaded before any is used (bytes in
-// flight). Lanes: g = lane / 4 is the MMA group (rows g and g + 8 of A, column g of each n8 tile
-// of B), t = lane % 4 picks the k slice (see load_x). A warp accumulates its chunks in increasing
-// order whatever kUnroll is, so every kUnroll gives the same bits.
+// One 16-column tile: out[:, n0 .. n0 + 16). Warp w of kWarps handles the chunks c = w, w +
+// kWarps, ... of K for the tile's 16 columns, kUnroll chunks in flight (a group loaded before any
+// is used, or a ring: kRing). Lanes: g = lane / 4 is the MMA group (rows g and g + 8 of A, column
+// g of each n8 tile of B), t = lane % 4 picks the k slice (see load_x). A warp accumulates its
+// chunks in increasing order whatever kUnroll and kRing are, so they give the same bits; kWarps
+// changes the order.
 template <bool kFp8, int kUnroll, bool kRing, int kWarps>
 __device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
                                           float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {

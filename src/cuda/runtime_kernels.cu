@@ -6,6 +6,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -57,46 +58,69 @@ __device__ __forceinline__ void load_delta8(const AddNormParams& p, int64_t at, 
   }
 }
 
-// One CTA per row. Pass 1: x = bf16(residual + delta) -> residual, sum of squares; a fixed-order
-// block reduction; pass 2: y = bf16((x * r) * (1 + w)) -> out. Each thread re-reads only what it
-// wrote itself, and reads delta[i] before writing out[i], so out may alias delta.
-__global__ void __launch_bounds__(kNormThreads)
-    add_rmsnorm_kernel(const __grid_constant__ AddNormParams p) {
-  __shared__ float s_partial[kNormWarps];
-  __shared__ float s_rms;
-  const int64_t base = static_cast<int64_t>(blockIdx.x) * p.n;
-  uint16_t* residual = p.residual + base;
-  float sum = 0.0f;
-  for (int i = threadIdx.x * 8; i < p.n; i += kNormThreads * 8) {
-    float r[8], d[8], x[8];
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(residual + i), r);
-    load_delta8(p, base + i, d);
+// x = bf16(residual + delta) of the 8 elements at row_base + i, written back to the residual;
+// adds their squares to sum in order.
+__device__ __forceinline__ void add_residual8(const AddNormParams& p, int64_t row_base, int i,
+                                              float (&x)[8], float& sum) {
+  uint16_t* residual = p.residual + row_base + i;
+  float r[8], d[8];
+  unpack_bf16x8(*reinterpret_cast<const uint4*>(residual), r);
+  load_delta8(p, row_base + i, d);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      x[j] = round_to_bf16(__fadd_rn(r[j], d[j]));
-      sum = __fadd_rn(sum, __fmul_rn(x[j], x[j]));
-    }
-    *reinterpret_cast<uint4*>(residual + i) = pack_bf16x8(x);
+  for (int j = 0; j < 8; ++j) {
+    x[j] = round_to_bf16(__fadd_rn(r[j], d[j]));
+    sum = __fadd_rn(sum, __fmul_rn(x[j], x[j]));
   }
+  *reinterpret_cast<uint4*>(residual) = pack_bf16x8(x);
+}
+
+// 1 / sqrt(mean(x^2) + eps) of a row from each thread's partial sum of squares, in a fixed
+// order (warp: xor tree; CTA: warps in order) so the same partition gives the same bits. Every
+// thread gets it. s_partial: blockDim.x / 32 + 1 floats of shared memory.
+__device__ __forceinline__ float block_inv_rms(float sum, const AddNormParams& p,
+                                               float* s_partial) {
+  const int warps = static_cast<int>(blockDim.x >> 5);
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
   if ((threadIdx.x & 31) == 0) s_partial[threadIdx.x >> 5] = sum;
   __syncthreads();
   if (threadIdx.x == 0) {
     float total = 0.0f;
-    for (int w = 0; w < kNormWarps; ++w) total = __fadd_rn(total, s_partial[w]);
-    s_rms = 1.0f / sqrtf(__fadd_rn(total / static_cast<float>(p.n), p.eps));
+    for (int w = 0; w < warps; ++w) total = __fadd_rn(total, s_partial[w]);
+    s_partial[warps] = 1.0f / sqrtf(__fadd_rn(total / static_cast<float>(p.n), p.eps));
   }
   __syncthreads();
-  const float rms = s_rms;
+  return s_partial[warps];
+}
+
+// Gemma RMSNorm of 8 elements: bf16((x * r) * (1 + w)).
+__device__ __forceinline__ uint4 gemma_norm8(const float (&x)[8], float rms, const float (&w)[8]) {
+  float y[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(__fmul_rn(x[j], rms), __fadd_rn(1.0f, w[j]));
+  return pack_bf16x8(y);
+}
+
+// One CTA per row. Pass 1: x = bf16(residual + delta) -> residual, sum of squares; a fixed-order
+// block reduction; pass 2: y = bf16((x * r) * (1 + w)) -> out. Each thread re-reads only what it
+// wrote itself, and reads delta[i] before writing out[i], so out may alias delta.
+__global__ void __launch_bounds__(kNormThreads)
+    add_rmsnorm_kernel(const __grid_constant__ AddNormParams p) {
+  __shared__ float s_partial[kNormWarps + 1];
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * p.n;
+  uint16_t* residual = p.residual + base;
+  float sum = 0.0f;
+  for (int i = threadIdx.x * 8; i < p.n; i += kNormThreads * 8) {
+    float x[8];
+    add_residual8(p, base, i, x, sum);
+  }
+  const float rms = block_inv_rms(sum, p, s_partial);
   uint16_t* out = p.out + base;
   for (int i = threadIdx.x * 8; i < p.n; i += kNormThreads * 8) {
-    float x[8], w[8], y[8];
+    float x[8], w[8];
     unpack_bf16x8(*reinterpret_cast<const uint4*>(residual + i), x);
     unpack_bf16x8(*reinterpret_cast<const uint4*>(p.weight + i), w);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(__fmul_rn(x[j], rms), __fadd_rn(1.0f, w[j]));
-    *reinterpret_cast<uint4*>(out + i) = pack_bf16x8(y);
+    *reinterpret_cast<uint4*>(out + i) = gemma_norm8(x, rms, w);
   }
 }
 
@@ -111,10 +135,8 @@ inline constexpr int kNormMaxThreads = 1024;
 template <int kChunks>
 __global__ void __launch_bounds__(kNormMaxThreads)
     add_rmsnorm_regs_kernel(const __grid_constant__ AddNormParams p) {
-  __shared__ float s_partial[kNormMaxThreads / 32];
-  __shared__ float s_rms;
+  __shared__ float s_partial[kNormMaxThreads / 32 + 1];
   const int64_t base = static_cast<int64_t>(blockIdx.x) * p.n;
-  uint16_t* residual = p.residual + base;
   float x[kChunks][8];
   uint4 w[kChunks];
   float sum = 0.0f;
@@ -123,38 +145,17 @@ __global__ void __launch_bounds__(kNormMaxThreads)
     const int i = (c * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * 8;
     if (i >= p.n) break;
     w[c] = __ldg(reinterpret_cast<const uint4*>(p.weight + i));
-    float r[8], d[8];
-    unpack_bf16x8(*reinterpret_cast<const uint4*>(residual + i), r);
-    load_delta8(p, base + i, d);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      x[c][j] = round_to_bf16(__fadd_rn(r[j], d[j]));
-      sum = __fadd_rn(sum, __fmul_rn(x[c][j], x[c][j]));
-    }
-    *reinterpret_cast<uint4*>(residual + i) = pack_bf16x8(x[c]);
+    add_residual8(p, base, i, x[c], sum);
   }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
-  if ((threadIdx.x & 31) == 0) s_partial[threadIdx.x >> 5] = sum;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    float total = 0.0f;
-    for (int i = 0; i < static_cast<int>(blockDim.x >> 5); ++i)
-      total = __fadd_rn(total, s_partial[i]);
-    s_rms = 1.0f / sqrtf(__fadd_rn(total / static_cast<float>(p.n), p.eps));
-  }
-  __syncthreads();
-  const float rms = s_rms;
+  const float rms = block_inv_rms(sum, p, s_partial);
   uint16_t* out = p.out + base;
 #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     const int i = (c * static_cast<int>(blockDim.x) + static_cast<int>(threadIdx.x)) * 8;
     if (i >= p.n) break;
-    float wf[8], y[8];
+    float wf[8];
     unpack_bf16x8(w[c], wf);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) y[j] = __fmul_rn(__fmul_rn(x[c][j], rms), __fadd_rn(1.0f, wf[j]));
-    *reinterpret_cast<uint4*>(out + i) = pack_bf16x8(y);
+    *reinterpret_cast<uint4*>(out + i) = gemma_norm8(x[c], rms, wf);
   }
 }
 
@@ -438,6 +439,25 @@ __global__ void swiglu_kernel(const __grid_constant__ SwigluParams p) {
   }
 }
 
+// One request per row prefix; threads stride over rows. sm_90: the bulk prefetch (one instruction
+// per row); older devices: a line-sized prefetch per 128 bytes.
+__global__ void l2_prefetch_kernel(const __grid_constant__ L2PrefetchParams p) {
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  const auto* base = static_cast<const uint8_t*>(p.base);
+  for (int64_t r = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; r < p.rows; r += stride) {
+    const uint8_t* row = base + r * p.row_bytes;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row),
+                 "r"(static_cast<uint32_t>(p.prefix_bytes))
+                 : "memory");
+#else
+    for (int64_t at = 0; at < p.prefix_bytes; at += 128) {
+      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + at));
+    }
+#endif
+  }
+}
+
 __global__ void f32_to_bf16_kernel(const float* in, uint16_t* out, int64_t count) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -535,6 +555,31 @@ void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
       : ring    ? rk::skinny_gemm_kernel<false, true>
                 : rk::skinny_gemm_kernel<false, false>;
   kernel<<<tiles, rk::kGemmThreads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+int64_t l2_prefetch_prefix(int64_t rows, int64_t row_bytes, int64_t budget) {
+  if (rows <= 0 || row_bytes <= 0 || budget <= 0) return 0;
+  return std::min(row_bytes, budget / rows) / 128 * 128;
+}
+
+void launch_l2_prefetch(const L2PrefetchParams& p, cudaStream_t stream) {
+  M3MSA_CHECK_ARG(p.rows >= 0 && p.row_bytes >= 0 && p.prefix_bytes >= 0, "l2 prefetch: rows ",
+                  p.rows, ", row_bytes ", p.row_bytes, ", prefix_bytes ", p.prefix_bytes,
+                  " must be >= 0");
+  M3MSA_CHECK_ARG(p.row_bytes % 16 == 0 && p.prefix_bytes % 16 == 0, "l2 prefetch: row_bytes (",
+                  p.row_bytes, ") and prefix_bytes (", p.prefix_bytes, ") must be multiples of 16");
+  M3MSA_CHECK_ARG(p.prefix_bytes <= p.row_bytes, "l2 prefetch: prefix_bytes ", p.prefix_bytes,
+                  " exceeds row_bytes ", p.row_bytes);
+  M3MSA_CHECK_ARG(p.prefix_bytes <= int64_t{1} << 31, "l2 prefetch: prefix_bytes ", p.prefix_bytes,
+                  " exceeds 2^31");
+  if (p.rows == 0 || p.prefix_bytes == 0) return;
+  M3MSA_CHECK_ARG(p.base != nullptr && rk::aligned16(p.base),
+                  "l2 prefetch: base must be a non-null 16-byte aligned pointer");
+  // One warp per SM at most: tiny CTAs that fit beside whatever runs.
+  constexpr int kThreads = 32;
+  const int64_t ctas = std::min<int64_t>((p.rows + kThreads - 1) / kThreads, current_device_sms());
+  rk::l2_prefetch_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 

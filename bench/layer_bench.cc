@@ -56,7 +56,6 @@ struct Config {
   int share_period = 1;
   TpAllReduce allreduce = TpAllReduce::kAuto;
   IndexerOverlap overlap = IndexerOverlap::kAuto;
-  int64_t prefetch_bytes = -1;  // RuntimeConfig::weight_prefetch_bytes
   DType weights = DType::kBF16;
   DType kv = DType::kBF16;
   int tokens = 1;
@@ -244,7 +243,6 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
   config.selection_share_period = c.share_period;
   config.tp_allreduce = c.allreduce;
   config.indexer_overlap = c.overlap;
-  config.weight_prefetch_bytes = c.prefetch_bytes;
   const StepMeta meta = make_step(reqs, c.q_len, c.context, m.block_size);
   const SparseConfig sc = m.sparse(c.tp, c.cp);
 
@@ -367,7 +365,6 @@ int run_layer_bench(int argc, char** argv) {
   std::string allreduce = "auto";
   int share_period = 1;
   std::string overlap = "auto";
-  std::string prefetch = "auto";
   std::string weights = "bf16,fp8";
   std::string kv = "bf16";
   int layers = 4;
@@ -387,10 +384,6 @@ int run_layer_bench(int argc, char** argv) {
   app.add_option("--overlap", overlap,
                  "comma-separated RuntimeConfig::indexer_overlap settings: auto, off, on (the "
                  "indexer beside the q/k/v projection; with --cp on the runtime is serial)");
-  app.add_option(
-      "--prefetch-mb", prefetch,
-      "comma-separated RuntimeConfig::weight_prefetch_bytes settings in MB (10^6 bytes): "
-      "auto (half the L2), 0 (off) or a size (o_proj's weight prefetched into L2)");
   app.add_option("--weights", weights, "comma-separated projection weight dtypes: bf16, fp8");
   app.add_option("--kv", kv, "KV cache dtype: bf16 or fp8");
   app.add_option("--layers", layers, "distinct sparse layers per captured step (L2 rotation)");
@@ -441,27 +434,8 @@ int run_layer_bench(int argc, char** argv) {
       device.c_str(), kReadCeilingTBs, layers, dtype_name(kv_dtype), share_period);
   std::vector<IndexerOverlap> overlap_list;
   for (const std::string& v : split_list(overlap)) overlap_list.push_back(parse_indexer_overlap(v));
-  std::vector<int64_t> prefetch_list;
-  for (const std::string& v : split_list(prefetch)) {
-    if (v == "auto") {
-      prefetch_list.push_back(-1);
-      continue;
-    }
-    char* end = nullptr;
-    const double mb = std::strtod(v.c_str(), &end);
-    if (end == v.c_str() || *end != '\0' || !(mb >= 0) || mb > 1e6) {
-      std::fprintf(stderr, "m3msa bench layer: --prefetch-mb: '%s' is not auto or a size in MB\n",
-                   v.c_str());
-      return 2;
-    }
-    prefetch_list.push_back(static_cast<int64_t>(mb * 1e6));
-  }
-  const auto prefetch_name = [](int64_t bytes) {
-    return bytes < 0 ? std::string("auto") : fmt::format("{:.0f}MB", bytes / 1e6);
-  };
-  Table table({"tp", "cp", "weights", "tokens", "q_len", "reqs", "context", "overlap", "prefetch",
-               "median us", "noise", "launches", "MB", "allreduce", "nccl us", "peer us",
-               "floor us", "ratio"});
+  Table table({"tp", "cp", "weights", "tokens", "q_len", "reqs", "context", "overlap", "median us",
+               "noise", "launches", "MB", "allreduce", "nccl us", "peer us", "floor us", "ratio"});
   for (int tp : tp_list) {
     std::vector<std::unique_ptr<NcclCommunicator>> comms;
     if (tp > 1) {
@@ -475,80 +449,75 @@ int run_layer_bench(int argc, char** argv) {
           for (int64_t q : parse_list(q_lens)) {
             for (int64_t t : parse_list(tokens)) {
               for (IndexerOverlap with_overlap : overlap_list) {
-                for (int64_t with_prefetch : prefetch_list) {
-                  if (t % q != 0) continue;  // tokens = requests * q_len
-                  Config c;
-                  // With CP the runtime is serial: one row, not two identical ones.
-                  if (cp && with_overlap != overlap_list.front()) continue;
-                  c.overlap = with_overlap;
-                  c.prefetch_bytes = with_prefetch;
-                  c.tp = tp;
-                  c.cp = cp;
-                  c.share_period = share_period;
-                  c.allreduce = allreduce_mode;
-                  c.weights = w;
-                  c.kv = kv_dtype;
-                  c.tokens = static_cast<int>(t);
-                  c.q_len = static_cast<int>(q);
-                  c.context = context;
-                  c.layers = layers;
-                  const Result r = run_config(c, comms, reps, seed);
-                  const double us = r.timing.median_us;
-                  const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;
-                  std::vector<std::string> cells = {
-                      fmt::format("{}", tp),
-                      cp ? "on" : "off",
-                      dtype_name(w),
-                      fmt::format("{}", t),
-                      fmt::format("{}", q),
-                      fmt::format("{}", t / q),
-                      fmt::format("{}", context),
-                      cp ? "serial" : indexer_overlap_name(with_overlap),
-                      prefetch_name(with_prefetch),
-                      fmt::format("{:.2f}", us),
-                      fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
-                      fmt::format("{}", r.launches),
-                      fmt::format("{:.1f}", mb),
-                      r.allreduce_used,
-                      fmt::format("{:.2f}", r.nccl_allreduce_us),
-                      fmt::format("{:.2f}", r.peer_allreduce_us),
-                      fmt::format("{:.2f}", r.floor_us),
-                      fmt::format("{:.2f}", us / r.floor_us)};
-                  std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
-                  const double tbs = (r.weight_bytes + r.cache_bytes) / (us * 1e-6) / 1e12;
-                  table.add(cells, {{"bench", "layer"},
-                                    {"tp", tp},
-                                    {"cp", cp},
-                                    {"share_period", share_period},
-                                    {"allreduce", r.allreduce_used},
-                                    {"nccl_allreduce_us", r.nccl_allreduce_us},
-                                    {"peer_allreduce_us", r.peer_allreduce_us},
-                                    {"weights", dtype_name(w)},
-                                    {"kv", dtype_name(kv_dtype)},
-                                    {"tokens", t},
-                                    {"q_len", q},
-                                    {"requests", t / q},
-                                    {"context", context},
-                                    {"indexer_overlap",
-                                     cp ? "serial" : indexer_overlap_name(with_overlap)},
-                                    {"weight_prefetch_bytes", with_prefetch},
-                                    {"layers_per_graph", layers},
-                                    {"median_us", us},
-                                    {"p10_us", r.timing.p10_us},
-                                    {"p90_us", r.timing.p90_us},
-                                    {"noise", r.timing.noise()},
-                                    {"launches_per_layer", r.launches},
-                                    {"weight_bytes", r.weight_bytes},
-                                    {"cache_bytes", r.cache_bytes},
-                                    {"allreduce_us", r.allreduce_us},
-                                    {"floor_us", r.floor_us},
-                                    {"ratio", us / r.floor_us},
-                                    {"tb_per_s", tbs},
-                                    {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
-                                    {"device", device},
-                                    {"commit", commit}});
-                  write_json(json_path, table.records());  // a stopped run keeps what it measured
-                }
+                if (t % q != 0) continue;  // tokens = requests * q_len
+                Config c;
+                // With CP the runtime is serial: one row, not two identical ones.
+                if (cp && with_overlap != overlap_list.front()) continue;
+                c.overlap = with_overlap;
+                c.tp = tp;
+                c.cp = cp;
+                c.share_period = share_period;
+                c.allreduce = allreduce_mode;
+                c.weights = w;
+                c.kv = kv_dtype;
+                c.tokens = static_cast<int>(t);
+                c.q_len = static_cast<int>(q);
+                c.context = context;
+                c.layers = layers;
+                const Result r = run_config(c, comms, reps, seed);
+                const double us = r.timing.median_us;
+                const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;
+                std::vector<std::string> cells = {
+                    fmt::format("{}", tp),
+                    cp ? "on" : "off",
+                    dtype_name(w),
+                    fmt::format("{}", t),
+                    fmt::format("{}", q),
+                    fmt::format("{}", t / q),
+                    fmt::format("{}", context),
+                    cp ? "serial" : indexer_overlap_name(with_overlap),
+                    fmt::format("{:.2f}", us),
+                    fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
+                    fmt::format("{}", r.launches),
+                    fmt::format("{:.1f}", mb),
+                    r.allreduce_used,
+                    fmt::format("{:.2f}", r.nccl_allreduce_us),
+                    fmt::format("{:.2f}", r.peer_allreduce_us),
+                    fmt::format("{:.2f}", r.floor_us),
+                    fmt::format("{:.2f}", us / r.floor_us)};
+                std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
+                const double tbs = (r.weight_bytes + r.cache_bytes) / (us * 1e-6) / 1e12;
+                table.add(cells,
+                          {{"bench", "layer"},
+                           {"tp", tp},
+                           {"cp", cp},
+                           {"share_period", share_period},
+                           {"allreduce", r.allreduce_used},
+                           {"nccl_allreduce_us", r.nccl_allreduce_us},
+                           {"peer_allreduce_us", r.peer_allreduce_us},
+                           {"weights", dtype_name(w)},
+                           {"kv", dtype_name(kv_dtype)},
+                           {"tokens", t},
+                           {"q_len", q},
+                           {"requests", t / q},
+                           {"context", context},
+                           {"indexer_overlap", cp ? "serial" : indexer_overlap_name(with_overlap)},
+                           {"layers_per_graph", layers},
+                           {"median_us", us},
+                           {"p10_us", r.timing.p10_us},
+                           {"p90_us", r.timing.p90_us},
+                           {"noise", r.timing.noise()},
+                           {"launches_per_layer", r.launches},
+                           {"weight_bytes", r.weight_bytes},
+                           {"cache_bytes", r.cache_bytes},
+                           {"allreduce_us", r.allreduce_us},
+                           {"floor_us", r.floor_us},
+                           {"ratio", us / r.floor_us},
+                           {"tb_per_s", tbs},
+                           {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
+                           {"device", device},
+                           {"commit", commit}});
+                write_json(json_path, table.records());  // a stopped run keeps what it measured
               }
             }
           }

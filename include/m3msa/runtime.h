@@ -121,11 +121,6 @@ struct RuntimeConfig {
   // into their own graphs should instantiate them with cudaGraphInstantiateFlagUseNodePriority
   // (StepGraphs does), so the indexer keeps its stream's priority. Not agreed.
   IndexerOverlap indexer_overlap = IndexerOverlap::kAuto;
-  // Rank-local, CUDA backend: bytes of each layer's output-projection weight asked into L2 (a
-  // prefix of every row) once its q/k/v projection is done, so they stream from HBM while the
-  // latency-bound preprocessing, indexer and attention run. -1: auto (half the device's L2), 0:
-  // off. A cache hint: changes no result. Not agreed.
-  int64_t weight_prefetch_bytes = -1;
   // Rank-local, CUDA backend: the cudaStream_t every kernel is queued on (the engine's stream, so
   // an engine capture records them); null: a stream the runtime owns (Runtime::cuda_stream()).
   // prepare() refuses to run while this stream is capturing. Not agreed.

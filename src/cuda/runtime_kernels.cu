@@ -6,7 +6,6 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstddef>
@@ -439,25 +438,6 @@ __global__ void swiglu_kernel(const __grid_constant__ SwigluParams p) {
   }
 }
 
-// One request per row prefix; threads stride over rows. sm_90: the bulk prefetch (one instruction
-// per row); older devices: a line-sized prefetch per 128 bytes.
-__global__ void l2_prefetch_kernel(const __grid_constant__ L2PrefetchParams p) {
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  const auto* base = static_cast<const uint8_t*>(p.base);
-  for (int64_t r = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; r < p.rows; r += stride) {
-    const uint8_t* row = base + r * p.row_bytes;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(row),
-                 "r"(static_cast<uint32_t>(p.prefix_bytes))
-                 : "memory");
-#else
-    for (int64_t at = 0; at < p.prefix_bytes; at += 128) {
-      asm volatile("prefetch.global.L2 [%0];" ::"l"(row + at));
-    }
-#endif
-  }
-}
-
 __global__ void f32_to_bf16_kernel(const float* in, uint16_t* out, int64_t count) {
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
@@ -555,31 +535,6 @@ void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
       : ring    ? rk::skinny_gemm_kernel<false, true>
                 : rk::skinny_gemm_kernel<false, false>;
   kernel<<<tiles, rk::kGemmThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
-}
-
-int64_t l2_prefetch_prefix(int64_t rows, int64_t row_bytes, int64_t budget) {
-  if (rows <= 0 || row_bytes <= 0 || budget <= 0) return 0;
-  return std::min(row_bytes, budget / rows) / 128 * 128;
-}
-
-void launch_l2_prefetch(const L2PrefetchParams& p, cudaStream_t stream) {
-  M3MSA_CHECK_ARG(p.rows >= 0 && p.row_bytes >= 0 && p.prefix_bytes >= 0, "l2 prefetch: rows ",
-                  p.rows, ", row_bytes ", p.row_bytes, ", prefix_bytes ", p.prefix_bytes,
-                  " must be >= 0");
-  M3MSA_CHECK_ARG(p.row_bytes % 16 == 0 && p.prefix_bytes % 16 == 0, "l2 prefetch: row_bytes (",
-                  p.row_bytes, ") and prefix_bytes (", p.prefix_bytes, ") must be multiples of 16");
-  M3MSA_CHECK_ARG(p.prefix_bytes <= p.row_bytes, "l2 prefetch: prefix_bytes ", p.prefix_bytes,
-                  " exceeds row_bytes ", p.row_bytes);
-  M3MSA_CHECK_ARG(p.prefix_bytes <= int64_t{1} << 31, "l2 prefetch: prefix_bytes ", p.prefix_bytes,
-                  " exceeds 2^31");
-  if (p.rows == 0 || p.prefix_bytes == 0) return;
-  M3MSA_CHECK_ARG(p.base != nullptr && rk::aligned16(p.base),
-                  "l2 prefetch: base must be a non-null 16-byte aligned pointer");
-  // One warp per SM at most: tiny CTAs that fit beside whatever runs.
-  constexpr int kThreads = 32;
-  const int64_t ctas = std::min<int64_t>((p.rows + kThreads - 1) / kThreads, current_device_sms());
-  rk::l2_prefetch_kernel<<<static_cast<unsigned>(ctas), kThreads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -83,26 +83,6 @@ int skinny_gemm_ctas(int n);
 // once per projection from its full width and use it for every launch of it.
 bool skinny_gemm_prefers_split_k8(int n);
 
-// ---- L2 prefetch of a weight's row prefixes ----
-//
-// Asks L2 (cp.async.bulk.prefetch, a hint with no completion) for the first prefix_bytes of every
-// row of a row-major [rows, row_bytes] weight, and returns: the kernel only issues the requests.
-// The runtime queues it on a side stream after the q/k/v projection so the output projection's
-// weight streams from HBM while the latency-bound preprocessing, indexer and attention run. The
-// skinny GEMM's warps all walk K from its start, so a prefix of every row (not whole rows) is what
-// every warp reads first. Changes no result (a cache hint). Requirements (kInvalidArgument):
-// 16-byte aligned base, row_bytes and prefix_bytes multiples of 16, prefix_bytes <= row_bytes.
-struct L2PrefetchParams {
-  const void* base = nullptr;
-  int64_t rows = 0;
-  int64_t row_bytes = 0;     // row stride
-  int64_t prefix_bytes = 0;  // 0: nothing to do
-};
-
-void launch_l2_prefetch(const L2PrefetchParams& p, cudaStream_t stream);
-// The prefix (a multiple of 128 bytes, <= row_bytes) whose rows x prefix fits in budget bytes.
-int64_t l2_prefetch_prefix(int64_t rows, int64_t row_bytes, int64_t budget);
-
 // ---- SwiGLU-OAI activation: act[r, j] = bf16(swiglu(gate_up[r, j], gate_up[r, I + j])) ----
 
 struct SwigluParams {

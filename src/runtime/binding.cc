@@ -237,9 +237,6 @@ void check_model_support(const RuntimeConfig& config, int tp_size, Problems& pro
   error(std::isfinite(config.swiglu_limit) && config.swiglu_limit > 0,
         "config.swiglu_limit must be finite and > 0, got " + std::to_string(config.swiglu_limit));
   error(config.threads >= 0, "config.threads must be >= 0, got " + std::to_string(config.threads));
-  error(config.weight_prefetch_bytes >= -1,
-        "config.weight_prefetch_bytes must be -1 (auto), 0 (off) or a byte count, got " +
-            std::to_string(config.weight_prefetch_bytes));
   error(config.cp_spin_budget.count() > 0, "config.cp_spin_budget must be > 0 us, got " +
                                                std::to_string(config.cp_spin_budget.count()));
   error(config.cp_transport == CpTransport::kPeer || config.cp_transport == CpTransport::kNccl ||

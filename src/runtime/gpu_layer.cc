@@ -133,14 +133,6 @@ class GpuEngineImpl final : public GpuEngine {
         CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
         CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
       }
-      if (config.weight_prefetch_bytes != 0) {
-        int l2 = 0;
-        CUDA_CHECK(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device_));
-        prefetch_budget_ = config.weight_prefetch_bytes > 0 ? config.weight_prefetch_bytes : l2 / 2;
-        CUDA_CHECK(cudaStreamCreateWithFlags(&prefetch_, cudaStreamNonBlocking));
-        CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_fork_, cudaEventDisableTiming));
-        CUDA_CHECK(cudaEventCreateWithFlags(&prefetch_join_, cudaEventDisableTiming));
-      }
       allocate(layers);
     } catch (...) {
       if (stream_) cudaStreamSynchronize(stream_);
@@ -483,14 +475,12 @@ class GpuEngineImpl final : public GpuEngine {
       CUDA_CHECK(cudaEventRecord(join_, side_));
       gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(), attention_cols,
            /*out_f32=*/false, rows, /*out_stride=*/width);
-      launches += prefetch_o_proj(w);
       cuda::launch_preprocess(sc, pre, stream_, cuda::PreprocessPart::kAttention);
       CUDA_CHECK(cudaStreamWaitEvent(stream_, join_, 0));
       launches += 5;
     } else {
       gemm(normed_.as<uint16_t>(), H, w.qkv_proj, w.qkv_proj_scale, qkv_.data(),
            run_indexer ? width : attention_cols, /*out_f32=*/false, rows, /*out_stride=*/width);
-      launches += prefetch_o_proj(w);
       cuda::launch_preprocess(sc, pre, stream_);
       launches += 2;
       if (run_indexer && cp_) {
@@ -515,7 +505,6 @@ class GpuEngineImpl final : public GpuEngine {
     ++launches;
 
     const bool reduce = tp_size_ > 1;
-    if (prefetch_) CUDA_CHECK(cudaStreamWaitEvent(stream_, prefetch_join_, 0));
     gemm(attn_.as<uint16_t>(), attn_width, w.o_proj, w.o_proj_scale,
          reduce ? o32_.data() : o16_.data(), H, /*out_f32=*/reduce, rows);
     ++launches;
@@ -573,11 +562,6 @@ class GpuEngineImpl final : public GpuEngine {
     if (join_) cudaEventDestroy(join_);
     side_ = nullptr;
     fork_ = join_ = nullptr;
-    if (prefetch_) cudaStreamDestroy(prefetch_);
-    if (prefetch_fork_) cudaEventDestroy(prefetch_fork_);
-    if (prefetch_join_) cudaEventDestroy(prefetch_join_);
-    prefetch_ = nullptr;
-    prefetch_fork_ = prefetch_join_ = nullptr;
   }
 
   // The indexer beside the projection: one CTA per SM (its kernel takes any grid).
@@ -711,23 +695,6 @@ class GpuEngineImpl final : public GpuEngine {
     cuda::launch_skinny_gemm(p, stream_);
   }
 
-  // Forks the L2 prefetch of a prefix of every o_proj weight row (RuntimeConfig::
-  // weight_prefetch_bytes) off the main stream; forward_layer joins it before o_proj. The
-  // launches it adds (0 or 1).
-  int64_t prefetch_o_proj(const LayerWeights& w) {
-    if (!prefetch_) return 0;
-    cuda::L2PrefetchParams p;
-    p.base = w.o_proj.data;
-    p.rows = w.o_proj.shape[0];
-    p.row_bytes = w.o_proj.shape[1] * static_cast<int64_t>(dtype_size(w.o_proj.dtype));
-    p.prefix_bytes = cuda::l2_prefetch_prefix(p.rows, p.row_bytes, prefetch_budget_);
-    CUDA_CHECK(cudaEventRecord(prefetch_fork_, stream_));
-    CUDA_CHECK(cudaStreamWaitEvent(prefetch_, prefetch_fork_, 0));
-    cuda::launch_l2_prefetch(p, prefetch_);
-    CUDA_CHECK(cudaEventRecord(prefetch_join_, prefetch_));
-    return 1;
-  }
-
   // call_id labels the call for the peer all-reduce's shape check (2 * layer + 0 | 1).
   void all_reduce(float* data, int64_t count, int call_id) {
     if (peer_ar_) {
@@ -759,13 +726,6 @@ class GpuEngineImpl final : public GpuEngine {
   cudaStream_t side_ = nullptr;  // high priority: the indexer
   cudaEvent_t fork_ = nullptr;   // index_q and the index-K insert done (main -> side)
   cudaEvent_t join_ = nullptr;   // the selection ready (side -> main, before attention)
-  // RuntimeConfig::weight_prefetch_bytes != 0: the o_proj weight's L2 prefetch runs on its own
-  // stream, forked after the q/k/v projection and joined before o_proj (a hint: nothing waits on
-  // the bytes, only on the kernel that asks for them).
-  int64_t prefetch_budget_ = 0;
-  cudaStream_t prefetch_ = nullptr;
-  cudaEvent_t prefetch_fork_ = nullptr;
-  cudaEvent_t prefetch_join_ = nullptr;
 
   MetaLayout layout_;
   cuda::DeviceBuffer meta_;

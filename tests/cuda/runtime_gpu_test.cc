@@ -773,57 +773,6 @@ TEST(RuntimeKernels, SkinnyGemmRefusesUnsupportedShapes) {
   EXPECT_THROW(cuda::launch_skinny_gemm(p, nullptr), Error);
 }
 
-TEST(RuntimeKernels, L2PrefetchSizesPrefixesAndRefusesBadArguments) {
-  M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  // The prefix: whole 128-byte lines, at most a row, rows x prefix within the budget.
-  EXPECT_EQ(cuda::l2_prefetch_prefix(6144, 16384, 30'000'000), 4864);
-  EXPECT_EQ(cuda::l2_prefetch_prefix(6144, 16384, int64_t{1} << 40), 16384);
-  EXPECT_EQ(cuda::l2_prefetch_prefix(6144, 16384, 6144 * 127), 0);
-  EXPECT_EQ(cuda::l2_prefetch_prefix(0, 16384, 1 << 20), 0);
-  EXPECT_EQ(cuda::l2_prefetch_prefix(16, 16384, -1), 0);
-
-  std::vector<uint8_t> host(1 << 20);
-  for (std::size_t i = 0; i < host.size(); ++i) host[i] = static_cast<uint8_t>(i * 131 + 7);
-  DeviceTensor buf(DType::kU8, {int64_t{1} << 20});
-  CUDA_CHECK(cudaMemcpy(buf.data(), host.data(), host.size(), cudaMemcpyHostToDevice));
-  cuda::L2PrefetchParams p;
-  p.base = buf.data();
-  p.rows = 256;
-  p.row_bytes = 4096;
-  p.prefix_bytes = 1024;
-  cuda::launch_l2_prefetch(p, nullptr);  // whole buffer, and a prefix of each row
-  p.prefix_bytes = 4096;
-  cuda::launch_l2_prefetch(p, nullptr);
-  CUDA_CHECK(cudaDeviceSynchronize());
-  std::vector<uint8_t> back(host.size());
-  CUDA_CHECK(cudaMemcpy(back.data(), buf.data(), back.size(), cudaMemcpyDeviceToHost));
-  EXPECT_EQ(back, host) << "a prefetch wrote memory";
-
-  const auto refused = [&](cuda::L2PrefetchParams bad, const char* what) {
-    try {
-      cuda::launch_l2_prefetch(bad, nullptr);
-      ADD_FAILURE() << what << ": accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << what;
-    }
-  };
-  cuda::L2PrefetchParams bad = p;
-  bad.prefix_bytes = 8192;
-  refused(bad, "prefix > row");
-  bad = p;
-  bad.prefix_bytes = 1000;
-  refused(bad, "prefix not a multiple of 16");
-  bad = p;
-  bad.base = static_cast<const uint8_t*>(buf.data()) + 8;
-  refused(bad, "misaligned base");
-  bad = p;
-  bad.base = nullptr;
-  refused(bad, "null base");
-  bad = p;
-  bad.rows = -1;
-  refused(bad, "negative rows");
-}
-
 TEST(RuntimeKernels, AddRmsNormMatchesCpu) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
   rt_test::Rng rng(5);
@@ -1249,37 +1198,6 @@ TEST(RuntimeGpu, IndexerOverlapChangesNoResult) {
         EXPECT_EQ(a.out_residual, b.out_residual) << where;
         EXPECT_EQ(a.topk, b.topk) << where;
         EXPECT_NE(a.out_residual, a.in_residual) << where << ": the layer did not run";
-      }
-    }
-  }
-}
-
-// The o_proj weight's L2 prefetch is a cache hint: off, auto (half the L2), whole rows (a budget
-// larger than the weight) and a budget too small for one 128-byte line per row (no launch) give
-// the same bits, with the overlap off and on.
-TEST(RuntimeGpu, WeightPrefetchChangesNoResult) {
-  M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  Scenario s = make_scenario(612);
-  for (IndexerOverlap overlap : {IndexerOverlap::kOff, IndexerOverlap::kOn}) {
-    s.config.indexer_overlap = overlap;
-    s.config.weight_prefetch_bytes = 0;
-    const auto plain = record_tp1(s);
-    for (int64_t budget : {int64_t{-1}, int64_t{1} << 40, int64_t{1000}}) {
-      s.config.weight_prefetch_bytes = budget;
-      const auto prefetched = record_tp1(s);
-      ASSERT_EQ(prefetched.size(), plain.size());
-      for (std::size_t step = 0; step < plain.size(); ++step) {
-        for (std::size_t l = 0; l < plain[step].size(); ++l) {
-          const LayerRecord& a = prefetched[step][l];
-          const LayerRecord& b = plain[step][l];
-          const std::string where = "budget " + std::to_string(budget) + ", overlap " +
-                                    indexer_overlap_name(overlap) + ", step " +
-                                    std::to_string(step) + ", layer " + std::to_string(l);
-          EXPECT_EQ(a.out_hidden, b.out_hidden) << where;
-          EXPECT_EQ(a.out_residual, b.out_residual) << where;
-          EXPECT_EQ(a.topk, b.topk) << where;
-          EXPECT_NE(a.out_residual, a.in_residual) << where << ": the layer did not run";
-        }
       }
     }
   }

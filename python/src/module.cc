@@ -495,11 +495,35 @@ bool same(const ModelConfig& a, const ModelConfig& b) {
   return repr(a) == repr(b);
 }
 
+// The attention fields SparseConfig and ModelConfig share (same names, same meaning), and the
+// value protocol of both: repr, ==, copy.
+template <class Config>
+void bind_attention_fields(py::class_<Config>& cls) {
+  cls.def_readwrite("q_heads", &Config::q_heads)
+      .def_readwrite("kv_heads", &Config::kv_heads)
+      .def_readwrite("head_dim", &Config::head_dim)
+      .def_readwrite("index_heads", &Config::index_heads)
+      .def_readwrite("index_dim", &Config::index_dim)
+      .def_readwrite("block_size", &Config::block_size)
+      .def_readwrite("topk", &Config::topk)
+      .def_readwrite("init_blocks", &Config::init_blocks)
+      .def_readwrite("local_blocks", &Config::local_blocks)
+      .def_readwrite("rope_dim", &Config::rope_dim)
+      .def_readwrite("rope_theta", &Config::rope_theta)
+      .def_readwrite("rms_eps", &Config::rms_eps)
+      .def("__repr__", [](const Config& c) { return repr(c); })
+      .def("__eq__", [](const Config& a, const Config& b) { return same(a, b); })
+      .def("__copy__", [](const Config& c) { return c; })
+      .def("__deepcopy__", [](const Config& c, py::handle) { return c; });
+}
+
 void bind_configs(py::module_& m) {
   const SparseConfig s;
-  py::class_<SparseConfig>(m, "SparseConfig",
-                           "What one sparse layer's kernels need, with head counts local to one "
-                           "rank. Defaults: MiniMax-M3 at TP=1 (spec.md section 1).")
+  py::class_<SparseConfig> sparse(
+      m, "SparseConfig",
+      "What one sparse layer's kernels need, with head counts local to one "
+      "rank. Defaults: MiniMax-M3 at TP=1 (spec.md section 1).");
+  sparse
       .def(py::init([](int q_heads, int kv_heads, int head_dim, int index_heads, int index_dim,
                        int block_size, int topk, int init_blocks, int local_blocks, int rope_dim,
                        double rope_theta, float rms_eps) {
@@ -524,32 +548,18 @@ void bind_configs(py::module_& m) {
            py::arg("topk") = s.topk, py::arg("init_blocks") = s.init_blocks,
            py::arg("local_blocks") = s.local_blocks, py::arg("rope_dim") = s.rope_dim,
            py::arg("rope_theta") = s.rope_theta, py::arg("rms_eps") = s.rms_eps)
-      .def_readwrite("q_heads", &SparseConfig::q_heads)
-      .def_readwrite("kv_heads", &SparseConfig::kv_heads)
-      .def_readwrite("head_dim", &SparseConfig::head_dim)
-      .def_readwrite("index_heads", &SparseConfig::index_heads)
-      .def_readwrite("index_dim", &SparseConfig::index_dim)
-      .def_readwrite("block_size", &SparseConfig::block_size)
-      .def_readwrite("topk", &SparseConfig::topk)
-      .def_readwrite("init_blocks", &SparseConfig::init_blocks)
-      .def_readwrite("local_blocks", &SparseConfig::local_blocks)
-      .def_readwrite("rope_dim", &SparseConfig::rope_dim)
-      .def_readwrite("rope_theta", &SparseConfig::rope_theta)
-      .def_readwrite("rms_eps", &SparseConfig::rms_eps)
       .def_property_readonly("group_size", &SparseConfig::group_size, "query heads per KV head")
       .def_property_readonly("softmax_scale", &SparseConfig::softmax_scale, "1 / sqrt(head_dim)")
       .def_property_readonly("qkv_width", &SparseConfig::qkv_width,
                              "width of one token's fused projection [q | k | v | index_q | "
                              "index_k]")
-      .def("validate", &SparseConfig::validate, "Raises m3msa.Error naming the first bad field.")
-      .def("__repr__", [](const SparseConfig& c) { return repr(c); })
-      .def("__eq__", [](const SparseConfig& a, const SparseConfig& b) { return same(a, b); })
-      .def("__copy__", [](const SparseConfig& c) { return c; })
-      .def("__deepcopy__", [](const SparseConfig& c, py::handle) { return c; });
+      .def("validate", &SparseConfig::validate, "Raises m3msa.Error naming the first bad field.");
+  bind_attention_fields(sparse);
 
   const ModelConfig d;
-  py::class_<ModelConfig>(m, "ModelConfig",
-                          "The whole model, with global head counts. Defaults: MiniMax-M3.")
+  py::class_<ModelConfig> model(m, "ModelConfig",
+                                "The whole model, with global head counts. Defaults: MiniMax-M3.");
+  model
       .def(py::init([](int hidden, int num_layers, int first_sparse_layer, int q_heads,
                        int kv_heads, int head_dim, int index_heads, int index_dim, int block_size,
                        int topk, int init_blocks, int local_blocks, int rope_dim, double rope_theta,
@@ -584,29 +594,14 @@ void bind_configs(py::module_& m) {
       .def_readwrite("hidden", &ModelConfig::hidden)
       .def_readwrite("num_layers", &ModelConfig::num_layers)
       .def_readwrite("first_sparse_layer", &ModelConfig::first_sparse_layer)
-      .def_readwrite("q_heads", &ModelConfig::q_heads)
-      .def_readwrite("kv_heads", &ModelConfig::kv_heads)
-      .def_readwrite("head_dim", &ModelConfig::head_dim)
-      .def_readwrite("index_heads", &ModelConfig::index_heads)
-      .def_readwrite("index_dim", &ModelConfig::index_dim)
-      .def_readwrite("block_size", &ModelConfig::block_size)
-      .def_readwrite("topk", &ModelConfig::topk)
-      .def_readwrite("init_blocks", &ModelConfig::init_blocks)
-      .def_readwrite("local_blocks", &ModelConfig::local_blocks)
-      .def_readwrite("rope_dim", &ModelConfig::rope_dim)
-      .def_readwrite("rope_theta", &ModelConfig::rope_theta)
-      .def_readwrite("rms_eps", &ModelConfig::rms_eps)
       .def_readwrite("intermediate", &ModelConfig::intermediate)
       .def_property_readonly("num_sparse_layers", &ModelConfig::num_sparse_layers)
       .def("sparse", &ModelConfig::sparse, py::arg("tp_size") = 1,
            py::arg("context_parallel") = false,
            "The per-rank SparseConfig under tensor parallelism of tp_size ranks (with "
            "context_parallel: the CP view, every index head on every rank).")
-      .def("validate", &ModelConfig::validate)
-      .def("__repr__", [](const ModelConfig& c) { return repr(c); })
-      .def("__eq__", [](const ModelConfig& a, const ModelConfig& b) { return same(a, b); })
-      .def("__copy__", [](const ModelConfig& c) { return c; })
-      .def("__deepcopy__", [](const ModelConfig& c, py::handle) { return c; });
+      .def("validate", &ModelConfig::validate);
+  bind_attention_fields(model);
 }
 
 void bind_view(py::module_& m) {

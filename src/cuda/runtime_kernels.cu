@@ -251,21 +251,29 @@ __device__ __forceinline__ void weight_words(const WeightRegs<kFp8>& w, uint32_t
   }
 }
 
-// One 16-column tile: out[:, n0 .. n0 + 16). Warp w of kWarps handles the chunks c = w, w +
-// kWarps, ... of K for the tile's 16 columns, kUnroll chunks in flight (a group loaded before any
-// is used, or a ring: kRing). Lanes: g = lane / 4 is the MMA group (rows g and g + 8 of A, column
-// g of each n8 tile of B), t = lane % 4 picks the k slice (see load_x). A warp accumulates its
-// chunks in increasing order whatever kUnroll and kRing are, so they give the same bits; kWarps
-// changes the order.
-template <bool kFp8, int kUnroll, bool kRing, int kWarps>
+// kSub consecutive 64-k sub-chunks of the tile's two weight rows: one slot of gemm_tile's loops.
+template <bool kFp8, int kSub>
+struct ChunkRegs {
+  WeightRegs<kFp8> w[kSub][2];
+};
+
+// One 16-column tile: out[:, n0 .. n0 + 16). K is cut into chunks of kSub x 64 (kSub 2: fp8
+// weights read 128 bytes per row per chunk, as bf16's 64-k chunks are). Warp w of kWarps handles
+// the chunks c = w, w + kWarps, ... of K for the tile's 16 columns, kUnroll chunks in flight (a
+// group loaded before any is used, or a ring: kRing). Lanes: g = lane / 4 is the MMA group (rows g
+// and g + 8 of A, column g of each n8 tile of B), t = lane % 4 picks the k slice (see load_x). A
+// warp accumulates its chunks in increasing order (their sub-chunks too) whatever kUnroll and
+// kRing are, so they give the same bits; kWarps and kSub change the order.
+template <bool kFp8, int kUnroll, bool kRing, int kWarps, int kSub = 1>
 __device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
                                           float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
   constexpr int kElem = kFp8 ? 1 : 2;
+  constexpr int kChunkK = kChunk * kSub;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int chunks = p.k / kChunk;
+  const int chunks = p.k / kChunkK;
   const bool lo_ok = g < p.rows;
   const bool hi_ok = g + 8 < p.rows;
   const uint16_t* x_lo = p.x + static_cast<int64_t>(lo_ok ? g : 0) * p.x_stride;
@@ -280,31 +288,40 @@ __device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
     w_row[j] = w_base + static_cast<int64_t>(col_ok[j] ? col : 0) * p.k * kElem;
   }
 
-  const auto load_chunk = [&](int c, WeightRegs<kFp8>(&chunk)[2]) {
+  using Slot = ChunkRegs<kFp8, kSub>;
+  const auto load_chunk = [&](int c, Slot& slot) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (c < chunks && col_ok[j]) {
-        load_w<kFp8>(w_row[j] + static_cast<int64_t>(c) * kChunk * kElem, t, chunk[j]);
-      } else {
+    for (int u = 0; u < kSub; ++u) {
 #pragma unroll
-        for (int i = 0; i < (kFp8 ? 1 : 2); ++i) chunk[j].v[i] = make_uint4(0, 0, 0, 0);
+      for (int j = 0; j < 2; ++j) {
+        if (c < chunks && col_ok[j]) {
+          load_w<kFp8>(w_row[j] + (static_cast<int64_t>(c) * kChunkK + u * kChunk) * kElem, t,
+                       slot.w[u][j]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < (kFp8 ? 1 : 2); ++i) slot.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
+        }
       }
     }
   };
   float acc[2][4] = {};
   uint32_t nan_bits[2] = {0u, 0u};
-  const auto compute_chunk = [&](int c, const WeightRegs<kFp8>(&chunk)[2]) {
-    uint32_t a_lo[8] = {}, a_hi[8] = {};
-    if (lo_ok) load_x<kFp8>(x_lo + static_cast<int64_t>(c) * kChunk, t, a_lo);
-    if (hi_ok) load_x<kFp8>(x_hi + static_cast<int64_t>(c) * kChunk, t, a_hi);
+  const auto compute_chunk = [&](int c, const Slot& slot) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      uint32_t b[8];
-      weight_words<kFp8>(chunk[j], b, nan_bits[j]);
+    for (int u = 0; u < kSub; ++u) {
+      const int64_t k0 = static_cast<int64_t>(c) * kChunkK + u * kChunk;
+      uint32_t a_lo[8] = {}, a_hi[8] = {};
+      if (lo_ok) load_x<kFp8>(x_lo + k0, t, a_lo);
+      if (hi_ok) load_x<kFp8>(x_hi + k0, t, a_hi);
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        mma_bf16_16x8x16(acc[j], a_lo[2 * s], a_hi[2 * s], a_lo[2 * s + 1], a_hi[2 * s + 1],
-                         b[2 * s], b[2 * s + 1]);
+      for (int j = 0; j < 2; ++j) {
+        uint32_t b[8];
+        weight_words<kFp8>(slot.w[u][j], b, nan_bits[j]);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          mma_bf16_16x8x16(acc[j], a_lo[2 * s], a_hi[2 * s], a_lo[2 * s + 1], a_hi[2 * s + 1],
+                           b[2 * s], b[2 * s + 1]);
+        }
       }
     }
   };
@@ -313,10 +330,10 @@ __device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
     // Slot u of the register ring holds chunk first + u * kWarps and is refilled with the
     // chunk kUnroll steps ahead as soon as its MMAs are issued, so each warp keeps kUnroll - 1
     // chunks in flight while it computes (the group loop below leaves HBM idle while the warps
-    // of an SM, started together, compute at once). bf16 only: each slot needs a load
-    // scoreboard of its own (a warp has six), and fp8's six 512-byte chunks would share them
-    // (measured 18-38 % slower).
-    WeightRegs<kFp8> w[kUnroll][2];
+    // of an SM, started together, compute at once). 128-byte chunks only (bf16, fp8 with kSub
+    // 2): each slot's loads need a load scoreboard of their own (a warp has six), and fp8's six
+    // 64-byte chunks would share them (measured 18-38 % slower).
+    Slot w[kUnroll];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) load_chunk(warp + u * kWarps, w[u]);
     for (int first = warp; first < chunks; first += kWarps * kUnroll) {
@@ -331,7 +348,7 @@ __device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
   } else {
     // Groups: kUnroll chunks' weights are loaded before any is used.
     for (int first = warp; first < chunks; first += kWarps * kUnroll) {
-      WeightRegs<kFp8> w[kUnroll][2];
+      Slot w[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) load_chunk(first + u * kWarps, w[u]);
 #pragma unroll
@@ -384,12 +401,16 @@ __device__ __forceinline__ void gemm_tile(const SkinnyGemmParams& p, int n0,
   }
 }
 
-// Grid: ceil(n / 16) CTAs of 4 warps, one tile each. kRing: gemm_tile's ring loop (bf16).
-template <bool kFp8, bool kRing>
+// Grid: ceil(n / 16) CTAs of 4 warps, one tile each. kRing: gemm_tile's ring loop (128-byte
+// chunks: bf16, or fp8 with kSub 2). Three 128-byte chunks (six 64-byte ones for fp8 of kSub 1)
+// per warp in flight.
+template <bool kFp8, bool kRing, int kSub>
 __global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
     skinny_gemm_kernel(const __grid_constant__ SkinnyGemmParams p) {
+  static_assert(!kRing || !kFp8 || kSub == 2, "the ring needs 128-byte chunks");
   __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
-  gemm_tile<kFp8, kFp8 ? 6 : 3, kRing, kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
+  gemm_tile<kFp8, (kFp8 && kSub == 1) ? 6 : 3, kRing, kGemmWarps, kSub>(p, blockIdx.x * kColsPerCta,
+                                                                        s_red);
 }
 
 // SkinnyGemmParams::split_k8: 8 warps over K per tile (another reduction order than 4), 3 CTAs
@@ -412,11 +433,12 @@ __global__ void __launch_bounds__(2 * kGemmThreads, 1)
 // SkinnyGemmParams::deep: the same grid and bits, 4x (bf16) / 2.7x (fp8) the weight chunks in
 // flight per warp (up to 255 registers): for narrow outputs, whose few CTAs would otherwise wait
 // on latency.
-template <bool kFp8>
+template <bool kFp8, int kSub>
 __global__ void __launch_bounds__(kGemmThreads, 1)
     skinny_gemm_deep_kernel(const __grid_constant__ SkinnyGemmParams p) {
   __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
-  gemm_tile<kFp8, kFp8 ? 16 : 12, false, kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
+  gemm_tile<kFp8, kFp8 ? 16 / kSub : 12, false, kGemmWarps, kSub>(p, blockIdx.x * kColsPerCta,
+                                                                  s_red);
 }
 
 // ---- SwiGLU-OAI and conversion ----
@@ -519,7 +541,13 @@ void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
   // The ring (bf16) when the grid puts >= 4 CTAs on every SM: M3's TP = 1 q/k/v projection (616
   // CTAs) measured 9-15 % faster; o_proj's 384 CTAs were up to 9 % slower with it (a group puts
   // three chunks in flight per warp at its start, the ring two). Every loop gives the same bits.
-  const bool ring = !p.w_fp8 && !p.deep && (tiles >= 4 * current_device_sms() || p.force_ring);
+  // fp8 weights of a 4-warp projection (no split_k8) are read in 128-byte chunks (two 64-k
+  // sub-chunks), as bf16's: the same bytes per load and slot, so the fp8 projection can take the
+  // ring too. Another k order than 64-byte chunks: it follows from split_k8 and k alone, so every
+  // launch of one projection makes the same choice.
+  const bool wide_fp8 = p.w_fp8 && !p.split_k8 && p.k % (2 * rk::kChunk) == 0;
+  const bool ring =
+      (!p.w_fp8 || wide_fp8) && !p.deep && (tiles >= 4 * current_device_sms() || p.force_ring);
   if (p.split_k8) {
     auto* kernel =
         p.deep ? (p.w_fp8 ? rk::skinny_gemm_k8_deep_kernel<true>
@@ -530,10 +558,14 @@ void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
     return;
   }
   auto* kernel =
-      p.deep    ? (p.w_fp8 ? rk::skinny_gemm_deep_kernel<true> : rk::skinny_gemm_deep_kernel<false>)
-      : p.w_fp8 ? rk::skinny_gemm_kernel<true, false>
-      : ring    ? rk::skinny_gemm_kernel<false, true>
-                : rk::skinny_gemm_kernel<false, false>;
+      p.deep     ? (!p.w_fp8   ? rk::skinny_gemm_deep_kernel<false, 1>
+                    : wide_fp8 ? rk::skinny_gemm_deep_kernel<true, 2>
+                               : rk::skinny_gemm_deep_kernel<true, 1>)
+      : !p.w_fp8 ? (ring ? rk::skinny_gemm_kernel<false, true, 1>
+                         : rk::skinny_gemm_kernel<false, false, 1>)
+      : wide_fp8
+          ? (ring ? rk::skinny_gemm_kernel<true, true, 2> : rk::skinny_gemm_kernel<true, false, 2>)
+          : rk::skinny_gemm_kernel<true, false, 1>;
   kernel<<<tiles, rk::kGemmThreads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }

@@ -66,8 +66,9 @@ struct SkinnyGemmParams {
   // CTAs per SM), for narrow outputs whose few CTAs would otherwise wait on latency. The same bits
   // as deep = 0.
   int deep = 0;
-  // 1: bf16 weights take the ring loop whatever the grid (tests: it is otherwise taken only for
-  // grids of >= 4 CTAs per SM; fp8 never takes it). The same bits.
+  // 1: the ring loop whatever the grid (tests: it is otherwise taken only for grids of >= 4 CTAs
+  // per SM), for bf16 weights and for fp8 ones read in 128-byte chunks (no split_k8, k a multiple
+  // of 128; other fp8 launches never take it). The same bits.
   int force_ring = 0;
   // 1: 8 warps split K per 16-column tile instead of 4: twice the bytes in flight for grids of
   // < 4 CTAs per SM (skinny_gemm_prefers_split_k8). Another reduction order than 0, so every

@@ -754,6 +754,57 @@ TEST(RuntimeKernels, SkinnyGemmDecodesEveryFp8CodeExactly) {
   }
 }
 
+// A row's output does not depend on how many rows its launch has: the loop may follow the row
+// count (fp8 takes the ring from 2 rows, on grids of >= 4 CTAs per SM, as M3's q/k/v projection
+// is), and every loop reduces a column in the same order. Rows 1, 2, 5 and 16 of the same inputs,
+// bf16 and fp8 (128-byte chunks: k % 128 == 0; 64-byte: k = 192), bit for bit.
+TEST(RuntimeKernels, SkinnyGemmRowResultIsIndependentOfTheBatch) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  rt_test::Rng rng(31);
+  constexpr int kN = 9856;  // 616 CTAs
+  for (int k : {512, 192}) {
+    for (bool fp8 : {false, true}) {
+      std::vector<uint16_t> x(static_cast<std::size_t>(16) * k);
+      for (auto& v : x) v = float_to_bf16(rng.unit() * 2.0f);
+      std::vector<uint8_t> w(static_cast<std::size_t>(kN) * k * (fp8 ? 1 : 2));
+      for (std::size_t i = 0; i < w.size(); ++i) {
+        w[i] = static_cast<uint8_t>(rng.next() & (fp8 ? 0x7Eu : 0x3Fu));  // no NaN, no huge bf16
+      }
+      DeviceTensor dx(DType::kBF16, {16, k}), dw(DType::kU8, {int64_t(w.size())});
+      DeviceTensor dout(DType::kF32, {16, kN});
+      upload_into(dx.view(), x.data(), x.size() * 2);
+      upload_into(dw.view(), w.data(), w.size());
+      cuda::SkinnyGemmParams p;
+      p.x = static_cast<const uint16_t*>(dx.data());
+      p.x_stride = k;
+      p.w = dw.data();
+      p.out = dout.data();
+      p.out_stride = kN;
+      p.n = kN;
+      p.k = k;
+      p.w_fp8 = fp8;
+      p.out_f32 = 1;
+      const auto run = [&](int rows) {
+        fill_device_bytes(dout.view(), 0x7F);
+        p.rows = rows;
+        cuda::launch_skinny_gemm(p, nullptr);
+        CUDA_CHECK(cudaDeviceSynchronize());
+        std::vector<float> out = download<float>(dout.view());
+        out.resize(static_cast<std::size_t>(rows) * kN);
+        return out;
+      };
+      const std::vector<float> all = run(16);
+      for (int rows : {1, 2, 5}) {
+        const std::vector<float> some = run(rows);
+        const std::vector<float> head(all.begin(), all.begin() + static_cast<int64_t>(some.size()));
+        EXPECT_EQ(0, std::memcmp(some.data(), head.data(), some.size() * sizeof(float)))
+            << "k " << k << " fp8 " << fp8 << ": rows 0.." << rows - 1 << " of a " << rows
+            << "-row launch differ from the same rows of a 16-row launch";
+      }
+    }
+  }
+}
+
 TEST(RuntimeKernels, SkinnyGemmRefusesUnsupportedShapes) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
   DeviceTensor buf(DType::kU8, {1 << 20});

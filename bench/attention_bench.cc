@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "bench_registry.h"
+#include "core/splitmix.h"
 #include "cuda/attention.h"
 #include "cuda/attention_launch.cuh"
 #include "cuda/common.cuh"
@@ -37,19 +38,9 @@
 namespace m3msa::bench {
 namespace {
 
-struct Rng {
-  uint64_t state;
-  explicit Rng(uint64_t seed) : state(seed * 0x9E3779B97F4A7C15ull + 3) {}
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  float unit() {
-    const double u = static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0);
-    return static_cast<float>((u * 2.0 - 1.0) * 1.7320508075688772);
-  }
+struct Rng : SplitMix64 {
+  explicit Rng(uint64_t seed) : SplitMix64(salted(seed, 3)) {}
+  float unit() { return unit_variance(); }
 };
 
 struct Config {

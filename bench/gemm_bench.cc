@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "bench_registry.h"
+#include "core/splitmix.h"
 #include "cuda/common.cuh"
 #include "cuda/runtime_kernels.h"
 #include "fill.h"
@@ -94,15 +95,9 @@ std::vector<int64_t> check_columns(int64_t n, int count) {
 }
 
 // splitmix64, for the host-side scales.
-struct Rng {
-  uint64_t state;
-  explicit Rng(uint64_t seed) : state(seed) {}
-  double unit() {  // [0, 1)
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return static_cast<double>((z ^ (z >> 31)) >> 11) * (1.0 / 9007199254740992.0);
-  }
+struct Rng : SplitMix64 {
+  using SplitMix64::SplitMix64;
+  double unit() { return uniform01(); }  // [0, 1)
 };
 
 struct CheckResult {

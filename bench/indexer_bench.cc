@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "bench_registry.h"
+#include "core/splitmix.h"
 #include "cuda/common.cuh"
 #include "cuda/indexer.h"
 #include "fill.h"
@@ -36,15 +37,8 @@
 namespace m3msa::bench {
 namespace {
 
-struct Rng {
-  uint64_t state;
-  explicit Rng(uint64_t seed) : state(seed * 0x9E3779B97F4A7C15ull + 9) {}
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
+struct Rng : SplitMix64 {
+  explicit Rng(uint64_t seed) : SplitMix64(salted(seed, 9)) {}
 };
 
 struct Config {

@@ -6,6 +6,7 @@
 #include <exception>
 #include <string>
 
+#include "core/splitmix.h"
 #include "m3msa/tensor.h"
 
 namespace m3msa::cli {
@@ -26,20 +27,9 @@ const std::string& command_line();
 std::string error_text(const std::exception& e);
 
 // splitmix64: seedable, tiny, deterministic on every platform.
-struct Rng {
-  uint64_t state;
-  explicit Rng(uint64_t seed) : state(seed) {}
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [-sqrt 3, sqrt 3): unit variance, bounded.
-  float unit() {
-    const double u = static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0);
-    return static_cast<float>((u * 2.0 - 1.0) * 1.7320508075688772);
-  }
+struct Rng : SplitMix64 {
+  using SplitMix64::SplitMix64;
+  float unit() { return unit_variance(); }
 };
 
 // A seed for stream `a`, `b` of `seed` (distinct streams never share a sequence).

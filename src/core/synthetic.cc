@@ -5,6 +5,7 @@
 #include <numeric>
 #include <thread>
 
+#include "core/splitmix.h"
 #include "m3msa/error.h"
 
 namespace m3msa {
@@ -12,22 +13,11 @@ namespace m3msa {
 namespace {
 
 // splitmix64: tiny, seedable per element range, so fills are deterministic under any threading.
-struct Rng {
-  uint64_t state;
-  explicit Rng(uint64_t seed) : state(seed) {}
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [0, 1).
-  double uniform() { return static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0); }
-  int64_t range(int64_t lo, int64_t hi) {  // inclusive
-    return lo + static_cast<int64_t>(next() % static_cast<uint64_t>(hi - lo + 1));
-  }
-  // Unit-variance value (uniform in [-sqrt 3, sqrt 3]: cheap, bounded, good enough for scores).
-  float unit() { return static_cast<float>((uniform() * 2.0 - 1.0) * 1.7320508075688772); }
+struct Rng : SplitMix64 {
+  using SplitMix64::SplitMix64;
+  double uniform() { return uniform01(); }  // [0, 1)
+  // Unit variance (uniform in [-sqrt 3, sqrt 3]: cheap, bounded, good enough for scores).
+  float unit() { return unit_variance(); }
 };
 
 uint64_t mix(uint64_t seed, uint64_t stream) {

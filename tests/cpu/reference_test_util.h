@@ -12,6 +12,7 @@
 #include <numeric>
 #include <vector>
 
+#include "core/splitmix.h"
 #include "m3msa/batch.h"
 #include "m3msa/cache.h"
 #include "m3msa/config.h"
@@ -22,22 +23,9 @@
 namespace m3msa::reftest {
 
 // splitmix64: deterministic, seedable, no dependence on the standard library's distributions.
-struct Rng {
-  uint64_t state;
-  explicit Rng(uint64_t seed) : state(seed * 0x9E3779B97F4A7C15ull + 1) {}
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [lo, hi).
-  double uniform(double lo = -1.0, double hi = 1.0) {
-    return lo + (hi - lo) * static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0);
-  }
-  int64_t range(int64_t lo, int64_t hi) {  // inclusive
-    return lo + static_cast<int64_t>(next() % static_cast<uint64_t>(hi - lo + 1));
-  }
+struct Rng : SplitMix64 {
+  explicit Rng(uint64_t seed) : SplitMix64(salted(seed, 1)) {}
+  double uniform(double lo = -1.0, double hi = 1.0) { return SplitMix64::uniform(lo, hi); }
 };
 
 // Small enough to brute-force, big enough for many blocks per sequence and a real GQA group.

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/splitmix.h"
 #include "m3msa/batch.h"
 #include "m3msa/config.h"
 #include "m3msa/dtype.h"
@@ -51,19 +52,9 @@ inline RuntimeConfig small_config(int intermediate = 128) {
   return c;
 }
 
-struct Rng {
-  uint64_t state;
-  explicit Rng(uint64_t seed) : state(seed) {}
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  // Uniform in [-1, 1).
-  float unit() {
-    return static_cast<float>(static_cast<double>(next() >> 11) * (2.0 / 9007199254740992.0) - 1.0);
-  }
+struct Rng : SplitMix64 {
+  using SplitMix64::SplitMix64;
+  float unit() { return signed_unit(); }  // [-1, 1)
 };
 
 // n bf16-exact values, uniform in [-scale, scale).

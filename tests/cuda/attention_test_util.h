@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "core/splitmix.h"
 #include "cuda/common.cuh"
 #include "m3msa/backend.h"
 #include "m3msa/dtype.h"
@@ -35,21 +36,8 @@ namespace m3msa::attntest {
   } while (0)
 
 // splitmix64, as everywhere in the project's tests.
-struct Rng {
-  uint64_t state;
-  explicit Rng(uint64_t seed) : state(seed * 0x9E3779B97F4A7C15ull + 7) {}
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  int64_t range(int64_t lo, int64_t hi) {  // inclusive
-    return lo + static_cast<int64_t>(next() % static_cast<uint64_t>(hi - lo + 1));
-  }
-  double uniform(double lo, double hi) {
-    return lo + (hi - lo) * static_cast<double>(next() >> 11) * (1.0 / 9007199254740992.0);
-  }
+struct Rng : SplitMix64 {
+  explicit Rng(uint64_t seed) : SplitMix64(salted(seed, 7)) {}
 };
 
 // A device copy of a host tensor; `view` is the device view with the host's shape and dtype.

@@ -683,6 +683,22 @@ TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
   }
 }
 
+// A skinny GEMM of contiguous x [*, k] and w [n, k] into f32 out [*, n], no scale; rows unset.
+cuda::SkinnyGemmParams f32_gemm(const DeviceTensor& x, const DeviceTensor& w,
+                                const DeviceTensor& out, int n, int k, bool fp8) {
+  cuda::SkinnyGemmParams p;
+  p.x = static_cast<const uint16_t*>(x.data());
+  p.x_stride = k;
+  p.w = w.data();
+  p.out = out.data();
+  p.out_stride = n;
+  p.n = n;
+  p.k = k;
+  p.w_fp8 = fp8 ? 1 : 0;
+  p.out_f32 = 1;
+  return p;
+}
+
 // Every e4m3 code through the fp8 GEMM, exactly: column n holds code n % 256 at every k, row r of
 // x is 1 at k = 5 r + 1 and 0 elsewhere, so out[r, n] must be the decoded code itself (f32 out, no
 // scale). Covers +-0, the subnormals, the largest normals and the two NaN codes, which must make
@@ -713,20 +729,11 @@ TEST(RuntimeKernels, SkinnyGemmDecodesEveryFp8CodeExactly) {
   upload_into(dx.view(), x.data(), x.size() * 2);
   upload_into(dw.view(), w.data(), w.size());
   for (int variant = 0; variant < 6; ++variant) {
-    const int loop = variant % 3;  // group, deep, ring (fp8 takes the group loop for it)
+    const int loop = variant % 3;  // group, deep, ring (128-byte fp8 chunks: k = 128)
     const int rows = variant < 3 ? kRows : 8;
     fill_device_bytes(dout.view(), 0x5A);
-    cuda::SkinnyGemmParams p;
-    p.x = static_cast<const uint16_t*>(dx.data());
-    p.x_stride = kK;
-    p.w = dw.data();
-    p.out = dout.data();
-    p.out_stride = kN;
+    cuda::SkinnyGemmParams p = f32_gemm(dx, dw, dout, kN, kK, /*fp8=*/true);
     p.rows = rows;
-    p.n = kN;
-    p.k = kK;
-    p.w_fp8 = 1;
-    p.out_f32 = 1;
     p.deep = loop == 1;
     p.force_ring = loop == 2;
     cuda::launch_skinny_gemm(p, nullptr);
@@ -774,16 +781,7 @@ TEST(RuntimeKernels, SkinnyGemmRowResultIsIndependentOfTheBatch) {
       DeviceTensor dout(DType::kF32, {16, kN});
       upload_into(dx.view(), x.data(), x.size() * 2);
       upload_into(dw.view(), w.data(), w.size());
-      cuda::SkinnyGemmParams p;
-      p.x = static_cast<const uint16_t*>(dx.data());
-      p.x_stride = k;
-      p.w = dw.data();
-      p.out = dout.data();
-      p.out_stride = kN;
-      p.n = kN;
-      p.k = k;
-      p.w_fp8 = fp8;
-      p.out_f32 = 1;
+      cuda::SkinnyGemmParams p = f32_gemm(dx, dw, dout, kN, k, fp8);
       const auto run = [&](int rows) {
         fill_device_bytes(dout.view(), 0x7F);
         p.rows = rows;

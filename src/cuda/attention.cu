@@ -166,13 +166,14 @@ void launch_kernel(const SparseAttentionParams& p, unsigned ctas, bool pdl, cuda
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
-int choose_splits(int64_t units, int topk, bool dense, int slots) {
+int choose_splits(int64_t units, int topk, bool dense, int slots, int max_splits) {
   if (units <= 0) return 1;
   if (dense) {
     return static_cast<int>(std::clamp<int64_t>(slots / units, 1, kMaxDenseSplits));
   }
+  const int cap = max_splits > 0 ? std::min(topk, max_splits) : topk;
   int splits = 1;
-  while (splits * 2 <= topk && units * splits * 2 <= slots) splits *= 2;
+  while (splits * 2 <= cap && units * splits * 2 <= slots) splits *= 2;
   return splits;
 }
 
@@ -218,7 +219,8 @@ size_t sparse_attention_workspace_size(const SparseConfig& config, const PlanLim
 
 std::string AttentionTuning::name() const {
   return "splitp" + std::to_string(split_p ? 1 : 0) + "-cluster" + std::to_string(max_cluster) +
-         "-pdl" + std::to_string(pdl ? 1 : 0);
+         "-pdl" + std::to_string(pdl ? 1 : 0) +
+         (max_splits > 0 ? "-splits" + std::to_string(max_splits) : std::string());
 }
 
 AttentionTuning AttentionTuning::parse(const std::string& text) {
@@ -239,9 +241,13 @@ AttentionTuning AttentionTuning::parse(const std::string& text) {
       t.max_cluster = value;
     } else if (key == "pdl") {
       t.pdl = value != 0;
+    } else if (key == "splits") {
+      M3MSA_CHECK_ARG(value >= 0, "attention tuning '", text, "': splits must be >= 0, got ",
+                      value);
+      t.max_splits = value;
     } else {
       M3MSA_THROW(ErrorCode::kInvalidArgument, "attention tuning '", text, "': unknown key '", key,
-                  "' (splitp, cluster, pdl)");
+                  "' (splitp, cluster, pdl, splits)");
     }
     at = end + 1;
   }
@@ -257,8 +263,8 @@ AttentionPlanInfo sparse_attention_plan_info(const SparseConfig& config, int64_t
   const DeviceShape& shape = device_shape();
   const KernelId id = kernel_id(fp8_kv, tuning);
   AttentionPlanInfo info;
-  info.splits =
-      choose_splits(rows * config.kv_heads, config.topk, dense, resident_slots(shape, id));
+  info.splits = choose_splits(rows * config.kv_heads, config.topk, dense, resident_slots(shape, id),
+                              tuning.max_splits);
   info.cluster = info.splits <= tuning.max_cluster && cluster_usable(shape, id, info.splits);
   info.ctas = rows * config.kv_heads * info.splits;
   return info;

@@ -26,9 +26,13 @@ struct AttentionTuning {
   // saves ~0.5 us for bf16 but costs 2-3 us for fp8 at batch 4-32 (the early CTAs are placed on
   // the SMs that happen to be free, which unbalances one-wave grids).
   bool pdl = false;
+  // A cap on the splits of a selection (0: none beyond topk and one wave of CTAs). Fewer splits
+  // give each CTA more blocks and the merge fewer partials.
+  int max_splits = 0;
 
-  std::string name() const;  // "splitp1-cluster2-pdl1"
-  // Parses "splitp=1,cluster=2,pdl=0" (any subset; the rest default); throws naming the text.
+  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8" with a cap)
+  // Parses "splitp=1,cluster=2,pdl=0,splits=8" (any subset; the rest default); throws naming the
+  // text.
   static AttentionTuning parse(const std::string& text);
 };
 

@@ -269,8 +269,8 @@ int run_attention_bench(int argc, char** argv) {
             const cuda::AttentionPlanInfo plan = cuda::sparse_attention_plan_info(
                 SparseConfig{}, batch * q_len, false, kv == DType::kFP8E4M3, tuning);
             const std::string key =
-                fmt::format("{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
-                            plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-");
+                fmt::format("{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
+                            plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits);
             if (!seen.insert(key).second) continue;
             const Result r = run_config(c, launches, reps, seed);
             const double us = r.timing.median_us;

@@ -2,11 +2,12 @@
 // and the launch (attention_kernel.cuh has the algorithm).
 //
 // Split plan: a (row, kv head) "unit" is one CTA unless there are too few units to fill the GPU;
-// then each unit's selected blocks are split over `splits` CTAs (a power of two <= topk for a
-// selection, any count for dense attention) so that units * splits fits in one wave of resident
-// CTAs. The plan depends only on host shapes (rows, kv heads, topk, whether topk_idx is given) and
-// the device, never on device contents, so a captured graph replays any metadata. Partials need
-// at most one wave of slots, so the workspace does not grow with the batch.
+// then each unit's selected blocks are split over `splits` CTAs (for a selection a power of two,
+// each split >= 2 blocks, aiming at one CTA per SM: choose_splits; for dense attention any count
+// that fits one wave of resident CTAs). The plan depends only on host shapes (rows, kv heads, topk,
+// whether topk_idx is given) and the device, never on device contents, so a captured graph replays
+// any metadata. Partials need at most one wave of slots, so the workspace does not grow with the
+// batch.
 //
 // Merge: up to AttentionTuning::max_cluster splits (when the device can co-schedule them as one
 // thread-block cluster, checked once per kernel and size with cudaOccupancyMaxActiveClusters)
@@ -40,7 +41,8 @@ size_t align_up(size_t bytes) {
 }
 
 constexpr int kMaxClusterSplits = 16;
-constexpr int kClusterSizes = 5;  // 1, 2, 4, 8, 16
+constexpr int kMaxSelectionSplits = 8;  // the default plan's (choose_splits)
+constexpr int kClusterSizes = 5;        // 1, 2, 4, 8, 16
 
 // The three kernel instantiations: bf16 split-P (default), bf16 single-P (bench), fp8.
 enum KernelId : int { kBf16SplitP = 0, kBf16SingleP = 1, kFp8Kernel = 2, kKernels = 3 };
@@ -166,14 +168,26 @@ void launch_kernel(const SparseAttentionParams& p, unsigned ctas, bool pdl, cuda
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
-int choose_splits(int64_t units, int topk, bool dense, int slots, int max_splits) {
+// A selection's splits. Default: each split takes >= 2 of the topk blocks (at most
+// kMaxSelectionSplits), as many as keep the grid within one CTA per SM, and 2 while two CTAs per
+// unit fit in one wave of resident CTAs. Measured on H200 (docs/benchmarks.md, session 6): one
+// block per split and a full wave of CTAs (the earlier rule) cost up to 4 us at 4-16 rows, where
+// the fixed per-CTA chain and the merge of 16 partials outweigh the extra parallelism. A tuning's
+// max_splits (> 0) brings the earlier rule back, capped at that count (splits=16: the old plan).
+int choose_splits(int64_t units, int topk, bool dense, int sms, int slots, int max_splits) {
   if (units <= 0) return 1;
   if (dense) {
     return static_cast<int>(std::clamp<int64_t>(slots / units, 1, kMaxDenseSplits));
   }
-  const int cap = max_splits > 0 ? std::min(topk, max_splits) : topk;
   int splits = 1;
-  while (splits * 2 <= cap && units * splits * 2 <= slots) splits *= 2;
+  if (max_splits > 0) {
+    const int cap = std::min(topk, max_splits);
+    while (splits * 2 <= cap && units * splits * 2 <= slots) splits *= 2;
+    return splits;
+  }
+  const int cap = std::min(kMaxSelectionSplits, std::max(1, topk / 2));
+  while (splits * 2 <= cap && units * splits * 2 <= sms) splits *= 2;
+  if (splits == 1 && cap >= 2 && units * 2 <= slots) splits = 2;
   return splits;
 }
 
@@ -263,8 +277,8 @@ AttentionPlanInfo sparse_attention_plan_info(const SparseConfig& config, int64_t
   const DeviceShape& shape = device_shape();
   const KernelId id = kernel_id(fp8_kv, tuning);
   AttentionPlanInfo info;
-  info.splits = choose_splits(rows * config.kv_heads, config.topk, dense, resident_slots(shape, id),
-                              tuning.max_splits);
+  info.splits = choose_splits(rows * config.kv_heads, config.topk, dense, shape.sm_count,
+                              resident_slots(shape, id), tuning.max_splits);
   info.cluster = info.splits <= tuning.max_cluster && cluster_usable(shape, id, info.splits);
   info.ctas = rows * config.kv_heads * info.splits;
   return info;

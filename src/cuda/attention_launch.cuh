@@ -26,8 +26,9 @@ struct AttentionTuning {
   // saves ~0.5 us for bf16 but costs 2-3 us for fp8 at batch 4-32 (the early CTAs are placed on
   // the SMs that happen to be free, which unbalances one-wave grids).
   bool pdl = false;
-  // A cap on the splits of a selection (0: none beyond topk and one wave of CTAs). Fewer splits
-  // give each CTA more blocks and the merge fewer partials.
+  // 0: the default split plan of a selection (attention.cu, choose_splits). N > 0: the earlier
+  // plan (as many splits as fit one wave of resident CTAs, up to topk) capped at N (16: the
+  // earlier plan itself), for comparisons.
   int max_splits = 0;
 
   std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8" with a cap)

@@ -46,6 +46,7 @@ struct Config {
   int64_t context;
   DType dtype;
   int q_len;
+  int min_blocks;  // IndexerPlan::min_blocks_per_cta
 };
 
 std::string fmt_context(int64_t context) {
@@ -58,6 +59,7 @@ struct Options {
   std::vector<int64_t> contexts = {4096, 32768, 131072, 524288, 1048576};
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   std::vector<int> q_lens = {1, 4};
+  std::vector<int> min_blocks = {1};
   bool quick = false;
   bool no_unfused = false;
   int reps = 30;
@@ -77,6 +79,9 @@ int run_indexer_bench(int argc, char** argv) {
   app.add_option("--q-lens", opt.q_lens, "query rows per request")->delimiter(',');
   app.add_flag("--quick", opt.quick, "batches 1,32 x contexts 4K,128K only");
   app.add_flag("--no-unfused", opt.no_unfused, "skip the unfused baseline");
+  app.add_option("--min-blocks", opt.min_blocks,
+                 "IndexerPlan::min_blocks_per_cta values to time side by side (>= 1)")
+      ->delimiter(',');
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--rotate-bytes", opt.rotate_bytes,
                  "bytes of distinct inputs one graph cycles through (default 4 x L2)");
@@ -102,14 +107,22 @@ int run_indexer_bench(int argc, char** argv) {
   std::printf("m3msa bench indexer on %s\n", device.c_str());
   std::printf("bytes = index-K rows read once + queries + tables + output; roof = 4.57 TB/s\n\n");
 
-  Table table({"batch", "context", "dtype", "q", "fused us", "noise", "MB", "TB/s", "% roof",
-               "unfused us", "x unfused", "torch us", "x torch", "check"});
+  for (int mb : opt.min_blocks) {
+    if (mb < 1) {
+      std::fprintf(stderr, "m3msa bench indexer: --min-blocks must be >= 1, got %d\n", mb);
+      return 2;
+    }
+  }
+  Table table({"batch", "context", "dtype", "q", "min blk", "fused us", "noise", "MB", "TB/s",
+               "% roof", "unfused us", "x unfused", "torch us", "x torch", "check"});
   std::vector<Config> configs;
   for (const std::string& dt : opt.dtypes) {
     const DType dtype = parse_dtype(dt, "--dtypes");
     for (int q : opt.q_lens) {
       for (int b : opt.batches) {
-        for (int64_t ctx : opt.contexts) configs.push_back({b, ctx, dtype, q});
+        for (int64_t ctx : opt.contexts) {
+          for (int mb : opt.min_blocks) configs.push_back({b, ctx, dtype, q, mb});
+        }
       }
     }
   }
@@ -178,7 +191,8 @@ int run_indexer_bench(int argc, char** argv) {
     limits.max_reqs = cfg.batch;
     limits.max_q_len = cfg.q_len;
     limits.max_context = opt.no_unfused ? 0 : cfg.context;
-    const cuda::IndexerPlan plan = cuda::plan_indexer(config, limits, 0);
+    cuda::IndexerPlan plan = cuda::plan_indexer(config, limits, 0);
+    plan.min_blocks_per_cta = cfg.min_blocks;
     cuda::DeviceBuffer workspace(plan.workspace_bytes);
     cuda::init_indexer_workspace(plan, workspace.data(), stream.get());
     stream.synchronize();
@@ -213,6 +227,7 @@ int run_indexer_bench(int argc, char** argv) {
                           {"context", cfg.context},
                           {"dtype", fp8 ? "fp8" : "bf16"},
                           {"q_len", cfg.q_len},
+                          {"min_blocks_per_cta", cfg.min_blocks},
                           {"fused_us", fused.median_us},
                           {"fused_p10_us", fused.p10_us},
                           {"fused_p90_us", fused.p90_us},
@@ -231,21 +246,22 @@ int run_indexer_bench(int argc, char** argv) {
       rec["torch_us"] = torch_us;
       rec["speedup_vs_torch"] = torch_us / fused.median_us;
     }
-    table.add({std::to_string(cfg.batch), fmt_context(cfg.context), fp8 ? "fp8" : "bf16",
-               std::to_string(cfg.q_len), fmt::format("{:.1f}", fused.median_us),
-               fmt::format("{:.0f}%", 100.0 * fused.noise()),
-               fmt::format("{:.1f}", bytes_per_launch / 1e6), fmt::format("{:.2f}", tbs),
-               fmt::format("{:.0f}%", roof),
-               opt.no_unfused ? "-" : fmt::format("{:.1f}", unfused.median_us),
-               opt.no_unfused ? "-" : fmt::format("{:.2f}", unfused.median_us / fused.median_us),
-               torch_us > 0 ? fmt::format("{:.0f}", torch_us) : "-",
-               torch_us > 0 ? fmt::format("{:.1f}", torch_us / fused.median_us) : "-", check},
-              rec);
+    table.add(
+        {std::to_string(cfg.batch), fmt_context(cfg.context), fp8 ? "fp8" : "bf16",
+         std::to_string(cfg.q_len), std::to_string(cfg.min_blocks),
+         fmt::format("{:.1f}", fused.median_us), fmt::format("{:.0f}%", 100.0 * fused.noise()),
+         fmt::format("{:.1f}", bytes_per_launch / 1e6), fmt::format("{:.2f}", tbs),
+         fmt::format("{:.0f}%", roof),
+         opt.no_unfused ? "-" : fmt::format("{:.1f}", unfused.median_us),
+         opt.no_unfused ? "-" : fmt::format("{:.2f}", unfused.median_us / fused.median_us),
+         torch_us > 0 ? fmt::format("{:.0f}", torch_us) : "-",
+         torch_us > 0 ? fmt::format("{:.1f}", torch_us / fused.median_us) : "-", check},
+        rec);
     std::printf(
-        "batch %4d context %5s %-4s q %d: fused %9.1f us (%3.0f%% roof), unfused %9.1f us"
-        " [%s]\n",
+        "batch %4d context %5s %-4s q %d min blocks %d: fused %9.1f us (%3.0f%% roof), unfused"
+        " %9.1f us [%s]\n",
         cfg.batch, fmt_context(cfg.context).c_str(), fp8 ? "fp8" : "bf16", cfg.q_len,
-        fused.median_us, roof, unfused.median_us, check.c_str());
+        cfg.min_blocks, fused.median_us, roof, unfused.median_us, check.c_str());
     std::fflush(stdout);
   }
   std::printf("\n");

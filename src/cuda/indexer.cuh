@@ -434,7 +434,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   if (total == 0) return;
-  const int ctas = static_cast<int>(i64_min(gridDim.x, total));
+  const int ctas = static_cast<int>(
+      i64_min(gridDim.x, (total + p.min_blocks_per_cta - 1) / p.min_blocks_per_cta));
   const int cta = blockIdx.x;
   if (cta >= ctas) return;
   const int64_t span_lo = span_begin(cta, total, ctas);

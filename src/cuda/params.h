@@ -46,6 +46,7 @@ struct IndexerParams {
   int unit_vectors = 0;  // query vectors per unit: q_len * H (decode), 8 * H (prefill)
   int max_units = 0;     // capacity of counters / units (decode: >= num_reqs)
   int is_prefill = 0;
+  int min_blocks_per_cta = 1;  // IndexerPlan::min_blocks_per_cta
 };
 
 }  // namespace m3msa::cuda

@@ -317,7 +317,9 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
   p.cand = reinterpret_cast<uint64_t*>(ws + plan.off_cand);
   p.scores = reinterpret_cast<float*>(ws + plan.off_scores);
   p.num_pages = args.index_cache.pages();
-  p.min_blocks_per_cta = std::max(1, plan.min_blocks_per_cta);
+  M3MSA_CHECK_ARG(plan.min_blocks_per_cta >= 1,
+                  "indexer plan: min_blocks_per_cta must be >= 1, got ", plan.min_blocks_per_cta);
+  p.min_blocks_per_cta = plan.min_blocks_per_cta;
   p.table_cols = batch.index_block_table.shape[1];
   p.num_rows = rows;
   p.score_cols = plan.score_cols;

@@ -546,9 +546,10 @@ void launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
   // ring too. Another k order than 64-byte chunks: it follows from split_k8 and k alone, so every
   // launch of one projection makes the same choice.
   const bool wide_fp8 = p.w_fp8 && !p.split_k8 && p.k % (2 * rk::kChunk) == 0;
-  // At one token row the fp8 ring measured 5 % slower than the 64-byte group loop (25.4 vs 24.1
-  // us, M3's q/k/v): fp8 takes it from 2 rows. Ring and group give the same bits, so choosing by
-  // rows keeps a row's result independent of its batch.
+  // At one token row the fp8 ring measured slower than the group loop (M3's q/k/v: 25.4 us
+  // against 23.7 for the 128-byte group, 24.1 for the 64-byte one): fp8 takes it from 2 rows.
+  // Ring and group give the same bits, so choosing by rows keeps a row's result independent of
+  // its batch.
   const bool ring =
       (!p.w_fp8 || wide_fp8) && !p.deep &&
       (p.force_ring || (tiles >= 4 * current_device_sms() && (!p.w_fp8 || p.rows >= 2)));

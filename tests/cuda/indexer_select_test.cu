@@ -68,7 +68,7 @@ TEST(CudaIndexerBlocks, WarpTopKeysMatchesSort) {
     return keys;
   };
   for (int k : {1, 16, 32}) {
-    for (int n : {0, 1, 5, 31, 64, 65, 100, 1000, 4224, 9000}) {
+    for (int n : {0, 1, 5, 31, 64, 65, 100, 257, 513, 1000, 1024, 2048, 4224, 9000}) {
       check_top("random", unique_random(n, 0.0), k);
       check_top("random, half empty", unique_random(n, 0.5), k);
       std::vector<uint64_t> up(n), down(n);
@@ -86,6 +86,15 @@ TEST(CudaIndexerBlocks, WarpTopKeysMatchesSort) {
         skew[i] = image << 32 | static_cast<uint64_t>(i + 1);
       }
       check_top("one hot lane", skew, k);
+      // The fused merge's layout: runs of up to k keys sorted descending, one per CTA, laid end to
+      // end, here 4 per run (a CTA's 4 blocks at 128K), with levels rising along the context (later
+      // blocks score higher), so the last batches hold the answer.
+      std::vector<uint64_t> runs(n);
+      for (int i = 0; i < n; ++i) {
+        const int run = i / 4, rank = i % 4;
+        runs[i] = (uint64_t{0x40000000u} + 64u * run - rank) << 32 | static_cast<uint64_t>(i + 1);
+      }
+      check_top("rising sorted runs", runs, k);
       // Equal scores: order by block id only.
       std::vector<uint64_t> flat(n);
       for (int i = 0; i < n; ++i) flat[i] = make_key(0xC0000000u, static_cast<uint32_t>(i));

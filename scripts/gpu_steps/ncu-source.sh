@@ -1,7 +1,7 @@
 # STEPS=ncu-source: where inside a kernel the time goes. ncu's SourceCounters (warp-state samples
 # per SASS instruction) and WarpStateStats for one launch of each chosen kernel, warm caches, clocks
 # untouched; the per-instruction table is exported as CSV (`--page source --print-source sass`) to
-# $OUT/ncu_source_<n>.csv and the 40 instructions with the most samples to $OUT/ncu_source.txt.
+# $OUT/ncu_source_<n>.csv, the sections' details and the CSV's header to $OUT/ncu_source.txt.
 # NCU_SRC_RUNS: ';'-separated runs, each "REGEX|m3msa arguments" (default: the indexer and the
 # attention of one bf16 layer at 1 token / 16K); NCU_SKIP: launches skipped first.
 ns_start=$SECONDS

@@ -146,6 +146,16 @@ __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t v) {
   return pack2<true>(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
 }
 
+// counter += 1 with acquire-release semantics at GPU scope; returns the old value.
+__device__ __forceinline__ unsigned arrive_acq_rel(unsigned* counter) {
+  unsigned old;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
+               : "=r"(old)
+               : "l"(counter)
+               : "memory");
+  return old;
+}
+
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
@@ -648,15 +658,17 @@ __global__ void __launch_bounds__(kThreads, 2)
       p.partial_ml[(slot * kTileHeads + head) * 2 + 1] = l_cta;
     }
   }
-  __threadfence();
+  // The barrier orders every thread's partial stores before thread 0's arrival, whose release
+  // (GPU scope, cumulative) publishes them; the last CTA's acquire, shared by the next barrier,
+  // orders its reads of the other splits' partials after every arrival. One fence per CTA, not a
+  // sequentially consistent fence in every thread before and after the arrival.
   __syncthreads();
   if (tid == 0) {
-    const unsigned prev = atomicAdd(&p.counters[unit], 1u);
+    const unsigned prev = arrive_acq_rel(&p.counters[unit]);
     s_last = prev == static_cast<unsigned>(p.num_splits - 1);
   }
   __syncthreads();
   if (!s_last) return;
-  __threadfence();
 
   // Every (split, head) max and sum in one round of loads; the per-split weights, with the
   // normalization and v_scale folded in, in shared memory; then the partial outputs with

@@ -32,7 +32,8 @@ std::string describe_shape(const DecodeShape& s) {
   return out.str();
 }
 
-void check_decode_shape(const DecodeShape& shape, uint64_t seed) {
+// Checks one shape against the CPU reference; returns the case for further checks.
+SyntheticCase check_decode_shape(const DecodeShape& shape, uint64_t seed) {
   SyntheticSpec spec = decode_spec(shape.reqs, shape.q_len, shape.min_ctx, shape.max_ctx,
                                    shape.dtype, shape.padding, seed, shape.topk);
   spec.config.init_blocks = shape.init_blocks;
@@ -45,6 +46,7 @@ void check_decode_shape(const DecodeShape& shape, uint64_t seed) {
   const Comparison cmp = compare_selections(c, gpu, cpu);
   EXPECT_EQ(cmp.failures, 0) << describe_shape(shape) << ": " << cmp.summary();
   std::printf("  [%s] %s\n", describe_shape(shape).c_str(), cmp.summary().c_str());
+  return c;
 }
 
 TEST(CudaIndexer, RandomizedDecodeMatchesCpu) {
@@ -69,6 +71,30 @@ TEST(CudaIndexer, RandomizedDecodeMatchesCpu) {
   };
   uint64_t seed = 11;
   for (const DecodeShape& shape : shapes) check_decode_shape(shape, seed++);
+}
+
+// The last CTA's merge of one request spread over the whole grid (indexer.cuh: warp_top_keys over
+// every CTA's candidates; the counts hold for the 264-CTA grid of a 132-SM H200): 128 candidates
+// per vector (one round trip), 1024 for 16 vectors (128K x q_len 4), ~4096 with k 32 (512K x
+// q_len 2), and 264 x 32 (1.1M, k 32: every CTA fills its k slots). Each against the CPU
+// reference and, bit for bit, against the unfused baseline's own top-k kernel.
+TEST(CudaIndexer, OneLongRequestMergesTheWholeGridsCandidates) {
+  M3MSA_INDEXER_REQUIRE_GPU();
+  const DType bf16 = DType::kBF16, fp8 = DType::kFP8E4M3;
+  const std::vector<DecodeShape> shapes = {
+      {1, 1, 16384, 16384, bf16, 0, 16, 0, 1},
+      {1, 4, 131072, 131072, bf16, 0, 16, 0, 1},
+      {1, 2, 1 << 19, 1 << 19, fp8, 0, 32, 0, 1},
+      {1, 1, 1100000, 1100000, fp8, 0, 32, 0, 1},
+  };
+  uint64_t seed = 71;
+  for (const DecodeShape& shape : shapes) {
+    const SyntheticCase c = check_decode_shape(shape, seed++);
+    const HostTensor fused = run_gpu(c);
+    const HostTensor unfused = run_gpu(c, IndexerVariant::kUnfused);
+    EXPECT_EQ(std::memcmp(fused.data(), unfused.data(), fused.nbytes()), 0)
+        << describe_shape(shape) << ": fused and unfused selections differ";
+  }
 }
 
 TEST(CudaIndexer, PartlyFilledOwnBlocksAndBoundaries) {

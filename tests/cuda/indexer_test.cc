@@ -247,54 +247,64 @@ TEST(CudaIndexer, ScoresDoNotDependOnTheBatch) {
 }
 
 // Capture with one batch's buffers, then replay after writing another batch's metadata and
-// queries into them: must equal an eager run of the second batch.
+// queries into them: must equal an eager run of the second batch. The second shape spreads each
+// of its two long requests over half the grid, so a last CTA merges ~1000 candidates per query
+// vector (several round trips) and the arrival counters must be left at zero across replays.
 TEST(CudaIndexer, GraphReplayWithNewMetadataEqualsEager) {
   M3MSA_INDEXER_REQUIRE_GPU();
-  for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
-    const SyntheticCase a = make_synthetic_case(decode_spec(32, 4, 100, 50000, dtype, 0, 51));
-    // Batch B: same shapes; rows of A's table permuted, shorter lengths, some padding, new q.
-    SyntheticCase b = make_synthetic_case(decode_spec(32, 4, 100, 50000, dtype, 0, 51));
-    Rng rng(99);
-    const int reqs = a.batch.num_reqs;
-    const int64_t cols = a.index_block_table.shape()[1];
-    std::vector<int> perm(reqs);
-    std::iota(perm.begin(), perm.end(), 0);
-    for (int i = reqs - 1; i > 0; --i) std::swap(perm[i], perm[rng.range(0, i)]);
-    for (int r = 0; r < reqs; ++r) {
-      const int src = perm[r];
-      const int32_t cap = a.seq_lens.ptr<int32_t>()[src];
-      b.seq_lens.ptr<int32_t>()[r] = r % 7 == 3 ? 0 : static_cast<int32_t>(rng.range(4, cap));
-      std::memcpy(b.index_block_table.ptr<int32_t>() + r * cols,
-                  a.index_block_table.ptr<int32_t>() + src * cols, cols * sizeof(int32_t));
-    }
-    for (int64_t i = 0; i < b.index_q.numel(); ++i) {
-      b.index_q.ptr<uint16_t>()[i] = float_to_bf16(static_cast<float>(rng.uniform(-2, 2)));
-    }
-    std::memcpy(b.index_cache.data(), a.index_cache.data(), a.index_cache.nbytes());
+  struct Shape {
+    int reqs, q_len;
+    int64_t min_ctx, max_ctx;
+  };
+  for (const Shape& shape : {Shape{32, 4, 100, 50000}, Shape{2, 1, 100000, 140000}})
+    for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+      const SyntheticCase a = make_synthetic_case(
+          decode_spec(shape.reqs, shape.q_len, shape.min_ctx, shape.max_ctx, dtype, 0, 51));
+      // Batch B: same shapes; rows of A's table permuted, shorter lengths, some padding, new q.
+      SyntheticCase b = make_synthetic_case(
+          decode_spec(shape.reqs, shape.q_len, shape.min_ctx, shape.max_ctx, dtype, 0, 51));
+      Rng rng(99);
+      const int reqs = a.batch.num_reqs;
+      const int64_t cols = a.index_block_table.shape()[1];
+      std::vector<int> perm(reqs);
+      std::iota(perm.begin(), perm.end(), 0);
+      for (int i = reqs - 1; i > 0; --i) std::swap(perm[i], perm[rng.range(0, i)]);
+      for (int r = 0; r < reqs; ++r) {
+        const int src = perm[r];
+        const int32_t cap = a.seq_lens.ptr<int32_t>()[src];
+        b.seq_lens.ptr<int32_t>()[r] = r % 7 == 3 ? 0 : static_cast<int32_t>(rng.range(4, cap));
+        std::memcpy(b.index_block_table.ptr<int32_t>() + r * cols,
+                    a.index_block_table.ptr<int32_t>() + src * cols, cols * sizeof(int32_t));
+      }
+      for (int64_t i = 0; i < b.index_q.numel(); ++i) {
+        b.index_q.ptr<uint16_t>()[i] = float_to_bf16(static_cast<float>(rng.uniform(-2, 2)));
+      }
+      std::memcpy(b.index_cache.data(), a.index_cache.data(), a.index_cache.nbytes());
 
-    GpuIndexer gpu(a.config, limits_for(a));
-    DeviceCase da = upload(a);
-    DeviceTensor out(DType::kI32, {a.num_rows(), a.config.index_heads, a.config.topk});
-    const IndexerArgs args_a = da.indexer_args(out.view());
-    cuda::Graph graph = cuda::Graph::capture(gpu.stream(), [&] { gpu.launch(a.config, args_a); });
-    graph.launch(gpu.stream());  // replay on A first (also exercises counter reuse)
-    gpu.sync();
-    // Overwrite A's metadata with B's and replay.
-    copy_to_device(b.seq_lens, da.seq_lens.view());
-    copy_to_device(b.index_block_table, da.index_block_table.view());
-    copy_to_device(b.index_q, da.index_q.view());
-    fill_device_bytes(out.view(), kPoisonByte);
-    graph.launch(gpu.stream());
-    gpu.sync();
-    HostTensor replayed;
-    copy_to_host(out.view(), replayed);
-    const HostTensor eager = run_gpu(b);
-    ASSERT_EQ(std::memcmp(replayed.data(), eager.data(), eager.nbytes()), 0) << dtype_name(dtype);
-    EXPECT_EQ(gpu.status(), 0u);
-    // And B is right.
-    const Comparison cmp = compare_selections(b, eager, run_cpu(b));
-    EXPECT_EQ(cmp.failures, 0) << cmp.summary();
-  }
+      GpuIndexer gpu(a.config, limits_for(a));
+      DeviceCase da = upload(a);
+      DeviceTensor out(DType::kI32, {a.num_rows(), a.config.index_heads, a.config.topk});
+      const IndexerArgs args_a = da.indexer_args(out.view());
+      cuda::Graph graph = cuda::Graph::capture(gpu.stream(), [&] { gpu.launch(a.config, args_a); });
+      graph.launch(gpu.stream());  // replay on A first (also exercises counter reuse)
+      gpu.sync();
+      // Overwrite A's metadata with B's and replay.
+      copy_to_device(b.seq_lens, da.seq_lens.view());
+      copy_to_device(b.index_block_table, da.index_block_table.view());
+      copy_to_device(b.index_q, da.index_q.view());
+      fill_device_bytes(out.view(), kPoisonByte);
+      graph.launch(gpu.stream());
+      gpu.sync();
+      HostTensor replayed;
+      copy_to_host(out.view(), replayed);
+      const HostTensor eager = run_gpu(b);
+      ASSERT_EQ(std::memcmp(replayed.data(), eager.data(), eager.nbytes()), 0)
+          << dtype_name(dtype) << ", " << shape.reqs << " requests";
+      EXPECT_EQ(gpu.status(), 0u);
+      // And B is right.
+      const Comparison cmp = compare_selections(b, eager, run_cpu(b));
+      EXPECT_EQ(cmp.failures, 0) << cmp.summary();
+    }
 }
 
 TEST(CudaIndexer, RandomizedPrefillMatchesCpu) {

@@ -1,5 +1,5 @@
-// m3msa bench indexer: the CUDA decode indexer (fused, and the unfused baseline) under CUDA-graph
-// replay, swept over batch x context x index dtype x query length.
+// m3msa bench indexer: the CUDA decode indexer (fused, the span kernel and the unfused baseline)
+// under CUDA-graph replay, swept over batch x context x index dtype x query length.
 //
 // Per configuration every request has seq_len = context (nb = context / 128 blocks, all on their
 // own shuffled pages). Input copies on disjoint pages (own tables and queries) rotate so that one
@@ -114,7 +114,8 @@ int run_indexer_bench(int argc, char** argv) {
     }
   }
   Table table({"batch", "context", "dtype", "q", "min blk", "fused us", "noise", "MB", "TB/s",
-               "% roof", "unfused us", "x unfused", "torch us", "x torch", "check"});
+               "% roof", "span us", "x span", "unfused us", "x unfused", "torch us", "x torch",
+               "check"});
   std::vector<Config> configs;
   for (const std::string& dt : opt.dtypes) {
     const DType dtype = parse_dtype(dt, "--dtypes");
@@ -175,6 +176,7 @@ int run_indexer_bench(int argc, char** argv) {
     }
     DeviceTensor out_fused(DType::kI32, {rows, H, k});
     DeviceTensor out_unfused(DType::kI32, {rows, H, k});
+    DeviceTensor out_span(DType::kI32, {rows, H, k});
     auto args_for = [&](int c, const DeviceTensor& out) {
       IndexerArgs a;
       a.index_q = queries[c].view();
@@ -207,14 +209,22 @@ int run_indexer_bench(int argc, char** argv) {
       return time_graph(graph, stream.get(), copies, 2, opt.reps);
     };
     const Timing fused = measure(IndexerVariant::kFused, out_fused);
+    const Timing span = measure(IndexerVariant::kSpan, out_span);
     Timing unfused;
-    std::string check = "-";
+    std::string check;
+    {
+      HostTensor a, b;
+      copy_to_host(out_fused.view(), a);
+      copy_to_host(out_span.view(), b);
+      check = std::memcmp(a.data(), b.data(), a.nbytes()) == 0 ? "span same" : "span DIFF";
+    }
     if (!opt.no_unfused) {
       unfused = measure(IndexerVariant::kUnfused, out_unfused);
       HostTensor a, b;
       copy_to_host(out_fused.view(), a);
       copy_to_host(out_unfused.view(), b);
-      check = std::memcmp(a.data(), b.data(), a.nbytes()) == 0 ? "same" : "DIFF";
+      check +=
+          std::memcmp(a.data(), b.data(), a.nbytes()) == 0 ? ", unfused same" : ", unfused DIFF";
     }
     const uint32_t status = cuda::read_indexer_status(plan, workspace.data(), stream.get(), true);
     if (status != 0) check += fmt::format(" status {}", status);
@@ -235,6 +245,8 @@ int run_indexer_bench(int argc, char** argv) {
                           {"tb_per_s", tbs},
                           {"pct_roof", roof},
                           {"floor_us", bytes_per_launch / (kReadCeilingTBs * 1e12) * 1e6},
+                          {"span_us", span.median_us},
+                          {"speedup_vs_span", span.median_us / fused.median_us},
                           {"copies", copies},
                           {"reps", fused.reps},
                           {"check", check}};
@@ -251,17 +263,18 @@ int run_indexer_bench(int argc, char** argv) {
          std::to_string(cfg.q_len), std::to_string(cfg.min_blocks),
          fmt::format("{:.1f}", fused.median_us), fmt::format("{:.0f}%", 100.0 * fused.noise()),
          fmt::format("{:.1f}", bytes_per_launch / 1e6), fmt::format("{:.2f}", tbs),
-         fmt::format("{:.0f}%", roof),
+         fmt::format("{:.0f}%", roof), fmt::format("{:.1f}", span.median_us),
+         fmt::format("{:.2f}", span.median_us / fused.median_us),
          opt.no_unfused ? "-" : fmt::format("{:.1f}", unfused.median_us),
          opt.no_unfused ? "-" : fmt::format("{:.2f}", unfused.median_us / fused.median_us),
          torch_us > 0 ? fmt::format("{:.0f}", torch_us) : "-",
          torch_us > 0 ? fmt::format("{:.1f}", torch_us / fused.median_us) : "-", check},
         rec);
     std::printf(
-        "batch %4d context %5s %-4s q %d min blocks %d: fused %9.1f us (%3.0f%% roof), unfused"
-        " %9.1f us [%s]\n",
+        "batch %4d context %5s %-4s q %d min blocks %d: fused %9.1f us (%3.0f%% roof), span"
+        " %9.1f us, unfused %9.1f us [%s]\n",
         cfg.batch, fmt_context(cfg.context).c_str(), fp8 ? "fp8" : "bf16", cfg.q_len,
-        cfg.min_blocks, fused.median_us, roof, unfused.median_us, check.c_str());
+        cfg.min_blocks, fused.median_us, roof, span.median_us, unfused.median_us, check.c_str());
     std::fflush(stdout);
   }
   std::printf("\n");

@@ -79,8 +79,13 @@ DeviceCase upload(const SyntheticCase& host, int device = 0);
 
 // Which indexer implementation select_topk() runs (benchmarks and tests compare them).
 enum class IndexerVariant : int {
-  kFused = 0,    // one kernel: score + per-CTA top-k + last-CTA merge (the default)
+  // The default: one launch scores and selects. Decode runs the split kernel (each request's
+  // blocks spread over many CTAs, pages streamed by bulk copies, the request's last CTA merges);
+  // prefill runs the span kernel.
+  kFused = 0,
   kUnfused = 1,  // baseline: [rows, H, max_blocks] f32 scores to memory, then a top-k kernel
+  kSpan = 2,     // decode through the span kernel too (the batch's blocks laid end to end over
+                 // the grid, last-CTA merge per request); kept for comparison
 };
 
 class CudaBackend : public Backend {

@@ -102,6 +102,16 @@ KernelFn scoring_kernel(bool fp8, int n_tiles) {
   }
 }
 
+KernelFn split_kernel(bool fp8, int n_tiles) {
+  switch (n_tiles) {
+    case 1: return fp8 ? idx::indexer_split_kernel<true, 1> : idx::indexer_split_kernel<false, 1>;
+    case 2: return fp8 ? idx::indexer_split_kernel<true, 2> : idx::indexer_split_kernel<false, 2>;
+    case 4: return fp8 ? idx::indexer_split_kernel<true, 4> : idx::indexer_split_kernel<false, 4>;
+    default:
+      M3MSA_THROW(ErrorCode::kInternal, "indexer: no split kernel for ", n_tiles, " n-tiles");
+  }
+}
+
 KernelFn pick_scoring_kernel(bool fp8, int n_tiles, bool scores_only) {
   return scores_only ? scoring_kernel<idx::kModeScores>(fp8, n_tiles)
                      : scoring_kernel<idx::kModeTopk>(fp8, n_tiles);
@@ -137,6 +147,11 @@ void raise_scoring_smem_limit(int device, std::size_t smem) {
         CUDA_CHECK(cudaFuncSetAttribute(pick_scoring_kernel(fp8, tiles, scores_only),
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
+      }
+      if (limit == 0) {  // the split kernel's ring is fixed: set once per device
+        CUDA_CHECK(cudaFuncSetAttribute(split_kernel(fp8, tiles),
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        idx::kSplitRingBytes));
       }
     }
   }
@@ -340,6 +355,16 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
     p.unit_vectors = batch.q_len * config.index_heads;
     const int tiles = n_tiles_for(p.unit_vectors);
     const bool unfused = variant == IndexerVariant::kUnfused;
+    if (variant == IndexerVariant::kFused && batch.num_reqs <= 65535) {  // grid.y limit
+      // Every request gets an equal share of the plan's CTAs (the grid depends on num_reqs and
+      // the plan only, so a captured graph replays any lengths); the workspace holds
+      // splits * num_reqs <= grid + max_units CTAs' candidates.
+      const int splits = std::max(1, plan.grid / batch.num_reqs);
+      const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(batch.num_reqs));
+      split_kernel(fp8, tiles)<<<grid, idx::kThreads, idx::kSplitRingBytes, stream>>>(p);
+      CUDA_CHECK_LAUNCH();
+      return;
+    }
     pick_scoring_kernel(fp8, tiles, unfused)<<<plan.grid, idx::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
     if (unfused) {

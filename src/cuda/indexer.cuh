@@ -342,6 +342,21 @@ struct Tile {
     }
   }
 
+  // The same registers from a page staged in shared memory (the split kernel): same offsets, so
+  // the same fragments and the same scores bit for bit.
+  __device__ __forceinline__ void load_shared(const uint8_t* page, int warp, int g, int t) {
+    const uint8_t* base = page + (kTokensPerWarp * warp + g) * kRowBytes + 16 * t;
+    constexpr int kChunks = kLoads / 2;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+#pragma unroll
+      for (int i = 0; i < kChunks; ++i) {
+        r[half * kChunks + i] =
+            *reinterpret_cast<const uint4*>(base + half * 8 * kRowBytes + 64 * i);
+      }
+    }
+  }
+
   // A fragment of k-step s: {row g k(2t..), row g+8 k(2t..), row g k(2t+8..), row g+8 k(2t+8..)}.
   __device__ __forceinline__ void fragment(int s, uint32_t (&a)[4]) const {
     if constexpr (kFp8) {
@@ -723,6 +738,350 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
     __syncthreads();  // buffers and fragments are rebuilt for the next segment
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The split decode kernel
+//
+// Purpose: the decode indexer with every request's blocks spread over many CTAs and the pages
+// streamed by the bulk-copy engine, so that a few long requests still read at the HBM rate.
+// Grid: (splits, num_reqs); 256 threads; 2 CTAs per SM. CTA (s, r) takes the s-th of `splits`
+// equal ranges of request r's visible blocks (ceil(blocks / splits) each, at least
+// min_blocks_per_cta; CTAs past the last range return at once), so the split follows the live
+// sequence length without a prefix sum over the batch. One thread streams the range's pages into
+// a ring of kSplitRingBytes of shared memory with cp.async.bulk (one whole page per copy, its
+// mbarrier counting the bytes); the warps read their 16 token rows from there into the same
+// registers as the fused kernel's Tile::load, so block scores and keys are bit-identical to it.
+// Each CTA keeps its best min(k, range) keys per query vector and writes them to the workspace;
+// the last CTA of the request (arrival counter, reset by that CTA) selects the exact top k per
+// vector from them in one L2 round trip: lane-maximum floors cut each slice down to a few
+// survivors, which are ranked by counting (see the merge below).
+// Requires: decode; index_dim = block_size = 128, unit_vectors <= 8 * kNT, topk <= 32, counters
+// zero before the launch (left zero after it), 16-byte aligned cache pages.
+inline constexpr int kSplitRingBytes = 64 * 1024;  // 2 CTAs per SM
+
+__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
+               "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n\t.reg .pred done;\n"
+      "wait_%=:\n\t"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
+      "@!done bra wait_%=;\n\t}" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+// One page, global -> shared, completion counted in bytes on `bar`.
+__device__ __forceinline__ void bulk_copy_page(void* dst, const void* src, uint32_t bytes,
+                                               uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+          "r"(smem_u32(dst)),
+      "l"(src), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
+template <bool kFp8, int kNT>
+__global__ void __launch_bounds__(kThreads, 2)
+    indexer_split_kernel(const __grid_constant__ IndexerParams p) {
+  using TileT = Tile<kFp8>;
+  constexpr int kPageBytes = TileT::kPageBytes;
+  constexpr int kRingBytes = kSplitRingBytes;
+  constexpr int kRing = kRingBytes / kPageBytes;      // 2 bf16 pages, 4 fp8 pages
+  extern __shared__ __align__(128) uint8_t s_ring[];  // [kRing][kPageBytes], then staged keys
+  __shared__ __align__(8) uint64_t s_full[kRing];
+  __shared__ uint2 s_bfrag[kNT][8][32];
+  __shared__ __align__(16) float s_red[2][kWarps][kNT * 8];
+  __shared__ __align__(16) uint64_t s_keys[kWarps][kScratch];
+  __shared__ int s_survivor_count[kMaxVectors];
+  __shared__ int s_last;
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int H = p.heads;
+  const int k = p.topk;
+  const int r = blockIdx.y;
+  const int split = blockIdx.x;
+  const int splits = gridDim.x;
+
+  const Unit unit = load_unit(p, r);
+  const int nvec = unit.rows * H;
+  if (unit.blocks == 0) {  // padding request or unreadable length: every row -1
+    if (split == 0) {
+      int32_t* out = p.topk_idx + static_cast<int64_t>(unit.row0) * H * k;
+      for (int i = tid; i < nvec * k; i += kThreads) out[i] = -1;
+    }
+    return;
+  }
+  const int per = max(p.min_blocks_per_cta, (unit.blocks + splits - 1) / splits);
+  const int active = (unit.blocks + per - 1) / per;
+  if (split >= active) return;
+  const int lb_begin = split * per;
+  const int nblk = min(per, unit.blocks - lb_begin);
+  const int32_t* table_row =
+      p.block_table + static_cast<int64_t>(unit.req) * p.table_cols + lb_begin;
+  const uint8_t* cache = static_cast<const uint8_t*>(p.index_cache);
+  auto checked_page = [&](int page) {
+    if (page < 0 || page >= p.num_pages) {
+      atomicOr(p.status, kStatusBadPage);
+      page = 0;
+    }
+    return page;
+  };
+
+  // The first pages in flight before anything else waits.
+  if (tid == 0) {
+#pragma unroll
+    for (int d = 0; d < kRing; ++d) mbar_init(&s_full[d], 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    for (int d = 0; d < kRing && d < nblk; ++d) {
+      const int page = checked_page(table_row[d]);
+      mbar_expect_tx(&s_full[d], kPageBytes);
+      bulk_copy_page(s_ring + d * kPageBytes, cache + static_cast<int64_t>(page) * kPageBytes,
+                     kPageBytes, &s_full[d]);
+    }
+  }
+  // Query vectors -> B fragments (staged through s_keys, free until the first block).
+  {
+    uint4* staged = reinterpret_cast<uint4*>(&s_keys[0][0]);
+    const uint4* src =
+        reinterpret_cast<const uint4*>(p.index_q + static_cast<int64_t>(unit.row0) * H * kDim);
+    for (int i = tid; i < nvec * (kDim / 8); i += kThreads) staged[i] = src[i];
+    __syncthreads();
+    const uint16_t* q_all = reinterpret_cast<const uint16_t*>(staged);
+    for (int i = tid; i < kNT * 8 * 32; i += kThreads) {
+      const int nt = i >> 8;
+      const int s = (i >> 5) & 7;
+      const int ln = i & 31;
+      const int n = nt * 8 + (ln >> 2);
+      uint2 frag = make_uint2(0u, 0u);
+      if (n < nvec) {
+        frag = *reinterpret_cast<const uint2*>(q_all + n * kDim + dim_base<kFp8>(s, ln & 3));
+      }
+      s_bfrag[nt][s][ln] = frag;
+    }
+  }
+  int limit[kNT][2];
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = nt * 8 + 2 * t + e;
+      limit[nt][e] = n < nvec ? unit.pos0 + n / H - kTokensPerWarp * warp - g : INT_MIN;
+    }
+  }
+  const int own_n = warp + kWarps * lane;
+  const bool owner = lane < kSlotsPerWarp && own_n < nvec;
+  const int own_blocks = owner ? row_blocks(unit.pos0 + own_n / H) : 0;
+  int count = 0;
+  uint64_t kth = 0;
+  uint64_t* my_keys = &s_keys[warp][(lane & (kSlotsPerWarp - 1)) * kCap];
+  __syncthreads();  // fragments ready, s_keys free again, barriers initialised
+
+#pragma unroll 1
+  for (int i = 0; i < nblk; ++i) {
+    const int slot = i % kRing;
+    const bool refill = tid == 0 && i + kRing < nblk;
+    int next_page = 0;
+    if (refill) next_page = table_row[i + kRing];  // in flight while this block is scored
+    mbar_wait(&s_full[slot], (i / kRing) & 1);
+    TileT tile;
+    tile.load_shared(s_ring + slot * kPageBytes, warp, g, t);
+    float acc[kNT][4];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      uint32_t a[4];
+      tile.fragment(s, a);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const uint2 b = s_bfrag[nt][s][lane];
+        mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
+      }
+    }
+    const int lb = lb_begin + i;
+    const int parity = i & 1;
+    const int block_first = kBlockTokens * lb;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const float neg_inf = -__int_as_float(0x7F800000);
+      const int l0 = limit[nt][0];
+      const int l1 = limit[nt][1];
+      float v0 = nan_max(l0 >= block_first ? acc[nt][0] : neg_inf,
+                         l0 >= block_first + 8 ? acc[nt][2] : neg_inf);
+      float v1 = nan_max(l1 >= block_first ? acc[nt][1] : neg_inf,
+                         l1 >= block_first + 8 ? acc[nt][3] : neg_inf);
+#pragma unroll
+      for (int off = 4; off < 32; off <<= 1) {
+        v0 = nan_max(v0, __shfl_xor_sync(0xFFFFFFFFu, v0, off));
+        v1 = nan_max(v1, __shfl_xor_sync(0xFFFFFFFFu, v1, off));
+      }
+      if (g == 0) {
+        *reinterpret_cast<float2*>(&s_red[parity][warp][nt * 8 + 2 * t]) = make_float2(v0, v1);
+      }
+    }
+    __syncthreads();  // every warp is done with the slot and has posted its maxima
+    if (refill) {
+      const int page = checked_page(next_page);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+      mbar_expect_tx(&s_full[slot], kPageBytes);
+      bulk_copy_page(s_ring + slot * kPageBytes, cache + static_cast<int64_t>(page) * kPageBytes,
+                     kPageBytes, &s_full[slot]);
+    }
+    if (owner && lb < own_blocks) {
+      float score = s_red[parity][0][own_n];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) score = nan_max(score, s_red[parity][w][own_n]);
+      const uint32_t block = static_cast<uint32_t>(lb);
+      const uint64_t key = is_forced_block(lb, own_blocks, p.init_blocks, p.local_blocks)
+                               ? forced_key(block)
+                               : scored_key(score, block);
+      if (key > kth) my_keys[count++] = key;
+    }
+    __syncwarp();
+    unsigned full = __ballot_sync(0xFFFFFFFFu, owner && count == kCap);
+    while (full) {
+      const int slot_full = __ffs(full) - 1;
+      full &= full - 1;
+      uint64_t* keys = &s_keys[warp][slot_full * kCap];
+      const uint64_t top = warp_top64([&](int j) { return keys[j]; }, kCap);
+      __syncwarp();
+      if (lane < k) keys[lane] = top;
+      const uint64_t new_kth = __shfl_sync(0xFFFFFFFFu, top, k - 1);
+      if (lane == slot_full) {
+        count = k;
+        kth = new_kth;
+      }
+      __syncwarp();
+    }
+  }
+  __syncwarp();
+
+  // ---- This CTA's best keys: the answer itself, or candidates for the request's last CTA ----
+  if (active == 1) {
+    for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
+      const int n = warp + kWarps * slot;
+      if (n >= nvec) break;
+      const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
+      const uint64_t* keys = &s_keys[warp][slot * kCap];
+      const uint64_t top = warp_top64([&](int j) { return keys[j]; }, cnt);
+      const int row = unit.row0 + n / H;
+      write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * H + n % H) * k, top, k);
+    }
+    return;
+  }
+  const int slots = min(k, per);  // keys per CTA and vector (padded with "no candidate")
+  const int cand_count = active * slots;
+  const int64_t vec_stride = static_cast<int64_t>(splits) * k;
+  uint64_t* region = p.cand + static_cast<int64_t>(r) * p.unit_vectors * vec_stride;
+  for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
+    const int n = warp + kWarps * slot;
+    if (n >= nvec) break;
+    const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
+    const uint64_t* keys = &s_keys[warp][slot * kCap];
+    uint64_t value;
+    if (cnt > slots) {
+      value = warp_top64([&](int j) { return keys[j]; }, cnt);
+    } else {
+      value = lane < cnt ? keys[lane] : 0;
+    }
+    if (lane < slots) region[n * vec_stride + split * slots + lane] = value;
+  }
+  __syncthreads();
+  if (tid == 0) {
+    __threadfence();
+    const uint32_t arrived = atomicAdd(&p.counters[r], 1u);
+    s_last = arrived == static_cast<uint32_t>(active - 1);
+    if (s_last) p.counters[r] = 0;  // everyone arrived: ready for the next launch
+  }
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  // The request's merge, one L2 round trip deep. Jobs of (vector, slice of <= kSliceKeys keys)
+  // go to the warps; a warp loads its slice with every load in flight, takes the k-th largest of
+  // its 32 lane maxima as a floor (k distinct keys of the slice are >= it, so every key of the
+  // vector's top k is too) and appends the keys at or above it to the vector's survivor list in
+  // shared memory. Then each vector's survivors are ranked by counting: survivor i with rank
+  // < k is the answer's entry i. A list that overflows takes the exact streaming path instead.
+  constexpr int kSliceLoads = 16;
+  constexpr int kSliceKeys = 32 * kSliceLoads;
+  constexpr int kSurvivorCap = 128;
+  static_assert(kMaxVectors * kSurvivorCap * 8 <= kRingBytes, "survivor lists fit the ring");
+  uint64_t* survivors = reinterpret_cast<uint64_t*>(s_ring);  // [nvec][kSurvivorCap]
+  if (tid < nvec) s_survivor_count[tid] = 0;
+  __syncthreads();
+  const int slices = (cand_count + kSliceKeys - 1) / kSliceKeys;
+  for (int job = warp; job < nvec * slices; job += kWarps) {
+    const int v = job / slices;
+    const int lo = (job - v * slices) * kSliceKeys;
+    const int n = min(kSliceKeys, cand_count - lo);
+    const uint64_t* src = region + v * vec_stride + lo;
+    uint64_t x[kSliceLoads];
+    uint64_t lane_max = 0;
+#pragma unroll
+    for (int e = 0; e < kSliceLoads; ++e) {
+      const int i = e * 32 + lane;
+      x[e] = i < n ? __ldcg(src + i) : 0;
+    }
+#pragma unroll
+    for (int e = 0; e < kSliceLoads; ++e) lane_max = u64_max(lane_max, x[e]);
+    // Rank of this lane's maximum among the 32 (equal maxima are only "no candidate" zeros).
+    int rank = 0;
+#pragma unroll
+    for (int o = 0; o < 32; ++o) {
+      const uint64_t other = __shfl_sync(0xFFFFFFFFu, lane_max, o);
+      rank += other > lane_max || (other == lane_max && o < lane);
+    }
+    const unsigned at_k = __ballot_sync(0xFFFFFFFFu, rank == k - 1);
+    uint64_t floor_key = __shfl_sync(0xFFFFFFFFu, lane_max, __ffs(at_k) - 1);
+    if (floor_key == 0) floor_key = 1;  // fewer than k lanes hold keys: keep every key
+#pragma unroll
+    for (int e = 0; e < kSliceLoads; ++e) {
+      const bool keep = x[e] >= floor_key;
+      const unsigned mask = __ballot_sync(0xFFFFFFFFu, keep);
+      if (mask == 0) continue;
+      int base = 0;
+      if (lane == 0) base = atomicAdd(&s_survivor_count[v], __popc(mask));
+      base = __shfl_sync(0xFFFFFFFFu, base, 0);
+      const int at = base + __popc(mask & ((1u << lane) - 1u));
+      if (keep && at < kSurvivorCap) survivors[v * kSurvivorCap + at] = x[e];
+    }
+  }
+  __syncthreads();
+  for (int v = warp; v < nvec; v += kWarps) {
+    const int row = unit.row0 + v / H;
+    int32_t* out = p.topk_idx + (static_cast<int64_t>(row) * H + v % H) * k;
+    const int cnt = s_survivor_count[v];
+    if (cnt > kSurvivorCap) {
+      const uint64_t* src = region + v * vec_stride;
+      const uint64_t top =
+          warp_top_keys([&](int j) { return __ldcg(src + j); }, cand_count, k, &s_keys[warp][0]);
+      write_topk_row(out, top, k);
+      __syncwarp();
+      continue;
+    }
+    const uint64_t* list = survivors + v * kSurvivorCap;
+    for (int i = lane; i < cnt; i += 32) {
+      const uint64_t key = list[i];
+      int above = 0;
+      for (int j = 0; j < cnt; ++j) above += list[j] > key;
+      if (above < k) out[above] = key_block(key);
+    }
+    for (int i = cnt + lane; i < k; i += 32) out[i] = -1;
   }
 }
 

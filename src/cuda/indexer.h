@@ -30,9 +30,12 @@ struct IndexerPlan {
   SparseConfig config;
   PlanLimits limits;  // as given, with max_rows filled in
   int device = 0;
-  int grid = 0;  // CTAs of the scoring kernel (2 per SM)
-  // Each CTA that scores takes at least this many of the batch's blocks (fewer CTAs score short
-  // batches; the rest only clear dead units). Any value gives the same selection.
+  // CTAs of the span kernel (2 per SM); the split kernel gives each of a decode batch's
+  // num_reqs requests grid / num_reqs of them.
+  int grid = 0;
+  // Each CTA that scores takes at least this many blocks: of the batch's (span kernel; fewer CTAs
+  // score short batches, the rest only clear dead units) or of its request's (split kernel). Any
+  // value gives the same selection.
   int min_blocks_per_cta = 1;
   int max_units = 0;       // decode requests or prefill row groups
   int unit_vectors = 0;    // query vectors per unit the candidate buffer is laid out for

@@ -1,0 +1,243 @@
+// The split decode indexer (the default, IndexerVariant::kFused) against the span kernel
+// (IndexerVariant::kSpan) bit for bit (same scoring order, same keys) and against the CPU
+// reference (near-tie rule), over the shapes that stress its own parts: ranges of one block per
+// CTA, ranges longer than the ring, requests one CTA finishes alone, merges of many slices per
+// vector, all-equal scores (every survivor list ties on the score bits), graph replay with new
+// lengths, and the device guards.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "cuda/params.h"
+#include "indexer_test_util.h"
+
+namespace m3msa::idxtest {
+namespace {
+
+struct Shape {
+  int reqs;
+  int q_len;
+  int64_t min_ctx;
+  int64_t max_ctx;
+  DType dtype;
+  int padding;
+  int topk;
+};
+
+std::string describe(const Shape& s) {
+  std::ostringstream out;
+  out << "reqs " << s.reqs << " q_len " << s.q_len << " ctx [" << s.min_ctx << ", " << s.max_ctx
+      << "] " << dtype_name(s.dtype) << " padding " << s.padding << " topk " << s.topk;
+  return out.str();
+}
+
+void expect_split_equals_span_and_cpu(const SyntheticCase& c, const std::string& what,
+                                      bool check_cpu = true) {
+  uint32_t status = 0;
+  const HostTensor split = run_gpu(c, IndexerVariant::kFused, &status);
+  EXPECT_EQ(status, 0u) << what;
+  const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
+  EXPECT_EQ(std::memcmp(split.data(), span.data(), split.nbytes()), 0)
+      << what << ": split and span selections differ";
+  if (check_cpu) {
+    const Comparison cmp = compare_selections(c, split, run_cpu(c));
+    EXPECT_EQ(cmp.failures, 0) << what << ": " << cmp.summary();
+  }
+}
+
+TEST(CudaIndexerSplit, RandomizedDecodeEqualsSpanAndCpu) {
+  M3MSA_INDEXER_REQUIRE_GPU();
+  const DType bf16 = DType::kBF16, fp8 = DType::kFP8E4M3;
+  const std::vector<Shape> shapes = {
+      {1, 1, 1, 1, bf16, 0, 16},            // one token
+      {1, 1, 4096, 4096, bf16, 0, 16},      // 32 blocks: one block per CTA
+      {1, 4, 4096, 4096, fp8, 0, 16},       // q_len 4
+      {1, 1, 131072, 131072, bf16, 0, 16},  // 1024 blocks over the grid, staged merge
+      {1, 4, 131072, 131072, fp8, 0, 16},   // 16 vectors x 1024 candidates: two staging rounds
+      {1, 2, 600000, 600000, bf16, 0, 32},  // k 32, long ranges (ring wraps many times)
+      {4, 1, 1000, 5000, fp8, 1, 16},       // padding request
+      {16, 2, 1, 20000, bf16, 3, 16},
+      {32, 4, 100, 50000, fp8, 0, 16},
+      {64, 1, 1, 4096, bf16, 5, 16},
+      {128, 1, 1000, 40000, fp8, 0, 16},  // more requests than half the grid: one CTA each
+      {3, 8, 1, 3000, bf16, 0, 16},       // q_len 8: 32 vectors
+      {5, 3, 100, 70000, fp8, 1, 8},      // q_len 3, k 8
+  };
+  uint64_t seed = 301;
+  for (const Shape& s : shapes) {
+    const SyntheticCase c = make_synthetic_case(
+        decode_spec(s.reqs, s.q_len, s.min_ctx, s.max_ctx, s.dtype, s.padding, seed++, s.topk));
+    expect_split_equals_span_and_cpu(c, describe(s));
+  }
+}
+
+// Lengths of 1, 127, 128, 129 tokens and around later block edges, for every q_len up to 8.
+TEST(CudaIndexerSplit, BlockEdgesAndShortRequests) {
+  M3MSA_INDEXER_REQUIRE_GPU();
+  for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+    for (int q_len : {1, 2, 4, 8}) {
+      SyntheticSpec spec = decode_spec(12, q_len, 0, 0, dtype, 0, 311 + q_len);
+      spec.seq_lens = {1, 127, 128, 129, 130, 255, 256, 257, 2048 + 3, 4096, 16385, 40000};
+      for (int64_t& len : spec.seq_lens) len = std::max<int64_t>(len, q_len);
+      const SyntheticCase c = make_synthetic_case(spec);
+      expect_split_equals_span_and_cpu(
+          c, std::string(dtype_name(dtype)) + " q_len " + std::to_string(q_len));
+    }
+  }
+}
+
+// Every token row the same vector: every block scores the same, so only the block-id bits of the
+// keys order them (lower id first) and every CTA's candidates tie on the score bits.
+TEST(CudaIndexerSplit, AllEqualScoresPreferLowerBlocks) {
+  M3MSA_INDEXER_REQUIRE_GPU();
+  for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+    SyntheticSpec spec = decode_spec(3, 2, 0, 0, dtype, 0, 321);
+    spec.seq_lens = {100000, 3000, 129};
+    SyntheticCase c = make_synthetic_case(spec);
+    const int64_t row_bytes = c.index_cache.nbytes() / c.index_cache.shape()[0] / 128;
+    auto* bytes = static_cast<uint8_t*>(c.index_cache.data());
+    const int64_t rows = c.index_cache.nbytes() / row_bytes;
+    for (int64_t r = 1; r < rows; ++r) std::memcpy(bytes + r * row_bytes, bytes, row_bytes);
+    const HostTensor split = run_gpu(c, IndexerVariant::kFused);
+    const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
+    ASSERT_EQ(std::memcmp(split.data(), span.data(), split.nbytes()), 0) << dtype_name(dtype);
+    // Row 0 of request 0 (pos 99998, 782 visible blocks): its own block forced, then 0..14.
+    const int k = c.config.topk;
+    for (int h = 0; h < c.config.index_heads; ++h) {
+      const int32_t* sel = split.ptr<int32_t>() + h * k;
+      EXPECT_EQ(sel[0], 781) << "head " << h;
+      for (int i = 1; i < k; ++i) EXPECT_EQ(sel[i], i - 1) << "head " << h << " entry " << i;
+    }
+  }
+}
+
+TEST(CudaIndexerSplit, NanScoresRankLast) {
+  M3MSA_INDEXER_REQUIRE_GPU();
+  for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+    SyntheticSpec spec = decode_spec(2, 2, 0, 0, dtype, 0, 331);
+    spec.seq_lens = {300 * 128 + 5, 7 * 128};
+    SyntheticCase c = make_synthetic_case(spec);
+    const int64_t cols = c.index_block_table.shape()[1];
+    auto poison_token = [&](int req, int64_t pos) {
+      const int32_t page = c.index_block_table.ptr<int32_t>()[req * cols + pos / 128];
+      const int64_t at = (int64_t{page} * 128 + pos % 128) * c.config.index_dim + 3;
+      if (dtype == DType::kBF16) {
+        c.index_cache.ptr<uint16_t>()[at] = 0x7FC0;
+      } else {
+        c.index_cache.ptr<uint8_t>()[at] = 0x7F;
+      }
+    };
+    for (int b : {0, 3, 90, 170, 299}) poison_token(0, b * 128 + 11);
+    poison_token(1, 7 * 128 - 1);
+    expect_split_equals_span_and_cpu(c, dtype_name(dtype));
+    const HostTensor split = run_gpu(c, IndexerVariant::kFused);
+    for (int j = 0; j < 2; ++j) {
+      for (int h = 0; h < c.config.index_heads; ++h) {
+        const int32_t* g = split.ptr<int32_t>() + (j * c.config.index_heads + h) * c.config.topk;
+        for (int i = 0; i < c.config.topk; ++i) {
+          for (int b : {0, 3, 90, 170}) EXPECT_NE(g[i], b) << "row " << j << " head " << h;
+        }
+      }
+    }
+  }
+}
+
+// Capture once, replay with other lengths (some padding), permuted tables and new queries.
+TEST(CudaIndexerSplit, GraphReplayWithNewMetadataEqualsEager) {
+  M3MSA_INDEXER_REQUIRE_GPU();
+  struct Replay {
+    int reqs, q_len;
+    int64_t min_ctx, max_ctx;
+  };
+  for (const Replay& shape :
+       {Replay{32, 4, 100, 50000}, Replay{2, 1, 100000, 140000}, Replay{1, 2, 200000, 200000}})
+    for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
+      const SyntheticCase a = make_synthetic_case(
+          decode_spec(shape.reqs, shape.q_len, shape.min_ctx, shape.max_ctx, dtype, 0, 341));
+      SyntheticCase b = make_synthetic_case(
+          decode_spec(shape.reqs, shape.q_len, shape.min_ctx, shape.max_ctx, dtype, 0, 341));
+      Rng rng(342);
+      const int reqs = a.batch.num_reqs;
+      const int64_t cols = a.index_block_table.shape()[1];
+      std::vector<int> perm(reqs);
+      std::iota(perm.begin(), perm.end(), 0);
+      for (int i = reqs - 1; i > 0; --i) std::swap(perm[i], perm[rng.range(0, i)]);
+      for (int r = 0; r < reqs; ++r) {
+        const int src = perm[r];
+        const int32_t cap = a.seq_lens.ptr<int32_t>()[src];
+        b.seq_lens.ptr<int32_t>()[r] =
+            r % 7 == 3 ? 0 : static_cast<int32_t>(rng.range(shape.q_len, cap));
+        std::memcpy(b.index_block_table.ptr<int32_t>() + r * cols,
+                    a.index_block_table.ptr<int32_t>() + src * cols, cols * sizeof(int32_t));
+      }
+      for (int64_t i = 0; i < b.index_q.numel(); ++i) {
+        b.index_q.ptr<uint16_t>()[i] = float_to_bf16(static_cast<float>(rng.uniform(-2, 2)));
+      }
+      std::memcpy(b.index_cache.data(), a.index_cache.data(), a.index_cache.nbytes());
+
+      GpuIndexer gpu(a.config, limits_for(a));
+      DeviceCase da = upload(a);
+      DeviceTensor out(DType::kI32, {a.num_rows(), a.config.index_heads, a.config.topk});
+      const IndexerArgs args_a = da.indexer_args(out.view());
+      cuda::Graph graph = cuda::Graph::capture(
+          gpu.stream(), [&] { gpu.launch(a.config, args_a, IndexerVariant::kFused); });
+      graph.launch(gpu.stream());
+      gpu.sync();
+      copy_to_device(b.seq_lens, da.seq_lens.view());
+      copy_to_device(b.index_block_table, da.index_block_table.view());
+      copy_to_device(b.index_q, da.index_q.view());
+      fill_device_bytes(out.view(), kPoisonByte);
+      graph.launch(gpu.stream());
+      gpu.sync();
+      HostTensor replayed;
+      copy_to_host(out.view(), replayed);
+      const HostTensor eager = run_gpu(b, IndexerVariant::kSpan);
+      ASSERT_EQ(std::memcmp(replayed.data(), eager.data(), eager.nbytes()), 0)
+          << dtype_name(dtype) << ", " << shape.reqs << " requests";
+      EXPECT_EQ(gpu.status(), 0u);
+    }
+}
+
+// Host validation off: a table entry outside the cache reads page 0 and raises the status bit.
+TEST(CudaIndexerSplit, DeviceGuardsCatchBadTables) {
+  M3MSA_INDEXER_REQUIRE_GPU();
+  SyntheticCase c = make_synthetic_case(decode_spec(4, 1, 3000, 6000, DType::kFP8E4M3, 0, 351));
+  c.index_block_table.ptr<int32_t>()[c.index_block_table.shape()[1] + 2] = 1 << 28;
+  uint32_t status = 0;
+  const HostTensor gpu = run_gpu(c, IndexerVariant::kFused, &status);
+  EXPECT_EQ(status & cuda::kStatusBadPage, cuda::kStatusBadPage);
+  for (int64_t i = 0; i < gpu.numel(); ++i) {
+    const int32_t v = gpu.ptr<int32_t>()[i];
+    ASSERT_TRUE(v >= -1 && v < 64) << "element " << i << " = " << v;
+  }
+}
+
+// A plan's minimum range (IndexerPlan::min_blocks_per_cta) changes the split, never the answer.
+TEST(CudaIndexerSplit, MinimumRangeChangesNothing) {
+  M3MSA_INDEXER_REQUIRE_GPU();
+  const SyntheticCase c =
+      make_synthetic_case(decode_spec(3, 2, 20000, 140000, DType::kBF16, 0, 361));
+  const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
+  for (int min_blocks : {1, 4, 16, 64}) {
+    DeviceCase d = upload(c);
+    DeviceTensor topk(DType::kI32, {c.num_rows(), c.config.index_heads, c.config.topk});
+    fill_device_bytes(topk.view(), kPoisonByte);
+    cuda::IndexerPlan plan = cuda::plan_indexer(c.config, limits_for(c), 0);
+    plan.min_blocks_per_cta = min_blocks;
+    cuda::DeviceBuffer ws(plan.workspace_bytes);
+    cuda::Stream stream;
+    cuda::init_indexer_workspace(plan, ws.data(), stream.get());
+    cuda::launch_indexer(plan, c.config, d.indexer_args(topk.view()), IndexerVariant::kFused,
+                         ws.data(), stream.get());
+    stream.synchronize();
+    HostTensor out;
+    copy_to_host(topk.view(), out);
+    EXPECT_EQ(std::memcmp(out.data(), span.data(), out.nbytes()), 0)
+        << "min_blocks_per_cta " << min_blocks;
+  }
+}
+
+}  // namespace
+}  // namespace m3msa::idxtest

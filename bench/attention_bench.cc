@@ -27,7 +27,6 @@
 #include "bench_registry.h"
 #include "core/splitmix.h"
 #include "cuda/attention.h"
-#include "cuda/attention_launch.cuh"
 #include "cuda/common.cuh"
 #include "fill.h"
 #include "harness.h"
@@ -137,7 +136,7 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
   PlanLimits limits;
   limits.max_reqs = c.batch;
   limits.max_q_len = c.q_len;
-  const size_t ws_bytes = cuda::sparse_attention_workspace_size(sc, limits);
+  const size_t ws_bytes = cuda::attention_workspace_size(sc, limits);
   cuda::DeviceBuffer ws(ws_bytes);
   CUDA_CHECK(cudaMemset(ws.data(), 0, ws_bytes));
 
@@ -169,21 +168,20 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
   const int launches = std::max(launches_min, sets);
   // Warm-up eagerly (also configures the kernel), then capture.
   for (int s = 0; s < sets; ++s) {
-    cuda::launch_sparse_attention_tuned(sc, args_for(s), ws.data(), ws_bytes, stream.get(),
-                                        c.tuning);
+    cuda::launch_attention_tuned(sc, args_for(s), ws.data(), ws_bytes, stream.get(), c.tuning);
   }
   stream.synchronize();
   cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
     for (int i = 0; i < launches; ++i) {
-      cuda::launch_sparse_attention_tuned(sc, args_for(i % sets), ws.data(), ws_bytes, stream.get(),
-                                          c.tuning);
+      cuda::launch_attention_tuned(sc, args_for(i % sets), ws.data(), ws_bytes, stream.get(),
+                                   c.tuning);
     }
   });
   const Timing timing = time_graph(graph, stream.get(), launches, /*warmup=*/2, reps);
   Result res;
   res.cfg = c;
   const cuda::AttentionPlanInfo plan =
-      cuda::sparse_attention_plan_info(sc, rows, false, c.kv == DType::kFP8E4M3, c.tuning);
+      cuda::attention_plan_info(sc, rows, false, c.kv == DType::kFP8E4M3, c.tuning);
   res.splits = plan.splits;
   res.cluster = plan.cluster;
   res.sets = sets;
@@ -212,7 +210,7 @@ int run_attention_bench(int argc, char** argv) {
   app.add_option("--reps", reps, "graph replays per configuration (median over them)");
   app.add_option("--launches", launches, "launches per graph (at least the number of input sets)");
   app.add_option("--tunings", tunings,
-                 "';'-separated launcher tunings to time side by side (attention_launch.cuh: "
+                 "';'-separated launcher tunings to time side by side (attention.h: "
                  "splitp, cluster, pdl; 'default' = the library default); configurations where "
                  "two tunings give the same launch are timed once");
   bool quick = false;
@@ -266,7 +264,7 @@ int run_attention_bench(int argc, char** argv) {
           std::set<std::string> seen;  // launches already timed for this configuration
           for (const cuda::AttentionTuning& tuning : tuning_list) {
             const Config c{static_cast<int>(batch), static_cast<int>(q_len), kv, context, tuning};
-            const cuda::AttentionPlanInfo plan = cuda::sparse_attention_plan_info(
+            const cuda::AttentionPlanInfo plan = cuda::attention_plan_info(
                 SparseConfig{}, batch * q_len, false, kv == DType::kFP8E4M3, tuning);
             const std::string key =
                 fmt::format("{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",

@@ -1,4 +1,4 @@
-// m3msa bench gemm: the runtime's skinny projection GEMM (src/cuda/runtime_kernels.h) at M3's
+// m3msa bench gemm: the runtime's skinny projection GEMM (src/cuda/gemm.h) at M3's
 // projection shapes, under CUDA-graph replay with rotated weights, against the vendor library
 // through PyTorch (bench/torch_gemm.py: cuBLAS / cuBLASLt for bf16, torch._scaled_mm for fp8),
 // whose results are merged from --torch-json.
@@ -36,7 +36,7 @@
 #include "bench_registry.h"
 #include "core/splitmix.h"
 #include "cuda/common.cuh"
-#include "cuda/runtime_kernels.h"
+#include "cuda/gemm.h"
 #include "fill.h"
 #include "harness.h"
 #include "m3msa/backend.h"
@@ -259,9 +259,9 @@ int run_gemm_bench(int argc, char** argv) {
         }
         CUDA_CHECK(cudaMemsetAsync(out.data(), 0xFF, out.bytes(), stream.get()));  // poison
         // The K split the runtime would use for this projection on this device.
-        const bool split_k8 = cuda::skinny_gemm_prefers_split_k8(static_cast<int>(n));
+        const bool split_k8 = cuda::gemm_skinny_prefers_split_k8(static_cast<int>(n));
         auto params = [&](int c) {
-          cuda::SkinnyGemmParams p;
+          cuda::GemmSkinnyParams p;
           p.x = x.as<const uint16_t>() + c * x_elems;
           p.x_stride = k;
           p.w = w.as<const uint8_t>() + c * n * k * elem;
@@ -278,7 +278,7 @@ int run_gemm_bench(int argc, char** argv) {
         };
 
         // ---- Correctness: one eager launch on copy 0 vs the double reference ----
-        cuda::launch_skinny_gemm(params(0), stream.get());
+        cuda::launch_gemm_skinny(params(0), stream.get());
         stream.synchronize();
         std::vector<uint16_t> h_out(static_cast<size_t>(out_elems));
         std::vector<uint16_t> h_x(static_cast<size_t>(x_elems));
@@ -328,7 +328,7 @@ int run_gemm_bench(int argc, char** argv) {
         // ---- Timing ----
         cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
           for (int i = 0; i < launches; ++i)
-            cuda::launch_skinny_gemm(params(i % copies), stream.get());
+            cuda::launch_gemm_skinny(params(i % copies), stream.get());
         });
         const Timing t = time_graph(graph, stream.get(), launches, 2, opt.reps);
         std::vector<uint16_t> h_out2(static_cast<size_t>(int64_t{rows} * n));
@@ -369,7 +369,7 @@ int run_gemm_bench(int argc, char** argv) {
                               {"tb_per_s", tbs},
                               {"pct_roof", roof},
                               {"floor_us", floor_us},
-                              {"ctas", cuda::skinny_gemm_ctas(static_cast<int>(n))},
+                              {"ctas", cuda::gemm_skinny_ctas(static_cast<int>(n))},
                               {"split_k8", split_k8},
                               {"copies", copies},
                               {"launches", launches},

@@ -173,7 +173,7 @@ int run_sparse_step_bench(int argc, char** argv) {
           cuda::init_indexer_workspace(plan, index_ws.data(), stream.get());
           PlanLimits attn_limits = limits;
           attn_limits.max_context = context;
-          const size_t attn_bytes = cuda::sparse_attention_workspace_size(config, attn_limits);
+          const size_t attn_bytes = cuda::attention_workspace_size(config, attn_limits);
           cuda::DeviceBuffer attn_ws(std::max<size_t>(attn_bytes, 16));
           CUDA_CHECK(cudaMemsetAsync(attn_ws.data(), 0, attn_ws.bytes(), stream.get()));
           stream.synchronize();
@@ -193,8 +193,7 @@ int run_sparse_step_bench(int argc, char** argv) {
               aa.batch = batch_of(c);
               aa.topk_idx = topk[c].view();
               aa.out = out[c].view();
-              cuda::launch_sparse_attention(config, aa, attn_ws.data(), attn_ws.bytes(),
-                                            stream.get());
+              cuda::launch_attention(config, aa, attn_ws.data(), attn_ws.bytes(), stream.get());
             }
           });
           const Timing timing = time_graph(graph, stream.get(), copies, 2, opt.reps);

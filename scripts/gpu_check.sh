@@ -110,7 +110,8 @@ fi
 
 # ---- sparse attention + preprocessing (attention owner) ----
 # attention-tunings: the attention and preprocessing suites again under every launcher tuning the
-# benchmark compares (attention_launch.cuh; the default one already ran in `tests`).
+# benchmark compares (AttentionTuning, src/cuda/attention.h; the default one already ran in
+# `tests`).
 if has attention-tunings; then
   start=$SECONDS
   rc=0

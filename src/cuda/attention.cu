@@ -24,7 +24,6 @@
 
 #include "cuda/attention.h"
 #include "cuda/attention_kernel.cuh"
-#include "cuda/attention_launch.cuh"
 #include "cuda/attention_params.h"
 #include "cuda/common.cuh"
 #include "m3msa/error.h"
@@ -33,7 +32,7 @@ namespace m3msa::cuda {
 namespace {
 
 constexpr int kMaxDenseSplits = 64;
-static_assert(kMaxDenseSplits <= attn::kMaxMergeSplits, "the merge handles at most 64 splits");
+static_assert(kMaxDenseSplits <= attention::kMaxMergeSplits, "the merge handles at most 64 splits");
 constexpr size_t kAlign = 256;
 
 size_t align_up(size_t bytes) {
@@ -57,11 +56,12 @@ struct DeviceShape {
 
 template <bool kFp8, bool kSplitP>
 void configure_kernel(int sms, DeviceShape& shape, KernelId id) {
-  auto kernel = attn::sparse_attention_kernel<kFp8, kSplitP>;
-  const int smem = attn::KvLayout<kFp8>::kSmemBytes;
+  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP>;
+  const int smem = attention::KvLayout<kFp8>::kSmemBytes;
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, attn::kThreads, smem));
+  CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, attention::kThreads, smem));
   M3MSA_CHECK_INTERNAL(per_sm > 0, "sparse attention kernel cannot be resident (smem ", smem,
                        " bytes)");
   shape.per_sm[id] = per_sm;
@@ -74,7 +74,7 @@ void configure_kernel(int sms, DeviceShape& shape, KernelId id) {
     const int cluster = 1 << i;
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(cluster * sms));
-    cfg.blockDim = dim3(attn::kThreads);
+    cfg.blockDim = dim3(attention::kThreads);
     cfg.dynamicSmemBytes = static_cast<size_t>(smem);
     cudaLaunchAttribute attr{};
     attr.id = cudaLaunchAttributeClusterDimension;
@@ -136,17 +136,17 @@ bool cluster_usable(const DeviceShape& shape, KernelId id, int splits) {
 }
 
 template <bool kFp8, bool kSplitP>
-void launch_kernel(const SparseAttentionParams& p, unsigned ctas, bool pdl, cudaStream_t stream) {
-  auto kernel = attn::sparse_attention_kernel<kFp8, kSplitP>;
-  const size_t smem = attn::KvLayout<kFp8>::kSmemBytes;
+void launch_kernel(const AttentionParams& p, unsigned ctas, bool pdl, cudaStream_t stream) {
+  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP>;
+  const size_t smem = attention::KvLayout<kFp8>::kSmemBytes;
   if (!p.cluster_merge && !pdl) {
-    kernel<<<dim3(ctas), attn::kThreads, smem, stream>>>(p);
+    kernel<<<dim3(ctas), attention::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
     return;
   }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(ctas);
-  cfg.blockDim = dim3(attn::kThreads);
+  cfg.blockDim = dim3(attention::kThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attrs[2]{};
@@ -170,10 +170,10 @@ void launch_kernel(const SparseAttentionParams& p, unsigned ctas, bool pdl, cuda
 
 // A selection's splits. Default: each split takes >= 2 of the topk blocks (at most
 // kMaxSelectionSplits), as many as keep the grid within one CTA per SM, and 2 while two CTAs per
-// unit fit in one wave of resident CTAs. Measured on H200 (docs/benchmarks.md, session 6): one
-// block per split and a full wave of CTAs (the earlier rule) cost up to 4 us at 4-16 rows, where
-// the fixed per-CTA chain and the merge of 16 partials outweigh the extra parallelism. A tuning's
-// max_splits (> 0) brings the earlier rule back, capped at that count (splits=16: the old plan).
+// unit fit in one wave of resident CTAs. Measured on H200: one block per split and a full wave of
+// CTAs (the wave plan) cost up to 4 us at 4-16 rows, where the fixed per-CTA chain and the merge
+// of 16 partials outweigh the extra parallelism. A tuning's max_splits (> 0) selects the wave
+// plan, capped at that count (splits=16: the wave plan uncapped), for comparisons.
 int choose_splits(int64_t units, int topk, bool dense, int sms, int slots, int max_splits) {
   if (units <= 0) return 1;
   if (dense) {
@@ -202,18 +202,18 @@ WorkspaceLayout workspace_layout(int slots) {
   WorkspaceLayout layout;
   const size_t s = static_cast<size_t>(slots);
   layout.partial_o = 0;
-  layout.partial_ml = align_up(s * attn::kTileHeads * attn::kHeadDim * sizeof(float));
-  layout.counters = layout.partial_ml + align_up(s * attn::kTileHeads * 2 * sizeof(float));
+  layout.partial_ml = align_up(s * attention::kTileHeads * attention::kHeadDim * sizeof(float));
+  layout.counters = layout.partial_ml + align_up(s * attention::kTileHeads * 2 * sizeof(float));
   layout.total = layout.counters + align_up(s * sizeof(uint32_t));
   return layout;
 }
 
 void check_supported(const SparseConfig& config) {
-  M3MSA_CHECK_SUPPORTED(config.head_dim == attn::kHeadDim,
+  M3MSA_CHECK_SUPPORTED(config.head_dim == attention::kHeadDim,
                         "CUDA sparse attention supports head_dim 128, got ", config.head_dim);
-  M3MSA_CHECK_SUPPORTED(config.block_size == attn::kBlockTokens,
+  M3MSA_CHECK_SUPPORTED(config.block_size == attention::kBlockTokens,
                         "CUDA sparse attention supports block_size 128, got ", config.block_size);
-  M3MSA_CHECK_SUPPORTED(config.group_size() <= attn::kTileHeads,
+  M3MSA_CHECK_SUPPORTED(config.group_size() <= attention::kTileHeads,
                         "CUDA sparse attention supports up to 16 query heads per KV head, got ",
                         config.group_size());
 }
@@ -224,7 +224,7 @@ void check_contiguous(const TensorView& view, const char* name) {
 
 }  // namespace
 
-size_t sparse_attention_workspace_size(const SparseConfig& config, const PlanLimits& limits) {
+size_t attention_workspace_size(const SparseConfig& config, const PlanLimits& limits) {
   config.validate();
   check_supported(config);
   (void)limits;  // the partials never need more than one wave of CTAs, whatever the batch
@@ -272,8 +272,8 @@ AttentionTuning default_attention_tuning() {
   return AttentionTuning{};
 }
 
-AttentionPlanInfo sparse_attention_plan_info(const SparseConfig& config, int64_t rows, bool dense,
-                                             bool fp8_kv, const AttentionTuning& tuning) {
+AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, bool dense,
+                                      bool fp8_kv, const AttentionTuning& tuning) {
   const DeviceShape& shape = device_shape();
   const KernelId id = kernel_id(fp8_kv, tuning);
   AttentionPlanInfo info;
@@ -284,15 +284,15 @@ AttentionPlanInfo sparse_attention_plan_info(const SparseConfig& config, int64_t
   return info;
 }
 
-void launch_sparse_attention(const SparseConfig& config, const AttentionArgs& args, void* workspace,
-                             size_t workspace_bytes, cudaStream_t stream) {
-  launch_sparse_attention_tuned(config, args, workspace, workspace_bytes, stream,
-                                default_attention_tuning());
+void launch_attention(const SparseConfig& config, const AttentionArgs& args, void* workspace,
+                      size_t workspace_bytes, cudaStream_t stream) {
+  launch_attention_tuned(config, args, workspace, workspace_bytes, stream,
+                         default_attention_tuning());
 }
 
-void launch_sparse_attention_tuned(const SparseConfig& config, const AttentionArgs& args,
-                                   void* workspace, size_t workspace_bytes, cudaStream_t stream,
-                                   const AttentionTuning& tuning) {
+void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& args, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream,
+                            const AttentionTuning& tuning) {
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   validate(config, args, Device::cuda(device));
@@ -308,7 +308,7 @@ void launch_sparse_attention_tuned(const SparseConfig& config, const AttentionAr
   const int64_t rows = args.batch.num_rows();
   if (rows == 0) return;
 
-  SparseAttentionParams p;
+  AttentionParams p;
   p.q = static_cast<const uint16_t*>(args.q.data);
   p.kv_cache = args.kv_cache.data.data;
   p.topk_idx = dense ? nullptr : static_cast<const int32_t*>(args.topk_idx.data);
@@ -336,7 +336,7 @@ void launch_sparse_attention_tuned(const SparseConfig& config, const AttentionAr
 
   const DeviceShape& shape = device_shape();
   const KernelId id = kernel_id(fp8, tuning);
-  const AttentionPlanInfo plan = sparse_attention_plan_info(config, rows, dense, fp8, tuning);
+  const AttentionPlanInfo plan = attention_plan_info(config, rows, dense, fp8, tuning);
   p.num_splits = plan.splits;
   p.cluster_merge = plan.cluster ? 1 : 0;
   const int64_t ctas = plan.ctas;

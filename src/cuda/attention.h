@@ -1,26 +1,74 @@
-// Host launchers of the sparse-attention kernels (implemented in attention.cu by the attention
-// owner; called by the CUDA backend in backend.cu). Plan/run contract, as for the indexer:
-//  - sparse_attention_workspace_size() sizes the caller-owned workspace for every batch within
-//    `limits`; the workspace must be zeroed once before its first use, and every launch leaves it
-//    ready for the next one (arrival counters reset themselves).
-//  - launch_sparse_attention() validates shapes on the host (no device reads), allocates nothing,
-//    never synchronizes the host and is CUDA-graph capturable; its grid depends only on the host
-//    shapes (num_reqs, q_len / num_tokens) and `config`, never on device contents.
+// Host launchers of the attention family: block-sparse (or dense causal) GQA attention over the
+// paged main KV cache (attention_kernel.cuh has the algorithm). Called by the CUDA backend
+// (backend.cu), the fused runtime, the tests and the benchmarks. Plan/run contract, as for the
+// indexer:
+//  - attention_workspace_size() sizes the caller-owned workspace for every batch within `limits`;
+//    the workspace must be zeroed once before its first use, and every launch leaves it ready for
+//    the next one (arrival counters reset themselves).
+//  - launch_attention() validates shapes on the host (no device reads), allocates nothing, never
+//    synchronizes the host and is CUDA-graph capturable; its grid depends only on the host shapes
+//    (num_reqs, q_len / num_tokens) and `config`, never on device contents.
+// The tuning knobs and the plan they lead to (AttentionTuning, attention_plan_info,
+// launch_attention_tuned) are for tests and benchmarks; launch_attention uses
+// default_attention_tuning().
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstddef>
+#include <cstdint>
+#include <string>
 
 #include "m3msa/cuda_backend.h"
 #include "m3msa/ops.h"
 
 namespace m3msa::cuda {
 
-size_t sparse_attention_workspace_size(const SparseConfig& config, const PlanLimits& limits);
+size_t attention_workspace_size(const SparseConfig& config, const PlanLimits& limits);
 
 // args tensors live on the current device; args.topk_idx not given = dense causal attention.
-void launch_sparse_attention(const SparseConfig& config, const AttentionArgs& args, void* workspace,
-                             size_t workspace_bytes, cudaStream_t stream);
+void launch_attention(const SparseConfig& config, const AttentionArgs& args, void* workspace,
+                      size_t workspace_bytes, cudaStream_t stream);
+
+struct AttentionTuning {
+  // bf16 KV: P as hi + lo bf16 (two PV mmas, ~16-bit weights); false: one bf16 P per weight
+  // (FlashAttention's numerics, ~2^-9 relative output error: benchmarks only, not tested).
+  bool split_p = true;
+  // The largest split count whose CTAs merge through one thread-block cluster (distributed shared
+  // memory); more splits (or 0 / 1 here) merge through the workspace with an arrival counter.
+  // Measured on H200: 2 splits through a cluster beat the workspace merge by 4-6 % (batch 32);
+  // 4-16 split clusters were slower than the workspace merge (cluster placement limits).
+  int max_cluster = 2;
+  // Programmatic dependent launch: the kernel may be scheduled while the previous kernel in the
+  // stream finishes (it waits for it before its first load). Off by default: measured on H200 it
+  // saves ~0.5 us for bf16 but costs 2-3 us for fp8 at batch 4-32 (the early CTAs are placed on
+  // the SMs that happen to be free, which unbalances one-wave grids).
+  bool pdl = false;
+  // 0: the default split plan of a selection (attention.cu, choose_splits). N > 0: the wave plan
+  // (as many splits as fit one wave of resident CTAs, up to topk) capped at N (16: the wave plan
+  // uncapped), for comparisons.
+  int max_splits = 0;
+
+  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8" with a cap)
+  // Parses "splitp=1,cluster=2,pdl=0,splits=8" (any subset; the rest default); throws naming the
+  // text.
+  static AttentionTuning parse(const std::string& text);
+};
+
+// The tuning launch_attention uses.
+AttentionTuning default_attention_tuning();
+
+// The plan launch_attention uses for these host shapes.
+struct AttentionPlanInfo {
+  int splits = 1;        // CTAs per (row, kv head)
+  bool cluster = false;  // splits merged through a thread-block cluster (else global memory)
+  int64_t ctas = 0;
+};
+AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, bool dense,
+                                      bool fp8_kv, const AttentionTuning& tuning);
+
+void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& args, void* workspace,
+                            size_t workspace_bytes, cudaStream_t stream,
+                            const AttentionTuning& tuning);
 
 }  // namespace m3msa::cuda

@@ -1,5 +1,5 @@
-// Block-sparse GQA attention kernel (spec.md section 5). Framework-free: raw pointers, one params
-// struct, launched by attention.cu.
+// Block-sparse GQA attention kernel (docs/spec.md, section 5). Framework-free: raw pointers, one
+// params struct (AttentionParams), launched by attention.cu.
 //
 // One CTA of 4 warps handles one (row, kv head, split). The 16 query heads of the KV head are the
 // m16 side of mma.sync m16n8k16 (bf16 KV: bf16 operands, the softmax weights split into hi + lo
@@ -16,6 +16,9 @@
 // Dimension permutations: the reduction axis of an mma may be permuted freely as long as A and B
 // agree, so each thread reads whole 16-byte chunks of a K row, and the V output columns are
 // permuted so each thread reads whole chunks of a V row (out_dim() undoes it in the epilogue).
+//
+// Requirements (checked by the launcher): head_dim = block_size = 128, at most 16 query heads per
+// KV head, contiguous tensors; more than one split needs the workspace partials or a cluster.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -25,7 +28,7 @@
 
 #include "cuda/attention_params.h"
 
-namespace m3msa::cuda::attn {
+namespace m3msa::cuda::attention {
 
 inline constexpr int kHeadDim = 128;
 inline constexpr int kBlockTokens = 128;
@@ -179,8 +182,8 @@ __device__ __forceinline__ int out_dim(int tile, int n) {
 }
 
 // Request and position of `row`; pos < 0 marks a dead row.
-__device__ __forceinline__ void resolve_row(const RowLayoutParams& layout, int64_t row, int& req,
-                                            int64_t& pos) {
+__device__ __forceinline__ void resolve_row(const AttentionRowLayoutParams& layout, int64_t row,
+                                            int& req, int64_t& pos) {
   if (!layout.is_prefill) {
     req = static_cast<int>(row / layout.q_len);
     const int j = static_cast<int>(row - int64_t{req} * layout.q_len);
@@ -209,7 +212,7 @@ __device__ __forceinline__ void resolve_row(const RowLayoutParams& layout, int64
 // bits (a bf16 P alone has 8, which costs ~2^-9 relative error in the output).
 template <bool kFp8, bool kSplitP>
 __global__ void __launch_bounds__(kThreads, 2)
-    sparse_attention_kernel(const __grid_constant__ SparseAttentionParams p) {
+    attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   using L = KvLayout<kFp8>;
   constexpr bool kF16 = kFp8;  // operand type of both mmas
@@ -732,4 +735,4 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (tid == 0) p.counters[unit] = 0;  // ready for the next launch (stream order)
 }
 
-}  // namespace m3msa::cuda::attn
+}  // namespace m3msa::cuda::attention

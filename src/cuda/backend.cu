@@ -272,14 +272,13 @@ class CudaBackendImpl final : public CudaBackend {
     limits.max_reqs = std::max(args.batch.num_reqs, 1);
     limits.max_q_len = args.batch.kind == BatchKind::kDecode ? args.batch.q_len : 1;
     limits.max_rows = args.batch.num_rows();
-    const std::size_t need = cuda::sparse_attention_workspace_size(config, limits);
+    const std::size_t need = cuda::attention_workspace_size(config, limits);
     if (need > attention_ws_.bytes()) {
       ensure_not_capturing("sparse_attention workspace");
       attention_ws_ = cuda::DeviceBuffer(need);
       CUDA_CHECK(cudaMemsetAsync(attention_ws_.data(), 0, need, stream_));
     }
-    cuda::launch_sparse_attention(config, args, attention_ws_.data(), attention_ws_.bytes(),
-                                  stream_);
+    cuda::launch_attention(config, args, attention_ws_.data(), attention_ws_.bytes(), stream_);
   }
 
   void synchronize() override {
@@ -314,7 +313,7 @@ class CudaBackendImpl final : public CudaBackend {
   }
 
   void plan_attention_workspace(const SparseConfig& config, const PlanLimits& limits) {
-    const std::size_t need = cuda::sparse_attention_workspace_size(config, limits);
+    const std::size_t need = cuda::attention_workspace_size(config, limits);
     if (need > attention_ws_.bytes()) {
       ensure_not_capturing("sparse_attention workspace");
       CUDA_CHECK(cudaStreamSynchronize(stream_));

@@ -35,6 +35,11 @@ inline int narrow_int(int64_t value, const char* what) {
   return static_cast<int>(value);
 }
 
+// Whether `ptr` is 16-byte aligned (the kernels' vector loads need it).
+inline bool aligned16(const void* ptr) {
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
 // Makes `device` current for the scope and restores the previous one.
 class DeviceGuard {
  public:

@@ -5,10 +5,10 @@
 #include <cmath>
 #include <utility>
 
-#include "cuda/attention_params.h"
 #include "cuda/common.cuh"
 #include "cuda/preprocess.h"
 #include "cuda/preprocess_kernel.cuh"
+#include "cuda/preprocess_params.h"
 #include "m3msa/error.h"
 
 namespace m3msa::cuda {
@@ -25,9 +25,10 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, c
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   validate(config, args, Device::cuda(device));
-  M3MSA_CHECK_SUPPORTED(config.head_dim <= prep::kMaxDim && config.index_dim <= prep::kMaxDim,
-                        "CUDA preprocessing supports head_dim and index_dim <= ", prep::kMaxDim,
-                        ", got ", config.head_dim, " and ", config.index_dim);
+  M3MSA_CHECK_SUPPORTED(
+      config.head_dim <= preprocess::kMaxDim && config.index_dim <= preprocess::kMaxDim,
+      "CUDA preprocessing supports head_dim and index_dim <= ", preprocess::kMaxDim, ", got ",
+      config.head_dim, " and ", config.index_dim);
   M3MSA_CHECK_SUPPORTED(config.rope_dim / 2 <= kMaxRopeHalf,
                         "CUDA preprocessing supports rope_dim <= ", 2 * kMaxRopeHalf, ", got ",
                         config.rope_dim);
@@ -100,8 +101,8 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, c
 
   const int vectors = p.num_vectors - p.first_vector;
   const dim3 grid(static_cast<unsigned>(rows),
-                  static_cast<unsigned>((vectors + prep::kWarps - 1) / prep::kWarps));
-  prep::preprocess_kernel<<<grid, prep::kThreads, 0, stream>>>(p);
+                  static_cast<unsigned>((vectors + preprocess::kWarps - 1) / preprocess::kWarps));
+  preprocess::preprocess_qkv_kernel<<<grid, preprocess::kThreads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
 }
 

@@ -1,7 +1,7 @@
-// Host launcher of the preprocessing kernel (implemented in preprocess.cu by the preprocessing
-// owner; called by the CUDA backend in backend.cu): RMSNorm + partial NeoX RoPE of q, k, index_q,
-// index_k and the cache inserts, one launch (spec.md section 2). Validates shapes on the host
-// (no device reads), allocates nothing, never synchronizes, CUDA-graph capturable.
+// Host launcher of the preprocess family (preprocess_kernel.cuh has the algorithm; called by the
+// CUDA backend in backend.cu and the fused runtime): RMSNorm + partial NeoX RoPE of q, k, index_q,
+// index_k and the cache inserts, one launch (docs/spec.md, section 2). Validates shapes on the
+// host (no device reads), allocates nothing, never synchronizes, CUDA-graph capturable.
 #pragma once
 
 #include <cuda_runtime.h>

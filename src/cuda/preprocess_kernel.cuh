@@ -1,6 +1,6 @@
-// Per-token preprocessing kernel (spec.md section 2): Gemma RMSNorm + partial NeoX RoPE of every
-// q, k, index_q and index_k head, and the insert of k, v and index_k into the paged caches, in one
-// launch. Framework-free; launched by preprocess.cu.
+// Per-token preprocessing kernel (docs/spec.md, section 2): Gemma RMSNorm + partial NeoX RoPE of
+// every q, k, index_q and index_k head, and the insert of k, v and index_k into the paged caches,
+// in one launch. Framework-free: raw pointers and PreprocessParams; launched by preprocess.cu.
 //
 // Grid (rows, ceil(vectors / 8)); one warp per 128-d vector of a row (q heads, k heads, v heads,
 // index_q heads, index_k). It reproduces the CPU reference bit for bit: the sum of squares runs in
@@ -8,19 +8,20 @@
 // compiled), IEEE division and square root, the same two bf16 rounding points, cos/sin of a double
 // angle rounded once to fp32 (inv_freq comes from the host's std::pow), and the same fp8 encoder.
 // Without the index part (a layer sharing another layer's selection, ops.h) only the q, k and v
-// vectors of a row are processed. Dead rows (position < 0) write
-// zeros to q_out / index_q_out and nothing to the caches; negative (or out-of-range) slots skip the
-// insert.
+// vectors of a row are processed. Dead rows (position < 0) write zeros to q_out / index_q_out and
+// nothing to the caches; negative (or out-of-range) slots skip the insert.
+// Requirements (checked by the launcher): head_dim and index_dim <= kMaxDim, rope_dim / 2 <=
+// kMaxRopeHalf, contiguous tensors (qkv: contiguous rows).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "cuda/attention_params.h"
+#include "cuda/preprocess_params.h"
 #include "m3msa/dtype.h"
 
-namespace m3msa::cuda::prep {
+namespace m3msa::cuda::preprocess {
 
 inline constexpr int kWarps = 8;
 inline constexpr int kThreads = kWarps * 32;
@@ -29,7 +30,7 @@ inline constexpr int kMaxDim = 512;
 enum VectorKind : int { kQ = 0, kK = 1, kV = 2, kIndexQ = 3, kIndexK = 4 };
 
 __global__ void __launch_bounds__(kThreads)
-    preprocess_kernel(const __grid_constant__ PreprocessParams p) {
+    preprocess_qkv_kernel(const __grid_constant__ PreprocessParams p) {
   __shared__ float s_vec[kWarps][kMaxDim];
   __shared__ float s_cos[kMaxRopeHalf];
   __shared__ float s_sin[kMaxRopeHalf];
@@ -181,4 +182,4 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-}  // namespace m3msa::cuda::prep
+}  // namespace m3msa::cuda::preprocess

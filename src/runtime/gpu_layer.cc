@@ -16,7 +16,7 @@
 //   conversion at TP > 1)                                                   3 (+2)
 //
 // Projection choice: decode has <= 16 token rows, so one m16 tensor-core tile covers every row
-// and the projections are pure weight streams; our skinny GEMM (runtime_kernels.h) reads each
+// and the projections are pure weight streams; our skinny GEMM (cuda/gemm.h) reads each
 // weight byte once with 16-byte loads and converts fp8 e4m3 weights to bf16 in registers; grids
 // of < 4 CTAs per SM (o_proj, TP = 2 q/k/v) split K over 8 warps per tile instead of 4. It
 // needs no cuBLAS(Lt) (whose static library would not fit the carried build, and whose fp8 path
@@ -36,11 +36,14 @@
 
 #include "comm/nccl_check.h"
 #include "comm/peer_allreduce.h"
+#include "cuda/activation.h"
 #include "cuda/attention.h"
 #include "cuda/common.cuh"
+#include "cuda/convert.h"
+#include "cuda/gemm.h"
 #include "cuda/indexer.h"
+#include "cuda/norm.h"
 #include "cuda/preprocess.h"
-#include "cuda/runtime_kernels.h"
 #include "m3msa/cp_cuda.h"
 #endif
 
@@ -501,7 +504,7 @@ class GpuEngineImpl final : public GpuEngine {
     att.batch = step;
     att.topk_idx = topk_view(rows);
     att.out = attn_view(rows);
-    cuda::launch_sparse_attention(sc, att, attention_ws_.data(), attention_ws_.bytes(), stream_);
+    cuda::launch_attention(sc, att, attention_ws_.data(), attention_ws_.bytes(), stream_);
     ++launches;
 
     const bool reduce = tp_size_ > 1;
@@ -519,18 +522,18 @@ class GpuEngineImpl final : public GpuEngine {
     if (w.mlp_gate_up.defined()) {
       const int inter = m.intermediate / tp_size_;
       gemm(h, H, w.mlp_gate_up, TensorView{}, mlp_gu_.data(), 2 * inter, false, rows);
-      cuda::SwigluParams sw;
+      cuda::ActivationSwigluParams sw;
       sw.gate_up = mlp_gu_.as<uint16_t>();
       sw.act = mlp_act_.as<uint16_t>();
       sw.rows = rows;
       sw.inter = inter;
       sw.limit = config_.swiglu_limit;
-      cuda::launch_swiglu(sw, stream_);
+      cuda::launch_activation_swiglu(sw, stream_);
       launches += 2;
       if (reduce) {
         gemm(mlp_act_.as<uint16_t>(), inter, w.mlp_down, TensorView{}, o32_.data(), H, true, rows);
         all_reduce(o32_.as<float>(), int64_t{rows} * H, 2 * w.layer + 1);
-        cuda::launch_f32_to_bf16(o32_.as<float>(), h, int64_t{rows} * H, stream_);
+        cuda::launch_convert_f32_to_bf16(o32_.as<float>(), h, int64_t{rows} * H, stream_);
         launches += 3;
       } else {
         gemm(mlp_act_.as<uint16_t>(), inter, w.mlp_down, TensorView{}, h, H, false, rows);
@@ -629,7 +632,7 @@ class GpuEngineImpl final : public GpuEngine {
       indexer_ws_ = cuda::DeviceBuffer(indexer_plan_.workspace_bytes);
       cuda::init_indexer_workspace(indexer_plan_, indexer_ws_.data(), stream_);
     }
-    const std::size_t attention_bytes = cuda::sparse_attention_workspace_size(sc, limits_);
+    const std::size_t attention_bytes = cuda::attention_workspace_size(sc, limits_);
     attention_ws_ = cuda::DeviceBuffer(attention_bytes);
     if (attention_bytes)
       CUDA_CHECK(cudaMemsetAsync(attention_ws_.data(), 0, attention_bytes, stream_));
@@ -659,7 +662,7 @@ class GpuEngineImpl final : public GpuEngine {
 
   void add_norm(const void* delta, bool delta_f32, uint16_t* residual, const TensorView& weight,
                 uint16_t* out, int rows) {
-    cuda::AddNormParams p;
+    cuda::NormResidualParams p;
     p.delta = delta;
     p.residual = residual;
     p.weight = weight.ptr<const uint16_t>();
@@ -668,16 +671,16 @@ class GpuEngineImpl final : public GpuEngine {
     p.n = config_.model.hidden;
     p.delta_f32 = delta_f32 ? 1 : 0;
     p.eps = config_.model.rms_eps;
-    cuda::launch_add_rmsnorm(p, stream_);
+    cuda::launch_norm_residual(p, stream_);
   }
 
   // out[:, first_col + j] = x . w[first_col + j, :] (* scale) for j < n, of a [*, k] weight
-  // (deep: SkinnyGemmParams::deep). The K split (split_k8) follows from the weight's full row
+  // (deep: GemmSkinnyParams::deep). The K split (split_k8) follows from the weight's full row
   // count, so every column range of one projection reduces in the same order.
   void gemm(const uint16_t* x, int k, const TensorView& w, const TensorView& scale, void* out,
             int n, bool out_f32, int rows, int out_stride = 0, int first_col = 0,
             bool deep = false) {
-    cuda::SkinnyGemmParams p;
+    cuda::GemmSkinnyParams p;
     p.x = x;
     p.x_stride = k;
     p.w = static_cast<const uint8_t*>(w.data) +
@@ -685,14 +688,14 @@ class GpuEngineImpl final : public GpuEngine {
     p.scale = scale.defined() ? scale.ptr<const float>() + first_col : nullptr;
     p.out = static_cast<uint8_t*>(out) + int64_t{first_col} * (out_f32 ? 4 : 2);
     p.deep = deep ? 1 : 0;
-    p.split_k8 = cuda::skinny_gemm_prefers_split_k8(static_cast<int>(w.shape[0])) ? 1 : 0;
+    p.split_k8 = cuda::gemm_skinny_prefers_split_k8(static_cast<int>(w.shape[0])) ? 1 : 0;
     p.out_stride = out_stride > 0 ? out_stride : n;
     p.rows = rows;
     p.n = n;
     p.k = k;
     p.w_fp8 = w.dtype == DType::kFP8E4M3 ? 1 : 0;
     p.out_f32 = out_f32 ? 1 : 0;
-    cuda::launch_skinny_gemm(p, stream_);
+    cuda::launch_gemm_skinny(p, stream_);
   }
 
   // call_id labels the call for the peer all-reduce's shape check (2 * layer + 0 | 1).

@@ -5,7 +5,7 @@
 // Every output is poisoned first. Every test skips without a GPU.
 //
 // M3MSA_TEST_ATTENTION_TUNING (e.g. "splitp=1,cluster=0,pdl=1") runs the suite with other launcher
-// knobs (attention_launch.cuh); unset, the default tuning of launch_sparse_attention is tested.
+// knobs (attention.h); unset, the default tuning of launch_attention is tested.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -15,7 +15,6 @@
 
 #include "attention_test_util.h"
 #include "cuda/attention.h"
-#include "cuda/attention_launch.cuh"
 #include "cuda/common.cuh"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
@@ -42,7 +41,7 @@ const cuda::AttentionTuning& test_tuning() {
 
 void launch(const SparseConfig& cfg, const AttentionArgs& args, const cuda::DeviceBuffer& ws,
             cudaStream_t stream) {
-  cuda::launch_sparse_attention_tuned(cfg, args, ws.data(), ws.bytes(), stream, test_tuning());
+  cuda::launch_attention_tuned(cfg, args, ws.data(), ws.bytes(), stream, test_tuning());
 }
 
 // A workspace for one device, zeroed once (the launcher's contract).
@@ -52,7 +51,7 @@ struct Workspace {
     PlanLimits limits;
     limits.max_reqs = 64;
     limits.max_q_len = kMaxQueryLen;
-    const size_t bytes = cuda::sparse_attention_workspace_size(config, limits);
+    const size_t bytes = cuda::attention_workspace_size(config, limits);
     buffer = cuda::DeviceBuffer(bytes);
     CUDA_CHECK(cudaMemset(buffer.data(), 0, bytes));
   }
@@ -325,7 +324,7 @@ TEST(CudaSparseAttention, RefusesUnsupportedShapes) {
   cfg.head_dim = 64;
   PlanLimits limits;
   try {
-    cuda::sparse_attention_workspace_size(cfg, limits);
+    cuda::attention_workspace_size(cfg, limits);
     FAIL() << "head_dim 64 accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();

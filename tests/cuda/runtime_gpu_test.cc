@@ -1,5 +1,5 @@
 // The CUDA backend of the runtime (runtime.h, src/runtime/gpu_layer.cc) and its kernels
-// (src/cuda/runtime_kernels.h). Every test skips without a GPU (TP = 2 ones without two).
+// (src/cuda/gemm.h, norm.h). Every test skips without a GPU (TP = 2 ones without two).
 //
 // Oracles:
 //  - the runtime's kernels against double-precision / CPU references (exact where the maths is
@@ -44,7 +44,8 @@
 
 #include "cpu/runtime_test_fixture.h"
 #include "cuda/common.cuh"
-#include "cuda/runtime_kernels.h"
+#include "cuda/gemm.h"
+#include "cuda/norm.h"
 #include "m3msa/backend.h"
 #include "m3msa/cp_cuda.h"
 #include "m3msa/cpu_reference.h"
@@ -598,7 +599,7 @@ TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
           upload_into(dw.view(), w.data(), w.size());
           upload_into(ds.view(), scale.data(), scale.size() * 4);
           fill_device_bytes(dout.view(), 0x7F);  // poison (NaN as f32 / bf16 pairs)
-          cuda::SkinnyGemmParams p;
+          cuda::GemmSkinnyParams p;
           p.x = static_cast<const uint16_t*>(dx.data());
           p.x_stride = c.k;
           p.w = dw.data();
@@ -612,24 +613,24 @@ TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
           p.out_f32 = f32;
           p.deep = deep;
           p.split_k8 = variant == 3;
-          cuda::launch_skinny_gemm(p, nullptr);
+          cuda::launch_gemm_skinny(p, nullptr);
           CUDA_CHECK(cudaDeviceSynchronize());
           const std::vector<uint8_t> raw = download<uint8_t>(dout.view());
           // Again with the other loops (deep, ring): the same bits (also: run to run determinism).
           const std::vector<uint8_t> raw2 = [&] {
-            cuda::SkinnyGemmParams other = p;
+            cuda::GemmSkinnyParams other = p;
             other.deep = 1 - p.deep;
-            cuda::launch_skinny_gemm(other, nullptr);
+            cuda::launch_gemm_skinny(other, nullptr);
             CUDA_CHECK(cudaDeviceSynchronize());
             return download<uint8_t>(dout.view());
           }();
           EXPECT_EQ(raw, raw2) << "deep = 0 and deep = 1 differ";
           // And through the ring loop (these grids are too small to take it by themselves).
           const std::vector<uint8_t> raw3 = [&] {
-            cuda::SkinnyGemmParams other = p;
+            cuda::GemmSkinnyParams other = p;
             other.deep = 0;
             other.force_ring = 1;
-            cuda::launch_skinny_gemm(other, nullptr);
+            cuda::launch_gemm_skinny(other, nullptr);
             CUDA_CHECK(cudaDeviceSynchronize());
             return download<uint8_t>(dout.view());
           }();
@@ -684,9 +685,9 @@ TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
 }
 
 // A skinny GEMM of contiguous x [*, k] and w [n, k] into f32 out [*, n], no scale; rows unset.
-cuda::SkinnyGemmParams f32_gemm(const DeviceTensor& x, const DeviceTensor& w,
+cuda::GemmSkinnyParams f32_gemm(const DeviceTensor& x, const DeviceTensor& w,
                                 const DeviceTensor& out, int n, int k, bool fp8) {
-  cuda::SkinnyGemmParams p;
+  cuda::GemmSkinnyParams p;
   p.x = static_cast<const uint16_t*>(x.data());
   p.x_stride = k;
   p.w = w.data();
@@ -732,11 +733,11 @@ TEST(RuntimeKernels, SkinnyGemmDecodesEveryFp8CodeExactly) {
     const int loop = variant % 3;  // group, deep, ring (128-byte fp8 chunks: k = 128)
     const int rows = variant < 3 ? kRows : 8;
     fill_device_bytes(dout.view(), 0x5A);
-    cuda::SkinnyGemmParams p = f32_gemm(dx, dw, dout, kN, kK, /*fp8=*/true);
+    cuda::GemmSkinnyParams p = f32_gemm(dx, dw, dout, kN, kK, /*fp8=*/true);
     p.rows = rows;
     p.deep = loop == 1;
     p.force_ring = loop == 2;
-    cuda::launch_skinny_gemm(p, nullptr);
+    cuda::launch_gemm_skinny(p, nullptr);
     CUDA_CHECK(cudaDeviceSynchronize());
     const std::vector<float> out = download<float>(dout.view());
     int64_t bad = 0;
@@ -781,11 +782,11 @@ TEST(RuntimeKernels, SkinnyGemmRowResultIsIndependentOfTheBatch) {
       DeviceTensor dout(DType::kF32, {16, kN});
       upload_into(dx.view(), x.data(), x.size() * 2);
       upload_into(dw.view(), w.data(), w.size());
-      cuda::SkinnyGemmParams p = f32_gemm(dx, dw, dout, kN, k, fp8);
+      cuda::GemmSkinnyParams p = f32_gemm(dx, dw, dout, kN, k, fp8);
       const auto run = [&](int rows) {
         fill_device_bytes(dout.view(), 0x7F);
         p.rows = rows;
-        cuda::launch_skinny_gemm(p, nullptr);
+        cuda::launch_gemm_skinny(p, nullptr);
         CUDA_CHECK(cudaDeviceSynchronize());
         std::vector<float> out = download<float>(dout.view());
         out.resize(static_cast<std::size_t>(rows) * kN);
@@ -806,7 +807,7 @@ TEST(RuntimeKernels, SkinnyGemmRowResultIsIndependentOfTheBatch) {
 TEST(RuntimeKernels, SkinnyGemmRefusesUnsupportedShapes) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
   DeviceTensor buf(DType::kU8, {1 << 20});
-  cuda::SkinnyGemmParams p;
+  cuda::GemmSkinnyParams p;
   p.x = static_cast<const uint16_t*>(buf.data());
   p.w = buf.data();
   p.out = buf.data();
@@ -815,11 +816,11 @@ TEST(RuntimeKernels, SkinnyGemmRefusesUnsupportedShapes) {
   p.x_stride = 96;
   p.out_stride = 16;
   p.rows = 1;
-  EXPECT_THROW(cuda::launch_skinny_gemm(p, nullptr), Error);
+  EXPECT_THROW(cuda::launch_gemm_skinny(p, nullptr), Error);
   p.k = 64;
   p.x_stride = 64;
   p.rows = 17;
-  EXPECT_THROW(cuda::launch_skinny_gemm(p, nullptr), Error);
+  EXPECT_THROW(cuda::launch_gemm_skinny(p, nullptr), Error);
 }
 
 TEST(RuntimeKernels, AddRmsNormMatchesCpu) {
@@ -848,7 +849,7 @@ TEST(RuntimeKernels, AddRmsNormMatchesCpu) {
         } else {
           upload_into(dd.view(), delta16.data(), count * 2);
         }
-        cuda::AddNormParams p;
+        cuda::NormResidualParams p;
         p.delta = dd.data();
         p.residual = static_cast<uint16_t*>(dres.data());
         p.weight = static_cast<const uint16_t*>(dw.data());
@@ -857,7 +858,7 @@ TEST(RuntimeKernels, AddRmsNormMatchesCpu) {
         p.n = n;
         p.delta_f32 = f32;
         p.eps = 1e-6f;
-        cuda::launch_add_rmsnorm(p, nullptr);
+        cuda::launch_norm_residual(p, nullptr);
         CUDA_CHECK(cudaDeviceSynchronize());
         const std::vector<uint16_t> got_res = download<uint16_t>(dres.view());
         const std::vector<uint16_t> got_out = download<uint16_t>(dout.view());

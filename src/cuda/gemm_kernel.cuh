@@ -1,0 +1,308 @@
+// Skinny projection GEMM of the decode runtime: out[r, n] = sum_k x[r, k] * w[n, k] (* scale[n])
+// for at most 16 token rows (gemm.h has the host contract). Framework-free: raw pointers and
+// GemmSkinnyParams; launched by gemm.cu.
+//
+// Decode projections have at most 16 token rows: one m16 tile of the tensor-core MMA (mma.sync
+// m16n8k16 bf16, fp32 accumulation) covers them all, so the kernel streams every weight byte
+// exactly once. Each warp owns 16 output columns (two n8 tiles) and a slice of K; a CTA is 4 (or,
+// split_k8, 8) warps over the same 16 columns, reduced in a fixed order through shared memory.
+// Weight rows are read with 16-byte streaming loads; because a dot product may visit k in any
+// order, each thread's 16 contiguous k values are mapped onto its fragment positions (the
+// activations use the same mapping), so no shuffles are needed. fp8 e4m3 weights are converted
+// exactly to bf16 in registers (an e4m3 NaN makes its output column NaN). The loops (register
+// ring, groups, deep) only change how many chunks are in flight, never the order of a column's
+// sum, so they give the same bits; the warps per tile (split_k8) and the chunk width do change it.
+// Requirements: 1 <= rows <= 16, k % 64 == 0, 16-byte aligned x rows and weight base.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/gemm_params.h"
+#include "m3msa/dtype.h"
+
+namespace m3msa::cuda::gemm {
+
+inline constexpr int kGemmWarps = 4;  // split K inside a CTA
+inline constexpr int kGemmThreads = kGemmWarps * 32;
+inline constexpr int kColsPerCta = 16;  // two n8 MMA tiles
+inline constexpr int kChunk = 64;       // k per warp step (4 MMAs of k16)
+// <= 102 registers: 5 CTAs per SM, so the 616 CTAs of M3's TP = 1 projection are resident at once
+// (4 per SM would leave a second partial wave).
+inline constexpr int kGemmMinCtasPerSm = 5;
+
+// Weights are read exactly once: keep them out of L1.
+__device__ __forceinline__ uint4 load_stream(const void* ptr) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(ptr));
+  return v;
+}
+
+// Four e4m3 values (byte i = element i) -> two bf16x2 words (lo = elements 0, 1; hi = 2, 3),
+// exactly, on the integer and fp16 pipes: the conversion instructions (e4m3 -> f16 -> f32 -> bf16,
+// four per pair at 16 per clock per SM) would cap the GEMM at ~8 weights per clock per SM, under
+// half of what HBM delivers. The 7 magnitude bits go to bf16 bits 4..10 and the sign to bit 15,
+// which reads as the value x 2^-120 (normal, subnormal and zero alike), and one bf16x2 multiply by
+// 2^120 restores it exactly. The two NaN codes (magnitude 0x7F) would read as +-480: their bytes
+// are flagged in `nan_bits` (bit 7 of the byte) and gemm_tile makes those columns NaN.
+__device__ __forceinline__ void fp8x4_to_bf16x4(uint32_t four, uint32_t& lo, uint32_t& hi,
+                                                uint32_t& nan_bits) {
+  const uint32_t mag = four & 0x7F7F7F7Fu;
+  nan_bits |= mag + 0x01010101u;  // only a 0x7F magnitude carries into bit 7 (masked later)
+  // byte << 8 per 16-bit half, and the magnitude per half: 16 m + s << 15 = (b << 8) - 240 m.
+  const uint32_t b_lo = __byte_perm(four, 0, 0x1404), b_hi = __byte_perm(four, 0, 0x3424);
+  const uint32_t m_lo = __byte_perm(mag, 0, 0x4140), m_hi = __byte_perm(mag, 0, 0x4342);
+  const uint32_t scaled_lo = b_lo - 240u * m_lo, scaled_hi = b_hi - 240u * m_hi;
+  constexpr uint32_t kTwoPow120 = 0x7B807B80u, kMinusZero = 0x80008000u;  // bf16x2
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;"
+      : "=r"(lo)
+      : "r"(scaled_lo), "r"(kTwoPow120), "r"(kMinusZero));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;"
+      : "=r"(hi)
+      : "r"(scaled_hi), "r"(kTwoPow120), "r"(kMinusZero));
+}
+
+__device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1,
+                                                 uint32_t a2, uint32_t a3, uint32_t b0,
+                                                 uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The 16 activations of one row that pair with this thread's 16 weights of a chunk, as 8 bf16x2
+// words (word w = elements 2w, 2w + 1). Offsets: bf16 weights {t*8 .. +8} and {32 + t*8 .. +8};
+// fp8 weights {t*16 .. +16}.
+template <bool kFp8>
+__device__ __forceinline__ void load_x(const uint16_t* row_chunk, int t, uint32_t (&a)[8]) {
+  const uint4 lo = __ldg(reinterpret_cast<const uint4*>(row_chunk + (kFp8 ? t * 16 : t * 8)));
+  const uint4 hi =
+      __ldg(reinterpret_cast<const uint4*>(row_chunk + (kFp8 ? t * 16 + 8 : 32 + t * 8)));
+  a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
+  a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
+}
+
+template <bool kFp8>
+struct WeightRegs {
+  uint4 v[kFp8 ? 1 : 2];
+};
+
+template <bool kFp8>
+__device__ __forceinline__ void load_w(const uint8_t* row_chunk, int t, WeightRegs<kFp8>& w) {
+  if constexpr (kFp8) {
+    w.v[0] = load_stream(row_chunk + t * 16);
+  } else {
+    w.v[0] = load_stream(row_chunk + t * 16);       // bf16 elements t*8 .. +8
+    w.v[1] = load_stream(row_chunk + 64 + t * 16);  // bf16 elements 32 + t*8 .. +8
+  }
+}
+
+// `nan_bits` (fp8 only): bit 7 of a byte is set where a weight was an e4m3 NaN.
+template <bool kFp8>
+__device__ __forceinline__ void weight_words(const WeightRegs<kFp8>& w, uint32_t (&b)[8],
+                                             uint32_t& nan_bits) {
+  if constexpr (kFp8) {
+    const uint32_t bytes[4] = {w.v[0].x, w.v[0].y, w.v[0].z, w.v[0].w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) fp8x4_to_bf16x4(bytes[i], b[2 * i], b[2 * i + 1], nan_bits);
+  } else {
+    b[0] = w.v[0].x, b[1] = w.v[0].y, b[2] = w.v[0].z, b[3] = w.v[0].w;
+    b[4] = w.v[1].x, b[5] = w.v[1].y, b[6] = w.v[1].z, b[7] = w.v[1].w;
+  }
+}
+
+// kSub consecutive 64-k sub-chunks of the tile's two weight rows: one slot of gemm_tile's loops.
+template <bool kFp8, int kSub>
+struct ChunkRegs {
+  WeightRegs<kFp8> w[kSub][2];
+};
+
+// One 16-column tile: out[:, n0 .. n0 + 16). K is cut into chunks of kSub x 64 (kSub 2: fp8
+// weights read 128 bytes per row per chunk, as bf16's 64-k chunks are). Warp w of kWarps handles
+// the chunks c = w, w + kWarps, ... of K for the tile's 16 columns, kUnroll chunks in flight (a
+// group loaded before any is used, or a ring: kRing). Lanes: g = lane / 4 is the MMA group (rows g
+// and g + 8 of A, column g of each n8 tile of B), t = lane % 4 picks the k slice (see load_x). A
+// warp accumulates its chunks in increasing order (their sub-chunks too) whatever kUnroll and
+// kRing are, so they give the same bits; kWarps and kSub change the order.
+template <bool kFp8, int kUnroll, bool kRing, int kWarps, int kSub = 1>
+__device__ __forceinline__ void gemm_tile(const GemmSkinnyParams& p, int n0,
+                                          float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
+  constexpr int kElem = kFp8 ? 1 : 2;
+  constexpr int kChunkK = kChunk * kSub;
+  const int warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int chunks = p.k / kChunkK;
+  const bool lo_ok = g < p.rows;
+  const bool hi_ok = g + 8 < p.rows;
+  const uint16_t* x_lo = p.x + static_cast<int64_t>(lo_ok ? g : 0) * p.x_stride;
+  const uint16_t* x_hi = p.x + static_cast<int64_t>(hi_ok ? g + 8 : 0) * p.x_stride;
+  const uint8_t* w_base = static_cast<const uint8_t*>(p.w);
+  const uint8_t* w_row[2];
+  bool col_ok[2];
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = n0 + j * 8 + g;
+    col_ok[j] = col < p.n;
+    w_row[j] = w_base + static_cast<int64_t>(col_ok[j] ? col : 0) * p.k * kElem;
+  }
+
+  using Slot = ChunkRegs<kFp8, kSub>;
+  const auto load_chunk = [&](int c, Slot& slot) {
+#pragma unroll
+    for (int u = 0; u < kSub; ++u) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (c < chunks && col_ok[j]) {
+          load_w<kFp8>(w_row[j] + (static_cast<int64_t>(c) * kChunkK + u * kChunk) * kElem, t,
+                       slot.w[u][j]);
+        } else {
+#pragma unroll
+          for (int i = 0; i < (kFp8 ? 1 : 2); ++i) slot.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+  };
+  float acc[2][4] = {};
+  uint32_t nan_bits[2] = {0u, 0u};
+  const auto compute_chunk = [&](int c, const Slot& slot) {
+#pragma unroll
+    for (int u = 0; u < kSub; ++u) {
+      const int64_t k0 = static_cast<int64_t>(c) * kChunkK + u * kChunk;
+      uint32_t a_lo[8] = {}, a_hi[8] = {};
+      if (lo_ok) load_x<kFp8>(x_lo + k0, t, a_lo);
+      if (hi_ok) load_x<kFp8>(x_hi + k0, t, a_hi);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t b[8];
+        weight_words<kFp8>(slot.w[u][j], b, nan_bits[j]);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          mma_bf16_16x8x16(acc[j], a_lo[2 * s], a_hi[2 * s], a_lo[2 * s + 1], a_hi[2 * s + 1],
+                           b[2 * s], b[2 * s + 1]);
+        }
+      }
+    }
+  };
+
+  if constexpr (kRing) {
+    // Slot u of the register ring holds chunk first + u * kWarps and is refilled with the
+    // chunk kUnroll steps ahead as soon as its MMAs are issued, so each warp keeps kUnroll - 1
+    // chunks in flight while it computes (the group loop below leaves HBM idle while the warps
+    // of an SM, started together, compute at once). 128-byte chunks only (bf16, fp8 with kSub
+    // 2): each slot's loads need a load scoreboard of their own (a warp has six), and fp8's six
+    // 64-byte chunks would share them (measured 18-38 % slower).
+    Slot w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) load_chunk(warp + u * kWarps, w[u]);
+    for (int first = warp; first < chunks; first += kWarps * kUnroll) {
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = first + u * kWarps;
+        if (c >= chunks) break;  // warp-uniform
+        compute_chunk(c, w[u]);
+        load_chunk(c + kWarps * kUnroll, w[u]);
+      }
+    }
+  } else {
+    // Groups: kUnroll chunks' weights are loaded before any is used.
+    for (int first = warp; first < chunks; first += kWarps * kUnroll) {
+      Slot w[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) load_chunk(first + u * kWarps, w[u]);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = first + u * kWarps;
+        if (c >= chunks) break;  // warp-uniform
+        compute_chunk(c, w[u]);
+      }
+    }
+  }
+
+  if constexpr (kFp8) {
+    // A NaN weight makes its column NaN whatever x is (as NaN * x would). Lanes 4c .. 4c + 3
+    // loaded column c of tile j; this lane holds the sums of columns 2t and 2t + 1.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t nan_lanes = __ballot_sync(0xFFFFFFFFu, (nan_bits[j] & 0x80808080u) != 0u);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if ((nan_lanes >> (4 * (2 * t + e))) & 0xFu) {
+          acc[j][e] = acc[j][e + 2] = __int_as_float(0x7FFFFFFF);
+        }
+      }
+    }
+  }
+  // C fragment: c0, c1 = (row g, cols 2t, 2t + 1), c2, c3 = (row g + 8, same cols).
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = j * 8 + 2 * t;
+    s_red[warp][g][col] = acc[j][0];
+    s_red[warp][g][col + 1] = acc[j][1];
+    s_red[warp][g + 8][col] = acc[j][2];
+    s_red[warp][g + 8][col + 1] = acc[j][3];
+  }
+  __syncthreads();
+  for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kWarps * 32) {
+    const int row = o / kColsPerCta;
+    const int col = n0 + o % kColsPerCta;
+    if (row >= p.rows || col >= p.n) continue;
+    float sum = s_red[0][row][o % kColsPerCta];
+#pragma unroll
+    for (int w = 1; w < kWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
+    if (p.scale != nullptr) sum = __fmul_rn(sum, p.scale[col]);
+    if (p.out_f32) {
+      static_cast<float*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] = sum;
+    } else {
+      static_cast<uint16_t*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] =
+          float_to_bf16(sum);
+    }
+  }
+}
+
+// Grid: ceil(n / 16) CTAs of 4 warps, one tile each. kRing: gemm_tile's ring loop (128-byte
+// chunks: bf16, or fp8 with kSub 2). Three 128-byte chunks (six 64-byte ones for fp8 of kSub 1)
+// per warp in flight.
+template <bool kFp8, bool kRing, int kSub>
+__global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
+    gemm_skinny_kernel(const __grid_constant__ GemmSkinnyParams p) {
+  static_assert(!kRing || !kFp8 || kSub == 2, "the ring needs 128-byte chunks");
+  __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
+  gemm_tile<kFp8, (kFp8 && kSub == 1) ? 6 : 3, kRing, kGemmWarps, kSub>(p, blockIdx.x * kColsPerCta,
+                                                                        s_red);
+}
+
+// GemmSkinnyParams::split_k8: 8 warps over K per tile (another reduction order than 4), 3 CTAs
+// per SM (<= 85 registers: groups of two bf16 / four fp8 chunks); with deep, the deep variant's
+// groups at one CTA per SM (the same bits as without deep).
+template <bool kFp8>
+__global__ void __launch_bounds__(2 * kGemmThreads, 3)
+    gemm_skinny_k8_kernel(const __grid_constant__ GemmSkinnyParams p) {
+  __shared__ float s_red[2 * kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
+  gemm_tile<kFp8, kFp8 ? 4 : 2, false, 2 * kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(2 * kGemmThreads, 1)
+    gemm_skinny_k8_deep_kernel(const __grid_constant__ GemmSkinnyParams p) {
+  __shared__ float s_red[2 * kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
+  gemm_tile<kFp8, kFp8 ? 16 : 12, false, 2 * kGemmWarps>(p, blockIdx.x * kColsPerCta, s_red);
+}
+
+// GemmSkinnyParams::deep: the same grid and bits, 4x (bf16) / 2.7x (fp8) the weight chunks in
+// flight per warp (up to 255 registers): for narrow outputs, whose few CTAs would otherwise wait
+// on latency.
+template <bool kFp8, int kSub>
+__global__ void __launch_bounds__(kGemmThreads, 1)
+    gemm_skinny_deep_kernel(const __grid_constant__ GemmSkinnyParams p) {
+  __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
+  gemm_tile<kFp8, kFp8 ? 16 / kSub : 12, false, kGemmWarps, kSub>(p, blockIdx.x * kColsPerCta,
+                                                                  s_red);
+}
+
+}  // namespace m3msa::cuda::gemm

@@ -31,7 +31,7 @@
 #include "demo_runtime.h"
 #include "json_out.h"
 #include "m3msa/case_io.h"
-#include "m3msa/cp.h"
+#include "m3msa/cp_model.h"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
 #include "m3msa/synthetic.h"

@@ -113,10 +113,6 @@ float proj_scale(int64_t fan_in) {
   return 1.7f / std::sqrt(static_cast<float>(fan_in));
 }
 
-int first_kv_head(const ModelConfig& m, int rank, int world) {
-  return world <= m.kv_heads ? rank * (m.kv_heads / world) : rank / (world / m.kv_heads);
-}
-
 // One row of a master weight matrix segment: (tensor, master row, scale).
 struct RowSource {
   TensorId id;
@@ -127,19 +123,17 @@ struct RowSource {
 // This rank's fused projection rows [q | k | v | index_q | index_k] (ModelConfig::sparse; with
 // CP every index_q head).
 std::vector<RowSource> qkv_rows(const ModelConfig& m, int rank, int world, bool cp) {
-  const SparseConfig sc = m.sparse(world, cp);
   const float s = proj_scale(m.hidden);
   std::vector<RowSource> rows;
   auto add = [&](TensorId id, int64_t first, int64_t count) {
     for (int64_t i = 0; i < count; ++i) rows.push_back({id, first + i, s});
   };
-  const int64_t q0 = int64_t{rank} * (m.q_heads / world);
-  const int64_t kv0 = first_kv_head(m, rank, world);
-  add(kWq, q0 * m.head_dim, int64_t{sc.q_heads} * m.head_dim);
-  add(kWk, kv0 * m.head_dim, int64_t{sc.kv_heads} * m.head_dim);
-  add(kWv, kv0 * m.head_dim, int64_t{sc.kv_heads} * m.head_dim);
-  add(kWiq, (cp ? 0 : kv0) * m.index_dim, int64_t{sc.index_heads} * m.index_dim);
-  add(kWik, 0, m.index_dim);
+  const RankLayout l = rank_layout(m, rank, world, cp);
+  add(kWq, l.q_rows.first, l.q_rows.count);
+  add(kWk, l.k_rows.first, l.k_rows.count);
+  add(kWv, l.v_rows.first, l.v_rows.count);
+  add(kWiq, l.index_q_rows.first, l.index_q_rows.count);
+  add(kWik, l.index_k_rows.first, l.index_k_rows.count);
   return rows;
 }
 
@@ -279,8 +273,9 @@ HostModel make_host_model(const Spec& spec, int rank, int world, int threads) {
   const int64_t H = m.hidden;
   const int64_t A = int64_t{m.q_heads} * m.head_dim;  // master attention width
   const int64_t Ar = int64_t{sc.q_heads} * m.head_dim;
-  const int64_t q0 = int64_t{rank} * (m.q_heads / world);
-  const int kv0 = first_kv_head(m, rank, world);
+  const RankLayout layout = rank_layout(m, rank, world);
+  const int64_t q0 = layout.first_q_head;
+  const int kv0 = layout.first_kv_head;
   for (int layer = m.first_sparse_layer; layer < m.num_layers; ++layer) {
     LayerWeights w;
     w.layer = layer;
@@ -515,7 +510,7 @@ RunResult run_cpu(const Spec& spec, int tp, int threads, bool record,
         if (!rec) continue;
         const Runtime::LayerTrace trace = rt.last_layer_trace();
         const int32_t* topk = trace.topk.ptr<const int32_t>();
-        const int kv0 = first_kv_head(m, r, tp);
+        const int kv0 = rank_layout(m, r, tp).first_kv_head;
         {
           std::lock_guard<std::mutex> lock(mutex);
           for (int64_t row = 0; row < rows; ++row) {

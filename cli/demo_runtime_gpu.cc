@@ -169,7 +169,7 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record,
         download(rt.last_layer_trace().topk, topk);
         download(d_hidden.view(), hidden);
         download(d_residual.view(), residual);
-        const int kv0 = m.kv_heads >= tp ? r * (m.kv_heads / tp) : r / (tp / m.kv_heads);
+        const int kv0 = rank_layout(m, r, tp).first_kv_head;
         std::lock_guard<std::mutex> lock(mutex);
         for (int64_t row = 0; row < rows; ++row) {
           for (int h = 0; h < sc.kv_heads; ++h) {  // this rank's heads

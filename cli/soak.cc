@@ -18,7 +18,7 @@
 
 #include "commands.h"
 #include "json_out.h"
-#include "m3msa/cp.h"
+#include "m3msa/cp_model.h"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"

@@ -37,24 +37,14 @@ struct SparseConfig {
   std::string to_string() const;
 };
 
-// The whole model (the runtime and the demo use it; kernels take SparseConfig).
-struct ModelConfig {
+// The whole model (the runtime and the demo use it; kernels take SparseConfig): the attention
+// fields of SparseConfig with *global* head counts (the view of one rank at TP = 1, which is
+// sparse(1)), plus what only the whole model has.
+struct ModelConfig : SparseConfig {
   int hidden = 6144;
   int num_layers = 60;
   int first_sparse_layer = 3;  // layers [0, first_sparse_layer) are dense
-  int q_heads = 64;            // global counts
-  int kv_heads = 4;
-  int head_dim = 128;
-  int index_heads = 4;
-  int index_dim = 128;
-  int block_size = 128;
-  int topk = 16;
-  int init_blocks = 0;
-  int local_blocks = 1;
-  int rope_dim = 64;
-  double rope_theta = 5e6;
-  float rms_eps = 1e-6f;
-  int intermediate = 0;  // dense MLP width for the demo's FFN stand-in (0: none)
+  int intermediate = 0;        // dense MLP width for the demo's FFN stand-in (0: none)
 
   int num_sparse_layers() const { return num_layers - first_sparse_layer; }
   void validate() const;

@@ -1,7 +1,7 @@
-// The context-parallel (CP) indexer on several GPUs (docs/cp.md), and the NCCL communicator it
-// (and the runtime) can run on. The CPU model of the same protocol is cp.h; this is its CUDA
-// counterpart, with the same head placement (cp_merged_heads / cp_consumers), buffer key, tags,
-// parities and bounded spin.
+// The context-parallel (CP) indexer on several GPUs (docs/cp.md). The CPU model of the same
+// protocol is cp_model.h; this is its CUDA counterpart, with the same head placement
+// (cp_merged_heads / cp_consumers of cp.h), buffer key, tags, parities and bounded spin. The NCCL
+// transports run on the NcclCommunicator of comm.h.
 //
 // Transports, kept side by side (cp.md):
 //  - kPeer:          each rank scores every index head over its round-robin shard (global block
@@ -54,74 +54,6 @@
 #include "m3msa/ops.h"
 
 namespace m3msa {
-
-// ---- NCCL communicator ----
-
-// Communicator over NCCL: all_gather of byte records (a length all-gather, then a padded byte
-// all-gather, through persistent device buffers and pinned host staging) and all_reduce_sum, plus
-// the raw ncclComm_t for device-side collectives. Every wait is bounded by `timeout`: the host
-// never blocks in a CUDA call that waits for a collective (copies go to pinned memory and the
-// stream is polled together with ncclCommGetAsyncError), and on expiry the communicator aborts
-// its NCCL communicator (ncclCommAbort, itself bounded) and throws kTimeout; the communicator is
-// then broken. The factories set NCCL_RUNTIME_CONNECT=0 (unless the environment sets it), so
-// every NCCL connection is made inside ncclCommInit*: a later collective never blocks the host in
-// a lazy connection to a peer that is not there. Destruction is bounded too: a destroy or abort
-// that does not return within `timeout` is left behind (logged), never waited for.
-class NcclCommunicator : public Communicator {
- public:
-  ~NcclCommunicator() override;
-  int rank() const override { return rank_; }
-  int world_size() const override { return world_size_; }
-  std::string name() const override;
-  std::vector<ByteRecord> all_gather(const ByteRecord& record, std::string_view tag) override;
-  void all_reduce_sum(float* data, std::size_t count, std::string_view tag) override;
-
-  int device() const { return device_; }
-  void* nccl_comm() const { return comm_; }  // ncclComm_t (null once aborted or abandoned)
-  // Waits (bounded by timeout) for `stream` (a cudaStream_t), polling NCCL's async error; throws
-  // kTimeout after aborting the communicator, kInternal on an NCCL error.
-  void wait(void* stream, std::string_view what);
-  // Throws kInternal (and marks the communicator broken) if NCCL reports an asynchronous error.
-  void check_async_error(std::string_view what);
-  // Aborts the NCCL communicator (bounded by timeout; ncclCommAbort unblocks the kernels of its
-  // collectives still waiting for a peer) and marks the communicator broken.
-  void abort(std::string_view why);
-  // For survivors of a rank that died: marks the communicator broken and forgets the NCCL
-  // communicator and its buffers without destroying them (ncclCommDestroy / ncclCommAbort may
-  // wait for the dead rank); they stay allocated until the process exits.
-  void abandon();
-  bool broken() const { return broken_; }
-  std::chrono::milliseconds timeout() const { return timeout_; }
-
-  struct Impl;
-
- private:
-  friend std::vector<std::unique_ptr<NcclCommunicator>> make_nccl_communicators_in_process(
-      const std::vector<int>&, std::chrono::milliseconds);
-  friend std::unique_ptr<NcclCommunicator> make_nccl_communicator_from_env(
-      std::chrono::milliseconds);
-  NcclCommunicator(void* comm, int rank, int world_size, int device,
-                   std::chrono::milliseconds timeout);
-  void* comm_ = nullptr;
-  int rank_ = 0;
-  int world_size_ = 1;
-  int device_ = 0;
-  std::chrono::milliseconds timeout_;
-  bool broken_ = false;
-  bool abandoned_ = false;
-  std::unique_ptr<Impl> impl_;
-};
-
-// Ranks as threads of one process, one GPU each (ncclCommInitAll); element r is rank r, driven by
-// one thread. devices.size() is the world size.
-std::vector<std::unique_ptr<NcclCommunicator>> make_nccl_communicators_in_process(
-    const std::vector<int>& devices, std::chrono::milliseconds timeout = kDefaultCommTimeout);
-
-// Ranks as processes: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and LOCAL_RANK, default RANK)
-// from the environment; rank 0 serves the ncclUniqueId over TCP on MASTER_ADDR:MASTER_PORT, the
-// others fetch it (bounded by timeout). The device is LOCAL_RANK % the visible device count.
-std::unique_ptr<NcclCommunicator> make_nccl_communicator_from_env(
-    std::chrono::milliseconds timeout = kDefaultCommTimeout);
 
 // ---- The CP indexer ----
 

@@ -15,9 +15,10 @@
 //
 // Backends: the device of the bound tensors picks one at prepare (every tensor of every layer on
 // that one device, else an error).
-//  - CPU (host tensors): forward_layer with the CPU reference (cpu::preprocess / select_topk /
-//    sparse_attention), plain fp32-accumulating matmuls, the TP reduce through the Communicator.
-//  - CUDA (tensors on one GPU; src/runtime/gpu_layer.cc): the same steps as kernels queued on one
+//  - CPU (host tensors; src/runtime/cpu_engine.cc): forward_layer with the CPU reference
+//    (cpu::preprocess / select_topk / sparse_attention), plain fp32-accumulating matmuls, the TP
+//    reduce through the Communicator.
+//  - CUDA (tensors on one GPU; src/runtime/gpu_engine.cc): the same steps as kernels queued on one
 //    stream (RuntimeConfig::cuda_stream or the runtime's own): fused residual add + Gemma RMSNorm,
 //    a skinny tensor-core GEMM for the projections (bf16, or fp8 e4m3 converted exactly in
 //    registers, then * scale), the CUDA preprocessing, decode indexer (replicated, or the CUDA
@@ -87,7 +88,7 @@ TpAllReduce parse_tp_allreduce(const std::string& text);  // kInvalidArgument na
 // projection) and preprocessed, then the indexer runs on a second, high-priority stream, at one
 // CTA per SM, while the projection's CTAs fill the rest of every SM. It changes no result; it
 // pays where the indexer is long next to the projection (several query rows per request, long
-// contexts) and costs ~2-5 % at q_len 1 (docs/benchmarks.md, session 4).
+// contexts) and costs ~2-5 % at q_len 1 (docs/benchmarks.md).
 enum class IndexerOverlap : int {
   kAuto = 0,  // on for steps with q_len >= 2 (speculative rows), off for q_len 1
   kOff = 1,
@@ -130,8 +131,46 @@ struct RuntimeConfig {
   std::string to_string() const;
 };
 
+// Which part of the model one rank holds under tensor parallelism of tp_size ranks, with or
+// without indexer-only context parallelism (the split ModelConfig::sparse counts): global head
+// ranges, and the rows / columns of the global weight matrices that make up this rank's
+// LayerWeights. q heads are split evenly. KV heads are split evenly, or replicated when tp_size
+// > kv_heads (rank r holds KV head r / (tp_size / kv_heads)); index head h belongs with KV head h
+// and is split alike, except under CP, where every rank projects every index head and keeps the
+// selections of its own KV heads (cp_merged_heads). The index-K head is replicated.
+struct RowRange {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+
+struct RankLayout {
+  int tp_rank = 0;
+  int tp_size = 1;
+  bool context_parallel = false;
+  int first_q_head = 0;  // global query heads [first_q_head, first_q_head + q_heads)
+  int q_heads = 0;
+  int first_kv_head = 0;  // global KV heads [first_kv_head, first_kv_head + kv_heads)
+  int kv_heads = 0;
+  int first_index_head = 0;  // global index heads this rank projects and scores
+  int index_heads = 0;
+  // The fused projection [q | k | v | index_q | index_k] of this rank: for each segment, the rows
+  // of the global per-segment matrix (q: [q_heads * head_dim, hidden] of the model, k and v:
+  // [kv_heads * head_dim, hidden], index_q: [index_heads * index_dim, hidden], index_k:
+  // [index_dim, hidden]) it stacks.
+  RowRange q_rows, k_rows, v_rows, index_q_rows, index_k_rows;
+  RowRange o_proj_cols;  // columns of the global o_proj [hidden, q_heads * head_dim]
+  RowRange mlp_rows;     // rows of the global MLP gate and up [intermediate, hidden] (each), and
+                         // columns of the global mlp_down [hidden, intermediate]
+};
+
+// The layout of rank `tp_rank` of `tp_size`. kInvalidArgument where ModelConfig::sparse refuses
+// the split or tp_rank is outside [0, tp_size).
+RankLayout rank_layout(const ModelConfig& model, int tp_rank, int tp_size,
+                       bool context_parallel = false);
+
 // One sparse layer's tensors for this rank, bound without copies (views stay the engine's).
-// With P = TP ranks, sc = model.sparse(P, config.context_parallel): W = sc.qkv_width(),
+// With P = TP ranks, sc = model.sparse(P, config.context_parallel) and the rows and columns of
+// rank_layout(model, rank, P, config.context_parallel): W = sc.qkv_width(),
 // QH = sc.q_heads, KVH = sc.kv_heads, and sc.index_heads index_q heads (H / P without CP, all H
 // with CP). The index-K head is replicated (every rank projects it and holds the whole index-K
 // cache).

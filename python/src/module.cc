@@ -27,7 +27,7 @@
 #include "m3msa/synthetic.h"
 #include "runtime_binding.h"
 #if M3MSA_PY_WITH_CP
-#include "m3msa/cp.h"
+#include "m3msa/cp_model.h"
 #endif
 
 namespace m3msa::python {
@@ -475,30 +475,14 @@ std::string repr(const SparseConfig& c) {
   return out.str();
 }
 
-std::string repr(const ModelConfig& c) {
-  std::ostringstream out;
-  out << "ModelConfig(hidden=" << c.hidden << ", num_layers=" << c.num_layers
-      << ", first_sparse_layer=" << c.first_sparse_layer << ", q_heads=" << c.q_heads
-      << ", kv_heads=" << c.kv_heads << ", head_dim=" << c.head_dim
-      << ", index_heads=" << c.index_heads << ", index_dim=" << c.index_dim
-      << ", block_size=" << c.block_size << ", topk=" << c.topk << ", init_blocks=" << c.init_blocks
-      << ", local_blocks=" << c.local_blocks << ", rope_dim=" << c.rope_dim
-      << ", rope_theta=" << c.rope_theta << ", rms_eps=" << c.rms_eps
-      << ", intermediate=" << c.intermediate << ")";
-  return out.str();
-}
-
 bool same(const SparseConfig& a, const SparseConfig& b) {
   return repr(a) == repr(b);
 }
-bool same(const ModelConfig& a, const ModelConfig& b) {
-  return repr(a) == repr(b);
-}
 
-// The attention fields SparseConfig and ModelConfig share (same names, same meaning), and the
-// value protocol of both: repr, ==, copy.
-template <class Config>
-void bind_attention_fields(py::class_<Config>& cls) {
+// The attention fields (ModelConfig inherits them: runtime_binding.cc), and the value protocol:
+// repr, ==, copy.
+void bind_attention_fields(py::class_<SparseConfig>& cls) {
+  using Config = SparseConfig;
   cls.def_readwrite("q_heads", &Config::q_heads)
       .def_readwrite("kv_heads", &Config::kv_heads)
       .def_readwrite("head_dim", &Config::head_dim)
@@ -555,53 +539,6 @@ void bind_configs(py::module_& m) {
                              "index_k]")
       .def("validate", &SparseConfig::validate, "Raises m3msa.Error naming the first bad field.");
   bind_attention_fields(sparse);
-
-  const ModelConfig d;
-  py::class_<ModelConfig> model(m, "ModelConfig",
-                                "The whole model, with global head counts. Defaults: MiniMax-M3.");
-  model
-      .def(py::init([](int hidden, int num_layers, int first_sparse_layer, int q_heads,
-                       int kv_heads, int head_dim, int index_heads, int index_dim, int block_size,
-                       int topk, int init_blocks, int local_blocks, int rope_dim, double rope_theta,
-                       float rms_eps, int intermediate) {
-             ModelConfig c;
-             c.hidden = hidden;
-             c.num_layers = num_layers;
-             c.first_sparse_layer = first_sparse_layer;
-             c.q_heads = q_heads;
-             c.kv_heads = kv_heads;
-             c.head_dim = head_dim;
-             c.index_heads = index_heads;
-             c.index_dim = index_dim;
-             c.block_size = block_size;
-             c.topk = topk;
-             c.init_blocks = init_blocks;
-             c.local_blocks = local_blocks;
-             c.rope_dim = rope_dim;
-             c.rope_theta = rope_theta;
-             c.rms_eps = rms_eps;
-             c.intermediate = intermediate;
-             return c;
-           }),
-           py::kw_only(), py::arg("hidden") = d.hidden, py::arg("num_layers") = d.num_layers,
-           py::arg("first_sparse_layer") = d.first_sparse_layer, py::arg("q_heads") = d.q_heads,
-           py::arg("kv_heads") = d.kv_heads, py::arg("head_dim") = d.head_dim,
-           py::arg("index_heads") = d.index_heads, py::arg("index_dim") = d.index_dim,
-           py::arg("block_size") = d.block_size, py::arg("topk") = d.topk,
-           py::arg("init_blocks") = d.init_blocks, py::arg("local_blocks") = d.local_blocks,
-           py::arg("rope_dim") = d.rope_dim, py::arg("rope_theta") = d.rope_theta,
-           py::arg("rms_eps") = d.rms_eps, py::arg("intermediate") = d.intermediate)
-      .def_readwrite("hidden", &ModelConfig::hidden)
-      .def_readwrite("num_layers", &ModelConfig::num_layers)
-      .def_readwrite("first_sparse_layer", &ModelConfig::first_sparse_layer)
-      .def_readwrite("intermediate", &ModelConfig::intermediate)
-      .def_property_readonly("num_sparse_layers", &ModelConfig::num_sparse_layers)
-      .def("sparse", &ModelConfig::sparse, py::arg("tp_size") = 1,
-           py::arg("context_parallel") = false,
-           "The per-rank SparseConfig under tensor parallelism of tp_size ranks (with "
-           "context_parallel: the CP view, every index head on every rank).")
-      .def("validate", &ModelConfig::validate);
-  bind_attention_fields(model);
 }
 
 void bind_view(py::module_& m) {

@@ -1,7 +1,7 @@
 // A one-shot tensor-parallel fp32 sum all-reduce through peer-mapped buffers, without a barrier,
 // for decode-sized messages (the per-layer [rows <= 16, hidden] all-reduce of the fused decode
-// runtime). Internal to the library; kernels and the protocol in
-// src/cuda/peer_allreduce_kernel.cuh, host side in src/cuda/peer_allreduce.cu (a build without CUDA
+// runtime). Internal to the library; the kernel and the protocol in peer_allreduce_kernel.cuh (its
+// parameters in peer_allreduce_params.h), host side in peer_allreduce.cu (a build without CUDA
 // has a stub whose constructor throws kUnsupported).
 //
 // One kernel per call: every rank stores its values, tagged with its call generation, straight

@@ -94,21 +94,12 @@ SparseConfig ModelConfig::sparse(int tp_size, bool context_parallel) const {
                   ")");
   M3MSA_CHECK_ARG(kv_heads % tp_size == 0 || tp_size % kv_heads == 0, "tp_size (", tp_size,
                   ") must divide kv_heads (", kv_heads, ") or be a multiple of it");
-  SparseConfig s;
+  SparseConfig s = *this;  // every field but the head counts is the same on every rank
   s.q_heads = q_heads / tp_size;
   s.kv_heads = tp_size <= kv_heads ? kv_heads / tp_size : 1;
-  s.head_dim = head_dim;
   s.index_heads = context_parallel         ? index_heads
                   : tp_size <= index_heads ? index_heads / tp_size
                                            : 1;
-  s.index_dim = index_dim;
-  s.block_size = block_size;
-  s.topk = topk;
-  s.init_blocks = init_blocks;
-  s.local_blocks = local_blocks;
-  s.rope_dim = rope_dim;
-  s.rope_theta = rope_theta;
-  s.rms_eps = rms_eps;
   return s;
 }
 

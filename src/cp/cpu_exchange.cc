@@ -1,7 +1,7 @@
-// The CPU model of the CP "peer" exchange (docs/cp.md, include/m3msa/cp.h). Ranks are threads;
-// what a GPU keeps in peer-mapped device memory lives here in a buffer set of atomics that every
-// rank's thread can store into. The order of operations mirrors the CUDA transport on purpose:
-// nominate, tag, store (release), spin (acquire, bounded), strip, select.
+// The CPU model of the CP "peer" exchange (docs/cp.md, include/m3msa/cp_model.h). Ranks are
+// threads; what a GPU keeps in peer-mapped device memory lives here in a buffer set of atomics that
+// every rank's thread can store into. The order of operations mirrors the CUDA transport on
+// purpose: nominate, tag, store (release), spin (acquire, bounded), strip, select.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
@@ -11,7 +11,7 @@
 #include <thread>
 #include <utility>
 
-#include "m3msa/cp.h"
+#include "m3msa/cp_model.h"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
 #include "m3msa/sort_key.h"

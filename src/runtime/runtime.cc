@@ -1,7 +1,8 @@
 // The runtime's lifecycle (mono.md): the staged, collectively agreed prepare, begin_step into
-// fixed metadata buffers, forward_layer (the CPU reference here, or the CUDA backend of
-// gpu_layer.cc when the bound tensors are on a GPU), detach and close. Everything a step needs is
-// allocated in prepare; the step path allocates nothing.
+// fixed metadata buffers, forward_layer (its checks and bookkeeping; the layer itself runs on the
+// engine prepare built: cpu_engine.cc for host tensors, gpu_engine.cc for tensors on a GPU),
+// detach and close. Everything a step needs is allocated in prepare; the step path allocates
+// nothing.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -10,8 +11,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "m3msa/cp.h"
-#include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
 #include "m3msa/ops.h"
 #include "m3msa/runtime.h"
@@ -201,39 +200,21 @@ struct Runtime::Impl {
   RuntimeConfig config;
   SparseConfig sparse;
   std::vector<LayerWeights> layers;  // index: layer - first_sparse_layer
+  RankLayout layout;
   int max_rows = 0;
   int64_t max_blocks = 0;
   Device device = Device::cpu();                   // where the bound tensors are
+  std::unique_ptr<runtime_detail::CpuEngine> cpu;  // the CPU backend's host state
   std::unique_ptr<runtime_detail::GpuEngine> gpu;  // the CUDA backend's device state
   int64_t last_rows = 0;                           // rows of the last forward_layer
 
-  // Fixed metadata buffers: allocated at prepare, addresses stable until close.
-  HostTensor seq_lens;            // [max_requests] i32
-  HostTensor index_block_table;   // [max_requests, max_blocks] i32
-  HostTensor kv_block_table;      // [max_requests, max_blocks] i32
-  HostTensor slot_mapping;        // [max_rows] i64
-  HostTensor index_slot_mapping;  // [max_rows] i64
-  BatchMeta step;
+  BatchMeta step;  // the open step's metadata: views over the engine's fixed buffers
   bool step_open = false;
   int selection_layer = -1;  // the last layer of the open step that ran its indexer
 
-  // Scratch, sized for max_rows.
-  HostTensor normed;          // [max_rows, hidden] bf16
-  HostTensor hidden_out;      // [max_rows, hidden] bf16: the layer's outputs before they are
-  HostTensor residual_out;    // [max_rows, hidden] bf16  written back (CPU backend)
   HostTensor meta_positions;  // [max_rows] i64: rows' positions from host metadata
   int64_t kv_pages = 0;       // pages of every bound KV cache / index-K cache
   int64_t index_pages = 0;
-  HostTensor qkv;                 // [max_rows, qkv_width] bf16
-  HostTensor q;                   // [max_rows, QH, HD] bf16
-  HostTensor index_q;             // [max_rows, H, D] bf16
-  HostTensor topk;                // [max_rows, H, k] i32
-  HostTensor attn;                // [max_rows, QH, HD] bf16
-  HostTensor mlp_gu;              // [max_rows, 2 I] bf16 (when a layer has an MLP)
-  HostTensor mlp_act;             // [max_rows, I] bf16
-  std::vector<float> f32_out;     // [max_rows * max(width, hidden, 2 I)]
-  std::vector<float> x_row;       // [max(hidden, QH*HD, I)]
-  std::vector<uint64_t> cp_keys;  // [max_rows, H, k] this rank's CP nominations
 
   void emit(const std::string& line) const {
     const std::string text = "m3msa runtime (rank " + std::to_string(stats.tp_rank) + "): " + line;
@@ -291,138 +272,16 @@ struct Runtime::Impl {
     return worst;
   }
 
-  void allocate() {
-    const ModelConfig& m = config.model;
-    max_rows = config.token_buckets.back();
-    max_blocks = runtime_detail::blocks_for(config.max_context, m.block_size);
-    const int64_t rows = max_rows;
-    const int64_t reqs = config.max_requests;
-    seq_lens = HostTensor(DType::kI32, {reqs});
-    index_block_table = HostTensor(DType::kI32, {reqs, max_blocks});
-    kv_block_table = HostTensor(DType::kI32, {reqs, max_blocks});
-    slot_mapping = HostTensor(DType::kI64, {rows});
-    index_slot_mapping = HostTensor(DType::kI64, {rows});
-    seq_lens.fill_bytes(0);
-    index_block_table.fill_bytes(0xFF);  // -1: no page
-    kv_block_table.fill_bytes(0xFF);
-    slot_mapping.fill_bytes(0xFF);
-    index_slot_mapping.fill_bytes(0xFF);
-
-    const int64_t hidden = m.hidden;
-    const int64_t width = sparse.qkv_width();
-    const int64_t attn_width = int64_t{sparse.q_heads} * sparse.head_dim;
-    bool any_mlp = false;
-    for (const LayerWeights& w : layers) any_mlp = any_mlp || w.mlp_gate_up.defined();
-    const int64_t mlp_width = any_mlp ? m.intermediate / stats.tp_size : 0;  // no MLP: no scratch
-    normed = HostTensor(DType::kBF16, {rows, hidden});
-    hidden_out = HostTensor(DType::kBF16, {rows, hidden});
-    residual_out = HostTensor(DType::kBF16, {rows, hidden});
-    qkv = HostTensor(DType::kBF16, {rows, width});
-    q = HostTensor(DType::kBF16, {rows, sparse.q_heads, sparse.head_dim});
-    index_q = HostTensor(DType::kBF16, {rows, sparse.index_heads, sparse.index_dim});
-    topk = HostTensor(DType::kI32, {rows, sparse.kv_heads, sparse.topk});  // this rank's heads
-    attn = HostTensor(DType::kBF16, {rows, sparse.q_heads, sparse.head_dim});
-    if (any_mlp) {
-      mlp_gu = HostTensor(DType::kBF16, {rows, 2 * mlp_width});
-      mlp_act = HostTensor(DType::kBF16, {rows, mlp_width});
-    }
-    f32_out.assign(static_cast<std::size_t>(rows * std::max({width, hidden, 2 * mlp_width})), 0.0f);
-    x_row.assign(static_cast<std::size_t>(std::max({hidden, attn_width, mlp_width})), 0.0f);
-    if (config.context_parallel) {
-      cp_keys.assign(static_cast<std::size_t>(rows) * sparse.index_heads * sparse.topk, 0);
-    }
-  }
-
   void release() {
     gpu.reset();  // synchronizes its stream, then frees the device buffers
+    cpu.reset();
     device = Device::cpu();
     last_rows = 0;
     layers.clear();
-    seq_lens = {};
-    index_block_table = {};
-    kv_block_table = {};
-    slot_mapping = {};
-    index_slot_mapping = {};
-    normed = {};
-    hidden_out = {};
-    residual_out = {};
     meta_positions = {};
-    qkv = {};
-    q = {};
-    index_q = {};
-    topk = {};
-    attn = {};
-    mlp_gu = {};
-    mlp_act = {};
-    f32_out = {};
-    x_row = {};
-    cp_keys = {};
     step = {};
     step_open = false;
     stats.bound_layers.clear();
-  }
-
-  // The CPU backend's CP indexer (cp.md on the host): this rank scores its round-robin shard of
-  // the blocks for every index head and nominates its top-k keys, the nominations of every rank
-  // travel through the communicator's all-gather, and the rank keeps the exact top-k of the P*k
-  // candidates of each head it attends. Bit-identical to cpu::select_topk (cp.md "Exactness").
-  // idx.topk_idx: [rows, KV heads of this rank, k].
-  void cp_select(int layer, const IndexerArgs& idx) {
-    const SparseConfig& sc = sparse;
-    const int P = stats.tp_size;
-    const int rank = stats.tp_rank;
-    const int64_t rows = step.num_rows();
-    const int H = sc.index_heads;
-    const int k = sc.topk;
-    const std::size_t count = static_cast<std::size_t>(rows) * H * k;
-    M3MSA_CHECK_INTERNAL(cp_keys.size() >= count, "CP nominations buffer too small");
-    IndexerArgs shard = idx;
-    shard.topk_idx = {};  // nominate writes keys, not the selection
-    cpu::nominate(
-        sc, shard, rank, P,
-        TensorView::contiguous(cp_keys.data(), DType::kU64, {rows, int64_t{H}, int64_t{k}}),
-        config.threads);
-    char tag[48];
-    std::snprintf(tag, sizeof(tag), "layer %d cp nominations", layer);
-    const std::string payload(reinterpret_cast<const char*>(cp_keys.data()),
-                              count * sizeof(uint64_t));
-    const std::vector<ByteRecord> all =
-        comm->all_gather(RecordWriter().i64(rows).i64(H).i64(k).str(payload).take(), tag);
-    const std::vector<int> heads = cp_merged_heads(P, H, rank);
-    std::vector<std::string> nominations(static_cast<std::size_t>(P));
-    for (int r = 0; r < P; ++r) {
-      RecordReader reader(all[static_cast<std::size_t>(r)],
-                          "CP nominations of rank " + std::to_string(r));
-      const int64_t r_rows = reader.i64();
-      const int64_t r_heads = reader.i64();
-      const int64_t r_k = reader.i64();
-      if (r_rows != rows || r_heads != H || r_k != k) {
-        throw Error(ErrorCode::kInvalidArgument,
-                    "layer " + std::to_string(layer) + " CP exchange: rank " + std::to_string(r) +
-                        " nominated for " + std::to_string(r_rows) + " rows x " +
-                        std::to_string(r_heads) + " heads x k " + std::to_string(r_k) +
-                        ", this rank for " + std::to_string(rows) + " x " + std::to_string(H) +
-                        " x " + std::to_string(k) + " (the ranks are out of lockstep)",
-                    __FILE__, __LINE__, rank);
-      }
-      nominations[static_cast<std::size_t>(r)] = reader.str();
-    }
-    std::vector<uint64_t> candidates(static_cast<std::size_t>(P) * k);
-    int32_t* out = idx.topk_idx.ptr<int32_t>();
-    for (int64_t row = 0; row < rows; ++row) {
-      for (std::size_t m = 0; m < heads.size(); ++m) {
-        const int64_t at = (row * H + heads[m]) * k;
-        for (int r = 0; r < P; ++r) {
-          std::memcpy(candidates.data() + static_cast<std::size_t>(r) * k,
-                      nominations[static_cast<std::size_t>(r)].data() + at * sizeof(uint64_t),
-                      sizeof(uint64_t) * static_cast<std::size_t>(k));
-        }
-        const std::vector<uint64_t> top = cpu::top_keys(candidates, k);
-        cpu::keys_to_indices(
-            top.data(), static_cast<int>(top.size()),
-            out + (row * static_cast<int64_t>(heads.size()) + static_cast<int64_t>(m)) * k, k);
-      }
-    }
   }
 
   bool refuse(StepRefusal why, const std::string& detail) {
@@ -469,19 +328,8 @@ Runtime::LayerTrace Runtime::last_layer_trace() const {
   const Impl& s = *impl_;
   const int64_t rows = s.last_rows;
   if (s.gpu) return s.gpu->trace(rows);
-  LayerTrace t;
-  if (s.state != RuntimeState::kActive) return t;
-  const SparseConfig& sc = s.sparse;
-  auto view = [&](const HostTensor& h, DType dtype, std::initializer_list<int64_t> shape) {
-    return TensorView::contiguous(const_cast<void*>(h.data()), dtype, shape);
-  };
-  t.normed = view(s.normed, DType::kBF16, {rows, int64_t{s.config.model.hidden}});
-  t.qkv = view(s.qkv, DType::kBF16, {rows, sc.qkv_width()});
-  t.q = view(s.q, DType::kBF16, {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
-  t.index_q = view(s.index_q, DType::kBF16, {rows, int64_t{sc.index_heads}, int64_t{sc.index_dim}});
-  t.topk = view(s.topk, DType::kI32, {rows, int64_t{sc.kv_heads}, int64_t{sc.topk}});
-  t.attn = view(s.attn, DType::kBF16, {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
-  return t;
+  if (s.state != RuntimeState::kActive || !s.cpu) return {};
+  return s.cpu->trace(rows);
 }
 
 void Runtime::note_graph_captured() {
@@ -559,18 +407,19 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
     }
     s.config = config;
     s.sparse = config.model.sparse(tp, config.context_parallel);
+    s.layout = rank_layout(config.model, comm.rank(), tp, config.context_parallel);
     s.layers = bound;
     s.kv_pages = bound.front().kv_cache.pages();  // every layer's (check_weights)
     s.index_pages = bound.front().index_cache.pages();
     s.meta_positions = HostTensor(DType::kI64, {int64_t{config.token_buckets.back()}});
     s.device = device;
     s.stats.backend = cuda ? "cuda" : "cpu";
+    s.max_rows = config.token_buckets.back();
+    s.max_blocks = runtime_detail::blocks_for(config.max_context, config.model.block_size);
     if (cuda) {
-      s.max_rows = config.token_buckets.back();
-      s.max_blocks = runtime_detail::blocks_for(config.max_context, config.model.block_size);
       s.gpu = runtime_detail::make_gpu_engine(config, tp, comm, bound, device);
     } else {
-      s.allocate();
+      s.cpu = std::make_unique<runtime_detail::CpuEngine>(config, s.layout, comm, bound);
     }
   });
   // The stages after binding agree like the others, and release what was bound on any
@@ -683,49 +532,7 @@ bool Runtime::begin_step(const BatchMeta& batch, int pad_to_reqs) {
   if (s.gpu) {
     s.step = s.gpu->stage_step(batch, pad);
   } else {
-    // Copy into the fixed buffers (addresses never change; only the views' shapes follow the
-    // step). Padding requests: length 0, no pages; padding rows: no slots.
-    int32_t* seq = s.seq_lens.ptr<int32_t>();
-    std::memcpy(seq, batch.seq_lens.data, sizeof(int32_t) * static_cast<std::size_t>(n));
-    std::fill(seq + n, seq + pad, 0);
-    const std::pair<const TensorView*, HostTensor*> tables[] = {
-        {&batch.index_block_table, &s.index_block_table},
-        {&batch.kv_block_table, &s.kv_block_table}};
-    for (const auto& [src, dst] : tables) {
-      const int64_t cols = std::min<int64_t>(src->shape[1], s.max_blocks);
-      int32_t* out = dst->ptr<int32_t>();
-      for (int r = 0; r < pad; ++r) {
-        int64_t copied = 0;
-        if (r < n) {
-          const int32_t* in = src->ptr<const int32_t>() + r * src->strides[0];
-          for (int64_t col = 0; col < cols; ++col)
-            out[r * s.max_blocks + col] = in[col * src->strides[1]];
-          copied = cols;
-        }
-        std::fill(out + r * s.max_blocks + copied, out + (r + 1) * s.max_blocks, -1);
-      }
-    }
-    const std::pair<const TensorView*, HostTensor*> slot_maps[] = {
-        {&batch.slot_mapping, &s.slot_mapping}, {&batch.index_slot_mapping, &s.index_slot_mapping}};
-    for (const auto& [src, dst] : slot_maps) {
-      int64_t* out = dst->ptr<int64_t>();
-      std::memcpy(out, src->data, sizeof(int64_t) * static_cast<std::size_t>(rows));
-      std::fill(out + rows, out + padded_rows, int64_t{-1});
-    }
-
-    BatchMeta& step = s.step;
-    step = BatchMeta{};
-    step.kind = BatchKind::kDecode;
-    step.num_reqs = pad;
-    step.q_len = batch.q_len;
-    step.seq_lens = TensorView::contiguous(s.seq_lens.data(), DType::kI32, {int64_t{pad}});
-    step.index_block_table = TensorView::contiguous(s.index_block_table.data(), DType::kI32,
-                                                    {int64_t{pad}, s.max_blocks});
-    step.kv_block_table =
-        TensorView::contiguous(s.kv_block_table.data(), DType::kI32, {int64_t{pad}, s.max_blocks});
-    step.slot_mapping = TensorView::contiguous(s.slot_mapping.data(), DType::kI64, {padded_rows});
-    step.index_slot_mapping =
-        TensorView::contiguous(s.index_slot_mapping.data(), DType::kI64, {padded_rows});
+    s.step = s.cpu->stage_step(batch, pad);
   }
   ++s.stats.steps_accepted;
   ++s.stats.bucket_steps[static_cast<std::size_t>(bucket - c.token_buckets.begin())];
@@ -783,117 +590,8 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
     }
     return;
   }
-  const SparseConfig& sc = s.sparse;
-  const int threads = s.config.threads;
-  // The layer works on scratch copies and writes hidden / residual only at the end, so a call
-  // that throws part way (a refused argument) leaves the engine's tensors as they were.
-  const uint16_t* h_in = hidden.ptr<const uint16_t>();
-  const uint16_t* res_in = residual.ptr<const uint16_t>();
-  uint16_t* h = s.hidden_out.ptr<uint16_t>();
-  uint16_t* res = s.residual_out.ptr<uint16_t>();
-  uint16_t* normed = s.normed.ptr<uint16_t>();
-  float* f32 = s.f32_out.data();
-  char tag[48];
-
-  // 1. x = hidden + residual (the new residual), h = input_norm(x).
-  for (int64_t i = 0; i < rows * H; ++i) {
-    res[i] = float_to_bf16(bf16_to_float(h_in[i]) + bf16_to_float(res_in[i]));
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    runtime_detail::gemma_rmsnorm_row(res + r * H, w.input_norm.ptr<const uint16_t>(), H, m.rms_eps,
-                                      normed + r * H);
-  }
-
-  // 2. The fused projection [q | k | v | index_q | index_k].
-  const int64_t width = sc.qkv_width();
-  runtime_detail::linear(normed, rows, H, w.qkv_proj, w.qkv_proj_scale, f32, s.x_row.data());
-  uint16_t* qkv = s.qkv.ptr<uint16_t>();
-  for (int64_t i = 0; i < rows * width; ++i) qkv[i] = float_to_bf16(f32[i]);
-
-  // 3. Head norms, RoPE, cache insert; 4. selection; 5. sparse attention.
-  PreprocessArgs pre;
-  pre.qkv = TensorView::contiguous(qkv, DType::kBF16, {rows, width});
-  pre.q_norm = w.q_norm;
-  pre.k_norm = w.k_norm;
-  pre.index_q_norm = w.index_q_norm;
-  pre.index_k_norm = w.index_k_norm;
-  pre.positions = positions;
-  pre.batch = s.step;
-  pre.kv_cache = w.kv_cache;
-  pre.q_out = TensorView::contiguous(s.q.data(), DType::kBF16,
-                                     {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
-  if (run_indexer) {
-    pre.index_cache = w.index_cache;
-    pre.index_q_out = TensorView::contiguous(
-        s.index_q.data(), DType::kBF16, {rows, int64_t{sc.index_heads}, int64_t{sc.index_dim}});
-  }
-  cpu::preprocess(sc, pre, threads);
-
-  const TensorView topk = TensorView::contiguous(s.topk.data(), DType::kI32,
-                                                 {rows, int64_t{sc.kv_heads}, int64_t{sc.topk}});
-  if (run_indexer) {
-    IndexerArgs idx;
-    idx.index_q = pre.index_q_out;
-    idx.index_cache = w.index_cache;
-    idx.batch = s.step;
-    idx.topk_idx = topk;
-    if (s.config.context_parallel) {
-      s.cp_select(layer, idx);
-    } else {
-      cpu::select_topk(sc, idx, threads);
-    }
-    s.selection_layer = layer;
-    ++s.stats.indexer_layers_run;
-  } else {
-    ++s.stats.sharing_layers_run;
-  }
-
-  AttentionArgs att;
-  att.q = pre.q_out;
-  att.kv_cache = w.kv_cache;
-  att.batch = s.step;
-  att.topk_idx = topk;
-  att.out = TensorView::contiguous(s.attn.data(), DType::kBF16,
-                                   {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
-  cpu::sparse_attention(sc, att, threads);
-
-  // 6. Output projection (this rank's heads) and the TP reduce.
-  const int64_t attn_width = int64_t{sc.q_heads} * sc.head_dim;
-  runtime_detail::linear(s.attn.ptr<const uint16_t>(), rows, attn_width, w.o_proj, w.o_proj_scale,
-                         f32, s.x_row.data());
-  std::snprintf(tag, sizeof(tag), "layer %d o_proj", layer);
-  s.comm->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
-
-  // 7. x2 = x + o (the new residual), h2 = post_attention_norm(x2).
-  for (int64_t i = 0; i < rows * H; ++i) {
-    res[i] = float_to_bf16(bf16_to_float(res[i]) + round_to_bf16(f32[i]));
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    runtime_detail::gemma_rmsnorm_row(res + r * H, w.post_attention_norm.ptr<const uint16_t>(), H,
-                                      m.rms_eps, h + r * H);
-  }
-
-  // 8. Optional dense SwiGLU-OAI MLP: hidden <- mlp(h2).
-  if (w.mlp_gate_up.defined()) {
-    const int64_t I = m.intermediate / s.stats.tp_size;
-    runtime_detail::linear(h, rows, H, w.mlp_gate_up, TensorView{}, f32, s.x_row.data());
-    uint16_t* act = s.mlp_act.ptr<uint16_t>();
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = 0; j < I; ++j) {
-        const float gate = round_to_bf16(f32[r * 2 * I + j]);
-        const float up = round_to_bf16(f32[r * 2 * I + I + j]);
-        act[r * I + j] = float_to_bf16(runtime_detail::swiglu_oai(gate, up, s.config.swiglu_limit));
-      }
-    }
-    runtime_detail::linear(act, rows, I, w.mlp_down, TensorView{}, f32, s.x_row.data());
-    std::snprintf(tag, sizeof(tag), "layer %d mlp_down", layer);
-    s.comm->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
-    for (int64_t i = 0; i < rows * H; ++i) h[i] = float_to_bf16(f32[i]);
-  }
-  const std::size_t bytes = sizeof(uint16_t) * static_cast<std::size_t>(rows * H);
-  std::memcpy(hidden.data, h, bytes);
-  std::memcpy(residual.data, res, bytes);
-  ++s.stats.layers_run;
+  s.cpu->forward_layer(layer, w, s.step, hidden, residual, positions, run_indexer, s.stats,
+                       s.selection_layer);
 }
 
 void Runtime::check() {

@@ -1,5 +1,6 @@
 // Internals of the runtime shared by its translation units: the per-rank stage outcome that the
-// host agreement exchanges, the checks of the three prepare stages, and the CPU layer math.
+// host agreement exchanges, the checks of the prepare stages, and the two engines the lifecycle
+// (runtime.cc) drives: the CPU backend (cpu_engine.cc) and the CUDA backend (gpu_engine.cc).
 #pragma once
 
 #include <cstdint>
@@ -10,6 +11,7 @@
 #include "m3msa/comm.h"
 #include "m3msa/error.h"
 #include "m3msa/runtime.h"
+#include "m3msa/tensor.h"
 
 namespace m3msa::runtime_detail {
 
@@ -76,7 +78,7 @@ void check_readiness(const ModelWeights& model, Problems& problems);
 void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights& model,
                    Problems& problems, std::vector<LayerWeights>& by_layer, Device& device);
 
-// ---- The CUDA backend (gpu_layer.cc; stubs without CUDA) ----
+// ---- The CUDA backend (gpu_engine.cc; stubs without CUDA) ----
 
 // Stage 3 on a CUDA device: what the kernels, the row buckets and the TP reduce support
 // (unsupported outcomes naming the value), and the communicator's device (an error on mismatch).
@@ -127,7 +129,61 @@ std::unique_ptr<GpuEngine> make_gpu_engine(const RuntimeConfig& config, int tp_s
                                            Communicator& comm,
                                            const std::vector<LayerWeights>& layers, Device device);
 
-// ---- CPU layer math (cpu_layer.cc) ----
+// ---- The CPU backend (cpu_engine.cc) ----
+
+// One rank's host state: the fixed metadata buffers and the scratch of forward_layer, all
+// allocated by the constructor (prepare) for the largest bucket; the step path allocates nothing.
+class CpuEngine {
+ public:
+  CpuEngine(const RuntimeConfig& config, const RankLayout& layout, Communicator& comm,
+            const std::vector<LayerWeights>& layers);
+  // Copies one step's host metadata (validated by the caller) into the fixed buffers, padded to
+  // `padded_reqs` requests; returns views over them.
+  BatchMeta stage_step(const BatchMeta& batch, int padded_reqs);
+  // One sparse layer with the CPU reference (the numerics of runtime.h), in place on hidden and
+  // residual (host tensors; shapes checked by the caller); counts into `stats` and records the
+  // layer in `selection_layer` once its indexer ran. run_indexer false: the layer shares the
+  // selection left in the top-k buffer by the last layer that ran its indexer.
+  void forward_layer(int layer, const LayerWeights& w, const BatchMeta& step,
+                     const TensorView& hidden, const TensorView& residual,
+                     const TensorView& positions, bool run_indexer, RuntimeStats& stats,
+                     int& selection_layer);
+  Runtime::LayerTrace trace(int64_t rows) const;
+
+ private:
+  void cp_select(int layer, const IndexerArgs& idx);
+
+  RuntimeConfig config_;
+  SparseConfig sparse_;
+  RankLayout layout_;
+  Communicator* comm_ = nullptr;
+  int max_rows_ = 0;
+  int64_t max_blocks_ = 0;
+
+  // Fixed metadata buffers: addresses stable until the engine is destroyed.
+  HostTensor seq_lens_;            // [max_requests] i32
+  HostTensor index_block_table_;   // [max_requests, max_blocks_] i32
+  HostTensor kv_block_table_;      // [max_requests, max_blocks_] i32
+  HostTensor slot_mapping_;        // [max_rows_] i64
+  HostTensor index_slot_mapping_;  // [max_rows_] i64
+
+  // Scratch, sized for max_rows_.
+  HostTensor normed_;              // [max_rows_, hidden] bf16
+  HostTensor hidden_out_;          // [max_rows_, hidden] bf16: the layer's outputs before they are
+  HostTensor residual_out_;        // [max_rows_, hidden] bf16  written back
+  HostTensor qkv_;                 // [max_rows_, qkv_width] bf16
+  HostTensor q_;                   // [max_rows_, QH, HD] bf16
+  HostTensor index_q_;             // [max_rows_, H, D] bf16
+  HostTensor topk_;                // [max_rows_, H, k] i32
+  HostTensor attn_;                // [max_rows_, QH, HD] bf16
+  HostTensor mlp_gu_;              // [max_rows_, 2 I] bf16 (when a layer has an MLP)
+  HostTensor mlp_act_;             // [max_rows_, I] bf16
+  std::vector<float> f32_out_;     // [max_rows_ * max(width, hidden, 2 I)]
+  std::vector<float> x_row_;       // [max(hidden, QH*HD, I)]
+  std::vector<uint64_t> cp_keys_;  // [max_rows_, H, k] this rank's CP nominations
+};
+
+// ---- CPU layer math (cpu_engine_math.cc) ----
 
 // out[r, n] = sum_k x[r, k] * w[n, k] (* scale[n]) for r < rows: fp32, k ascending.
 // x: [rows, in] bf16 (row stride in); w: [out, in] bf16 | fp8_e4m3; scale: [out] f32 or not given.

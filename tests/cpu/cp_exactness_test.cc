@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "cp_test_util.h"
-#include "m3msa/cp.h"
+#include "m3msa/cp_model.h"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
 #include "m3msa/sort_key.h"

@@ -21,7 +21,7 @@
 #include <vector>
 
 #include "m3msa/config.h"
-#include "m3msa/cp.h"
+#include "m3msa/cp_model.h"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/synthetic.h"
 

@@ -337,7 +337,7 @@ TEST(RuntimeForward, TensorParallelEqualsOneRankAndOneRankEqualsReference) {
                             rank.index_caches[0].nbytes()),
                 0)
           << name << " rank " << r << " index cache";
-      const int kv0 = rt_test::first_kv_head(m, r, world);
+      const int kv0 = rank_layout(m, r, world).first_kv_head;
       int64_t mismatched_tiles = 0;
       for (int64_t p = 0; p < s.master.pages; ++p) {
         for (int h = 0; h < sc.kv_heads; ++h) {

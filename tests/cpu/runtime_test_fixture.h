@@ -140,14 +140,6 @@ inline MasterModel make_master(const ModelConfig& m, int64_t pages, uint64_t see
   return model;
 }
 
-// Head placement under TP (matches ModelConfig::sparse): the global heads rank r holds.
-inline int first_q_head(const ModelConfig& m, int rank, int world) {
-  return rank * (m.q_heads / world);
-}
-inline int first_kv_head(const ModelConfig& m, int rank, int world) {
-  return world <= m.kv_heads ? rank * (m.kv_heads / world) : rank / (world / m.kv_heads);
-}
-
 // Appends rows [first, first + count) of a row-major [rows, cols] matrix.
 inline void append_rows(std::vector<float>& out, const std::vector<float>& w, int64_t cols,
                         int64_t first, int64_t count) {
@@ -169,17 +161,14 @@ inline std::vector<float> columns(const std::vector<float>& w, int64_t rows, int
 // parallelism every rank carries every index_q head.
 inline std::vector<float> rank_qkv_rows(const ModelConfig& m, const MasterLayer& w, int rank,
                                         int world, bool context_parallel = false) {
-  const SparseConfig sc = m.sparse(world, context_parallel);
   const int64_t H = m.hidden;
   std::vector<float> rows;
-  append_rows(rows, w.wq, H, int64_t{first_q_head(m, rank, world)} * m.head_dim,
-              int64_t{sc.q_heads} * m.head_dim);
-  const int64_t kv0 = int64_t{first_kv_head(m, rank, world)};
-  append_rows(rows, w.wk, H, kv0 * m.head_dim, int64_t{sc.kv_heads} * m.head_dim);
-  append_rows(rows, w.wv, H, kv0 * m.head_dim, int64_t{sc.kv_heads} * m.head_dim);
-  const int64_t iq0 = context_parallel ? 0 : kv0;
-  append_rows(rows, w.wiq, H, iq0 * m.index_dim, int64_t{sc.index_heads} * m.index_dim);
-  append_rows(rows, w.wik, H, 0, m.index_dim);
+  const RankLayout l = rank_layout(m, rank, world, context_parallel);
+  append_rows(rows, w.wq, H, l.q_rows.first, l.q_rows.count);
+  append_rows(rows, w.wk, H, l.k_rows.first, l.k_rows.count);
+  append_rows(rows, w.wv, H, l.v_rows.first, l.v_rows.count);
+  append_rows(rows, w.wiq, H, l.index_q_rows.first, l.index_q_rows.count);
+  append_rows(rows, w.wik, H, l.index_k_rows.first, l.index_k_rows.count);
   return rows;
 }
 
@@ -237,7 +226,7 @@ inline RankModel make_rank_model(const MasterModel& master, int rank, int world,
     const int64_t attn_cols = int64_t{sc.q_heads} * m.head_dim;
     lw.o_proj =
         out.keep(bf16_tensor(columns(w.wo, H, int64_t{m.q_heads} * m.head_dim,
-                                     int64_t{first_q_head(m, rank, world)} * m.head_dim, attn_cols),
+                                     rank_layout(m, rank, world).o_proj_cols.first, attn_cols),
                              {H, attn_cols}));
     if (w.mlp) {
       const int64_t I = m.intermediate / world;
@@ -251,7 +240,7 @@ inline RankModel make_rank_model(const MasterModel& master, int rank, int world,
     const int64_t pages = master.pages;
     const int64_t tile = int64_t{2} * m.block_size * m.head_dim;  // K and V of one head
     HostTensor kv(DType::kBF16, {pages, sc.kv_heads, 2, m.block_size, m.head_dim});
-    const int kv0 = first_kv_head(m, rank, world);
+    const int kv0 = rank_layout(m, rank, world).first_kv_head;
     for (int64_t p = 0; p < pages; ++p) {
       for (int h = 0; h < sc.kv_heads; ++h) {
         std::memcpy(kv.ptr<uint16_t>() + (p * sc.kv_heads + h) * tile,

@@ -6,7 +6,8 @@
 // Layout of each rank's PeerMemory allocation (u64 words unless said otherwise):
 //   [2 parities][P sources][slot_words]       the tagged values (slot_words: max_count, even)
 //   [2 parities][P sources][CTAs][kCallWords]  the tagged call words
-//   (256-byte aligned) ArControl              this rank's generation, CTA count, error record
+//   (256-byte aligned) PeerAllReduceControl              this rank's generation, CTA count, error
+//   record
 // Peers store into the first two regions only; the control block is the owner's.
 #include <cuda_runtime.h>
 
@@ -23,9 +24,10 @@
 
 #include "comm/call_digest.h"
 #include "comm/peer_allreduce.h"
+#include "comm/peer_allreduce_kernel.cuh"
+#include "comm/peer_allreduce_params.h"
 #include "comm/peer_memory.h"
 #include "cuda/common.cuh"
-#include "cuda/peer_allreduce_kernel.cuh"
 #include "m3msa/error.h"
 
 namespace m3msa {
@@ -33,13 +35,13 @@ namespace m3msa {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-using cuda::ar::PeerAllReduceParams;
+using cuda::peer_allreduce::PeerAllReduceParams;
 using Kernel = void (*)(const PeerAllReduceParams);
 
 Kernel kernel_for(int world) {
-  if (world <= 2) return cuda::ar::peer_allreduce_kernel<2>;
-  if (world <= 4) return cuda::ar::peer_allreduce_kernel<4>;
-  return cuda::ar::peer_allreduce_kernel<8>;
+  if (world <= 2) return cuda::peer_allreduce::peer_allreduce_sum_kernel<2>;
+  if (world <= 4) return cuda::peer_allreduce::peer_allreduce_sum_kernel<4>;
+  return cuda::peer_allreduce::peer_allreduce_sum_kernel<8>;
 }
 
 // FNV-1a over (count, call_id): what every rank must pass identically for one call.
@@ -107,9 +109,10 @@ struct PeerAllReduce::Impl {
   int ctas = 1;
   Kernel kernel = nullptr;
   std::unique_ptr<PeerMemory> memory;
-  cuda::ar::ArControl* control = nullptr;
-  PeerAllReduceParams base;                       // everything but the call's own fields
-  cuda::ar::ArDeviceError* host_error = nullptr;  // pinned mirror of control->error
+  cuda::peer_allreduce::PeerAllReduceControl* control = nullptr;
+  PeerAllReduceParams base;  // everything but the call's own fields
+  cuda::peer_allreduce::PeerAllReduceError* host_error =
+      nullptr;  // pinned mirror of control->error
   bool failed = false;
   std::optional<PeerAllReduceFault> fault;
   std::optional<Error> error;  // the fault check() threw, thrown again by later checks
@@ -160,9 +163,9 @@ PeerAllReduce::PeerAllReduce(Communicator& comm, int device, const PeerAllReduce
                     "PeerAllReduceConfig.host_timeout must be > 0 ms");
     M3MSA_CHECK_ARG(config.max_ctas >= 0, "PeerAllReduceConfig.max_ctas must be >= 0, got ",
                     config.max_ctas);
-    M3MSA_CHECK_SUPPORTED(m.world >= 1 && m.world <= cuda::ar::kMaxWorld,
+    M3MSA_CHECK_SUPPORTED(m.world >= 1 && m.world <= cuda::peer_allreduce::kMaxWorld,
                           "peer all-reduce: world size ", m.world, " outside [1, ",
-                          cuda::ar::kMaxWorld, "]");
+                          cuda::peer_allreduce::kMaxWorld, "]");
     cuda::DeviceGuard guard(device);
     m.kernel = kernel_for(m.world);
     SetupPost mine;
@@ -174,8 +177,8 @@ PeerAllReduce::PeerAllReduce(Communicator& comm, int device, const PeerAllReduce
     int sms = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     int resident = 0;
-    CUDA_CHECK(
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, m.kernel, cuda::ar::kThreads, 0));
+    CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, m.kernel,
+                                                             cuda::peer_allreduce::kThreads, 0));
     mine.sms = sms;
     mine.resident_per_sm = resident;
     char bus_id[32] = {};
@@ -211,20 +214,21 @@ PeerAllReduce::PeerAllReduce(Communicator& comm, int device, const PeerAllReduce
                           " ranks share device ", device,
                           ", more than can each keep a CTA resident on it");
     const int64_t slot_words = round_up(config.max_count, 2);
-    const int64_t needed = (slot_words / 2 + cuda::ar::kThreads - 1) / cuda::ar::kThreads;
+    const int64_t needed =
+        (slot_words / 2 + cuda::peer_allreduce::kThreads - 1) / cuda::peer_allreduce::kThreads;
     const int64_t want = config.max_ctas > 0 ? config.max_ctas : min_sms;
     m.ctas = static_cast<int>(std::max<int64_t>(1, std::min({want, fit, needed})));
 
     const int64_t P = m.world;
     const int64_t data_words = 2 * P * slot_words;
-    const int64_t call_words = 2 * P * m.ctas * cuda::ar::kCallWords;
+    const int64_t call_words = 2 * P * m.ctas * cuda::peer_allreduce::kCallWords;
     const int64_t control_offset = round_up((data_words + call_words) * 8, 256);
-    const std::size_t bytes =
-        static_cast<std::size_t>(control_offset) + sizeof(cuda::ar::ArControl);
+    const std::size_t bytes = static_cast<std::size_t>(control_offset) +
+                              sizeof(cuda::peer_allreduce::PeerAllReduceControl);
     m.memory = std::make_unique<PeerMemory>(comm, device, bytes, "allreduce");
-    m.control = reinterpret_cast<cuda::ar::ArControl*>(static_cast<char*>(m.memory->local()) +
-                                                       control_offset);
-    CUDA_CHECK(cudaMallocHost(&m.host_error, sizeof(cuda::ar::ArDeviceError)));
+    m.control = reinterpret_cast<cuda::peer_allreduce::PeerAllReduceControl*>(
+        static_cast<char*>(m.memory->local()) + control_offset);
+    CUDA_CHECK(cudaMallocHost(&m.host_error, sizeof(cuda::peer_allreduce::PeerAllReduceError)));
 
     PeerAllReduceParams& b = m.base;
     for (int r = 0; r < m.world; ++r) b.dest[r] = static_cast<uint64_t*>(m.memory->peer(r));
@@ -282,7 +286,7 @@ void PeerAllReduce::run(float* data, int64_t count, int call_id, void* stream) {
     p.digest = call_digest(count, call_id);
     p.call_id = call_id;
     p.data_aligned = (reinterpret_cast<uintptr_t>(data) & 7u) == 0 ? 1 : 0;
-    m.kernel<<<m.ctas, cuda::ar::kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
+    m.kernel<<<m.ctas, cuda::peer_allreduce::kThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
     CUDA_CHECK_LAUNCH();
     m.last_count = count;
     m.last_call_id = call_id;
@@ -305,7 +309,8 @@ void PeerAllReduce::check(void* stream) {
   bool done = m.wait(s, deadline, status);
   if (done) {
     // The stream is idle: the copy of the error record is immediate.
-    status = cudaMemcpyAsync(m.host_error, &m.control->error, sizeof(cuda::ar::ArDeviceError),
+    status = cudaMemcpyAsync(m.host_error, &m.control->error,
+                             sizeof(cuda::peer_allreduce::PeerAllReduceError),
                              cudaMemcpyDeviceToHost, s);
     done = status == cudaSuccess && m.wait(s, deadline, status);
   }
@@ -332,7 +337,7 @@ void PeerAllReduce::check(void* stream) {
                           "other work or a launch that could not be scheduled (",
                           missing, ")"));
   }
-  const cuda::ar::ArDeviceError& e = *m.host_error;
+  const cuda::peer_allreduce::PeerAllReduceError& e = *m.host_error;
   if (e.flag == 0) return;
   f.source = e.source;
   f.element = e.element;
@@ -340,7 +345,7 @@ void PeerAllReduce::check(void* stream) {
   f.seen_tag = e.seen_tag;
   f.count = e.count;
   f.call_id = e.call_id;
-  if (e.kind == cuda::ar::kFaultMismatch) {
+  if (e.kind == cuda::peer_allreduce::kFaultMismatch) {
     f.kind = PeerAllReduceFault::Kind::kCountMismatch;
     f.seen_count = e.seen_count;
     f.seen_call_id = e.seen_call_id;

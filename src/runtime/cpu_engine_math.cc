@@ -1,5 +1,7 @@
-// The plain CPU math of forward_layer beside the CPU reference ops: projections, Gemma RMSNorm
-// of hidden rows, the SwiGLU-OAI activation. Written to be obviously correct, not fast.
+// The plain CPU math of the CPU engine (cpu_engine.cc) beside the CPU reference ops: projections,
+// Gemma RMSNorm of hidden rows, the SwiGLU-OAI activation. Written to be obviously correct, not
+// fast; a translation unit of its own so the fuzzers can leave its loops uninstrumented
+// (fuzz/coverage_ignore.txt).
 #include <array>
 #include <cmath>
 

@@ -1,5 +1,5 @@
 // PeerMemory (src/comm/peer_memory.h): allocation, address / IPC handle exchange, peer mapping
-// and the destruction protocol. Factored from the CP buffer sets of cp_indexer.cu.
+// and the destruction protocol.
 #include <cuda_runtime.h>
 #include <unistd.h>
 

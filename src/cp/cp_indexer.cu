@@ -1,33 +1,32 @@
-// Host side of the CUDA CP indexer (include/m3msa/cp_cuda.h, kernels in cp_kernels.cuh): the
-// collective setup (host agreement, buffer sets, peer mapping), the launch sequence of each
-// transport and the turning of a device error record into Error(kTimeout) naming the rank.
+// Host side of the CUDA CP indexer (include/m3msa/cp_cuda.h; kernels in cp_exchange_kernel.cuh,
+// launched through cp_exchange.h): the collective setup (host agreement, buffer sets), the launch
+// sequence of each transport and the turning of a device error record into Error(kTimeout)
+// naming the rank.
 //
 // Buffer sets (cp.md): one per (communicator, device, transport, key), created on first use by a
 // collective step and shared by every indexer (layer) with that key. A peer set owns this rank's
 // candidate buffer [2][P][merged][max_rows][k] u64 (zeroed once, never cleared) and the addresses
-// of every peer's: exchanged through the communicator, mapped by peer access when all ranks are
-// threads of one process, by CUDA IPC handles otherwise. Addresses stay fixed for the set's life,
-// so captured graphs keep addressing the same slots. Each rank's buffer also holds the tagged call
-// words [2][P][merged][max_rows] after the candidates (cp_kernels.cuh "Call words").
+// of every peer's: one PeerMemory allocation (src/comm/peer_memory.h: peer access when all ranks
+// are threads of one process, CUDA IPC handles otherwise). Addresses stay fixed for the set's
+// life, so captured graphs keep addressing the same slots. Each rank's buffer also holds the
+// tagged call words [2][P][merged][max_rows] after the candidates (cp_exchange_kernel.cuh "Call
+// words").
 //
 // Lifetime across processes: an exporter must not free a buffer another process still maps, so
 // the last indexer of a set closes its IPC mappings, meets the other ranks (host all-gather,
-// bounded) and only then frees. A failed set (a timeout, a mismatch) frees nothing: a peer out
-// of lockstep may still store into it, and a dead peer cannot meet.
+// bounded) and only then frees (PeerMemory's destructor). A failed set (a timeout, a mismatch)
+// frees nothing: a peer out of lockstep may still store into it, and a dead peer cannot meet.
 //
 // Host waits: check() polls the stream against CudaCpConfig::host_timeout (never an unbounded
 // cudaStreamSynchronize: a stream holding an NCCL collective whose peer never joins would never
 // finish), then aborts the NCCL communicator of the NCCL transports.
 #include <cuda_runtime.h>
 #include <nccl.h>
-#include <unistd.h>
 
-#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -35,8 +34,11 @@
 
 #include "comm/call_digest.h"
 #include "comm/nccl_check.h"
+#include "comm/peer_memory.h"
+#include "cp/cp_exchange.h"
+#include "cp/cp_exchange_params.h"
 #include "cuda/common.cuh"
-#include "cuda/cp_kernels.cuh"
+#include "cuda/indexer.cuh"
 #include "cuda/indexer.h"
 #include "cuda/params.h"
 #include "m3msa/cp_cuda.h"
@@ -122,57 +124,49 @@ struct AgreedShape {
   }
 };
 
-// One buffer set (see the file comment).
+// One buffer set (see the file comment). The peer transport's candidate buffers are a
+// PeerMemory (src/comm/peer_memory.h), which owns their mapping and the release protocol.
 struct BufferSet {
   CpBufferKey key;
   CpTransport transport = CpTransport::kPeer;
   int device = 0;
   Communicator* comm = nullptr;  // outlives the set (cp_cuda.h)
-  void* candidates = nullptr;    // peer: [2][P][merged][max_rows][k] u64, then the call words
+  // peer: this rank's [2][P][merged][max_rows][k] u64 candidates, then the call words
+  std::unique_ptr<PeerMemory> memory;
   std::size_t candidate_bytes = 0;
   std::size_t word_bytes = 0;    // [2][P][merged][max_rows] u64
-  void* control = nullptr;       // cuda::cp::CpControl
+  void* control = nullptr;       // cuda::cp_exchange::CpExchangeControl
   std::vector<uint64_t*> peers;  // by rank: candidate buffers (own included)
-  std::vector<void*> ipc_opened;
-  bool by_ipc = false;
   // Set by the first check() that finds a fault; every indexer on the set refuses calls after it.
   std::atomic<bool> failed{false};
 
   ~BufferSet() {
-    int previous = 0;
-    cudaGetDevice(&previous);
-    cudaSetDevice(device);
     if (failed.load()) {
+      if (memory) memory->mark_failed();
       if (cp_debug()) {
         std::fprintf(stderr, "m3msa cp[rank %d]: failed buffer set %s left allocated (%zu bytes)\n",
                      comm ? comm->rank() : -1, key.to_string().c_str(),
                      candidate_bytes + word_bytes);
       }
-    } else {
-      cudaDeviceSynchronize();  // no call may still be storing into or reading a mapped buffer
-      for (void* p : ipc_opened) cudaIpcCloseMemHandle(p);
-      bool may_free = true;
-      if (by_ipc && comm != nullptr) {
-        // Every process has closed its mapping of our buffer before we free it (CUDA: freeing
-        // an exported allocation that is still mapped elsewhere is undefined).
-        try {
-          comm->all_gather({}, "cp/peer-buffers-closed");
-        } catch (const std::exception& e) {
-          may_free = false;
-          std::fprintf(stderr,
-                       "m3msa cp[rank %d]: buffer set %s left allocated: the ranks did not meet "
-                       "to release it (%s)\n",
-                       comm->rank(), key.to_string().c_str(), e.what());
-        }
-      }
-      if (may_free) {
-        if (candidates) cudaFree(candidates);
-        if (control) cudaFree(control);
-      }
+      memory.reset();  // failed: frees nothing
+      return;  // the control block stays allocated too: a kernel of this rank may address it
     }
-    cudaSetDevice(previous);
+    // Synchronizes the device, closes the IPC mappings and, across processes, meets the other
+    // ranks before freeing (PeerMemory's destructor).
+    memory.reset();
+    if (control) {
+      int previous = 0;
+      cudaGetDevice(&previous);
+      cudaSetDevice(device);
+      cudaDeviceSynchronize();
+      cudaFree(control);
+      cudaSetDevice(previous);
+    }
   }
-  cuda::cp::CpControl* ctl() const { return static_cast<cuda::cp::CpControl*>(control); }
+  bool by_ipc() const { return memory && memory->mapped_by_ipc(); }
+  cuda::cp_exchange::CpExchangeControl* ctl() const {
+    return static_cast<cuda::cp_exchange::CpExchangeControl*>(control);
+  }
 };
 
 struct RegistryKey {
@@ -206,12 +200,10 @@ std::shared_ptr<BufferSet> create_set(Communicator& comm, int device, CpTranspor
   set->device = device;
   set->comm = &comm;
   DeviceGuard guard(device);
-  CUDA_CHECK(cudaMalloc(&set->control, sizeof(cuda::cp::CpControl)));
-  CUDA_CHECK(cudaMemset(set->control, 0, sizeof(cuda::cp::CpControl)));
-  if (transport != CpTransport::kPeer) {
-    CUDA_CHECK(cudaDeviceSynchronize());
-    return set;
-  }
+  CUDA_CHECK(cudaMalloc(&set->control, sizeof(cuda::cp_exchange::CpExchangeControl)));
+  CUDA_CHECK(cudaMemset(set->control, 0, sizeof(cuda::cp_exchange::CpExchangeControl)));
+  CUDA_CHECK(cudaDeviceSynchronize());
+  if (transport != CpTransport::kPeer) return set;
 
   // A set that fails half-made is left as it is (its destructor would wait for ranks that may
   // never meet it).
@@ -220,86 +212,26 @@ std::shared_ptr<BufferSet> create_set(Communicator& comm, int device, CpTranspor
     set->word_bytes =
         std::size_t{2} * key.world_size * key.merged_heads * key.max_rows * sizeof(uint64_t);
     const std::size_t bytes = set->candidate_bytes + set->word_bytes;
-    CUDA_CHECK(cudaMalloc(&set->candidates, bytes));
-    CUDA_CHECK(cudaMemset(set->candidates, 0, bytes));  // zeroed once: tag 0 is never expected
-    CUDA_CHECK(cudaDeviceSynchronize());
-    cudaIpcMemHandle_t handle{};
-    CUDA_CHECK(cudaIpcGetMemHandle(&handle, set->candidates));
-    RecordWriter w;
-    w.i64(static_cast<int64_t>(::getpid())).i64(device);
-    w.i64(static_cast<int64_t>(reinterpret_cast<uintptr_t>(set->candidates)));
-    w.str(std::string_view(reinterpret_cast<const char*>(&handle), sizeof(handle)));
-    const std::vector<ByteRecord> all = comm.all_gather(w.take(), "cp/peer-buffers");
+    // Zeroed once (tag 0 is never expected) before any rank may store into it.
+    set->memory = std::make_unique<PeerMemory>(comm, device, bytes, "cp");
     const int P = comm.world_size();
-    std::vector<int64_t> pids(static_cast<std::size_t>(P)), devices(pids.size()), ptrs(pids.size());
-    std::vector<std::string> handles(pids.size());
-    for (int r = 0; r < P; ++r) {
-      RecordReader reader(all[static_cast<std::size_t>(r)], "CP peer-buffer record");
-      pids[static_cast<std::size_t>(r)] = reader.i64();
-      devices[static_cast<std::size_t>(r)] = reader.i64();
-      ptrs[static_cast<std::size_t>(r)] = reader.i64();
-      handles[static_cast<std::size_t>(r)] = reader.str();
-    }
-    const bool one_process =
-        std::all_of(pids.begin(), pids.end(), [&](int64_t pid) { return pid == pids[0]; });
-    set->by_ipc = !one_process;
     set->peers.resize(static_cast<std::size_t>(P));
     for (int r = 0; r < P; ++r) {
-      const auto ur = static_cast<std::size_t>(r);
-      if (r == comm.rank()) {
-        set->peers[ur] = static_cast<uint64_t*>(set->candidates);
-        continue;
-      }
-      if (one_process) {
-        const int peer_device = static_cast<int>(devices[ur]);
-        if (peer_device != device) {
-          int can = 0;
-          CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer_device));
-          M3MSA_CHECK_SUPPORTED(can, "CP peer transport: device ", device, " cannot access device ",
-                                peer_device, " (no peer access); use transport nccl");
-          const cudaError_t e = cudaDeviceEnablePeerAccess(peer_device, 0);
-          if (e == cudaErrorPeerAccessAlreadyEnabled) {
-            cudaGetLastError();  // clear the sticky-free "already enabled" status
-          } else {
-            CUDA_CHECK(e);
-          }
-        }
-        set->peers[ur] = reinterpret_cast<uint64_t*>(static_cast<uintptr_t>(ptrs[ur]));
-      } else {
-        const int peer_device = static_cast<int>(devices[ur]);
-        int can = 0;
-        if (peer_device != device) {
-          CUDA_CHECK(cudaDeviceCanAccessPeer(&can, device, peer_device));
-          M3MSA_CHECK_SUPPORTED(can, "CP peer transport: device ", device, " cannot access device ",
-                                peer_device, " of rank ", r,
-                                " (no peer access); use transport nccl");
-        }
-        cudaIpcMemHandle_t peer_handle{};
-        M3MSA_CHECK_INTERNAL(handles[ur].size() == sizeof(peer_handle), "IPC handle of rank ", r,
-                             " has ", handles[ur].size(), " bytes");
-        std::memcpy(&peer_handle, handles[ur].data(), sizeof(peer_handle));
-        void* mapped = nullptr;
-        CUDA_CHECK(cudaIpcOpenMemHandle(&mapped, peer_handle, cudaIpcMemLazyEnablePeerAccess));
-        set->ipc_opened.push_back(mapped);
-        set->peers[ur] = static_cast<uint64_t*>(mapped);
-      }
-      if (cp_debug()) {
-        std::fprintf(
-            stderr,
-            "m3msa cp[rank %d]: peer buffer of rank %d (pid %lld, device %lld, its address "
-            "0x%llx) mapped here at %p by %s\n",
-            comm.rank(), r, static_cast<long long>(pids[ur]), static_cast<long long>(devices[ur]),
-            static_cast<unsigned long long>(ptrs[ur]), static_cast<void*>(set->peers[ur]),
-            one_process ? "peer access" : "CUDA IPC");
-      }
+      set->peers[static_cast<std::size_t>(r)] = static_cast<uint64_t*>(set->memory->peer(r));
     }
-    // Nobody may store into a buffer before its owner has zeroed it (done above, synchronously).
-    comm.all_gather({}, "cp/peer-buffers-ready");
     if (comm.rank() == 0 || cp_debug()) {
       std::fprintf(stderr, "m3msa cp: buffer set %s (%s): %zu bytes per rank, mapped by %s\n",
                    key.to_string().c_str(), cp_transport_name(transport), bytes,
-                   one_process ? "peer access" : "CUDA IPC");
+                   set->by_ipc() ? "CUDA IPC" : "peer access");
     }
+  } catch (const Error& error) {
+    set->failed.store(true);
+    if (error.code() == ErrorCode::kUnsupported) {
+      throw Error(ErrorCode::kUnsupported,
+                  detail::concat("CP peer transport: ", error.message(), "; use transport nccl"),
+                  __FILE__, __LINE__, error.rank());
+    }
+    throw;
   } catch (...) {
     set->failed.store(true);
     throw;
@@ -351,7 +283,7 @@ struct CudaCpIndexer::Impl {
   cuda::IndexerPlan plan;  // replicated: the one-GPU indexer
   DeviceBuffer plan_workspace;
 
-  cuda::cp::CpParams params(int layer, const IndexerArgs& args) const;
+  cuda::cp_exchange::CpExchangeParams params(int layer, const IndexerArgs& args) const;
   void check_args(const IndexerArgs& args) const;
   [[noreturn]] void fail(ErrorCode code, const CudaCpFault& fault, const std::string& message);
   std::string read_control_for_diagnosis() const;
@@ -359,11 +291,12 @@ struct CudaCpIndexer::Impl {
   void launch_exchange(int layer, const IndexerArgs& args, cudaStream_t stream);
 };
 
-cuda::cp::CpParams CudaCpIndexer::Impl::params(int layer, const IndexerArgs& args) const {
-  cuda::cp::CpParams p;
+cuda::cp_exchange::CpExchangeParams CudaCpIndexer::Impl::params(int layer,
+                                                                const IndexerArgs& args) const {
+  cuda::cp_exchange::CpExchangeParams p;
   p.layer = layer;
-  p.call_word =
-      cuda::cp::call_word_of(call_digest(layer, args), args.batch.num_reqs, args.batch.q_len);
+  p.call_word = cuda::cp_exchange::call_word_of(call_digest(layer, args), args.batch.num_reqs,
+                                                args.batch.q_len);
   const BatchMeta& batch = args.batch;
   p.seq_lens = batch.seq_lens.ptr<const int32_t>();
   p.block_table = batch.index_block_table.ptr<const int32_t>();
@@ -466,9 +399,8 @@ void CudaCpIndexer::Impl::launch_score(const IndexerArgs& args, cudaStream_t str
     cuda::launch_indexer(plan, config, full, IndexerVariant::kFused, plan_workspace.data(), stream);
     return;
   }
-  cuda::cp::CpParams p = params(-1, args);
-  cuda::cp::cp_shard_tables_kernel<<<cp.max_reqs, cuda::cp::kThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
+  cuda::cp_exchange::CpExchangeParams p = params(-1, args);
+  cuda::launch_cp_exchange_shard_tables(p, cp.max_reqs, stream);
   if (batch.num_reqs == 0) return;
   cuda::IndexerParams s;
   s.index_q = args.index_q.ptr<const uint16_t>();
@@ -504,16 +436,12 @@ void CudaCpIndexer::Impl::launch_exchange(int layer, const IndexerArgs& args, cu
   last_layer = layer;
   ++host_calls;
   if (cp.transport == CpTransport::kReplicated) {
-    const int64_t total = args.batch.num_rows() * merged * config.topk;
-    if (total == 0) return;
-    cuda::cp::
-        cp_gather_heads_kernel<<<narrow_int(ceil_div(total, 256), "gather CTAs"), 256, 0, stream>>>(
-            full_topk.as<const int32_t>(), args.topk_idx.ptr<int32_t>(),
-            static_cast<int>(args.batch.num_rows()), H, merged, heads.front(), config.topk);
-    CUDA_CHECK_LAUNCH();
+    cuda::launch_cp_exchange_gather_heads(
+        full_topk.as<const int32_t>(), args.topk_idx.ptr<int32_t>(),
+        static_cast<int>(args.batch.num_rows()), H, merged, heads.front(), config.topk, stream);
     return;
   }
-  const cuda::cp::CpParams p = params(layer, args);
+  const cuda::cp_exchange::CpExchangeParams p = params(layer, args);
   if (cp_debug()) {
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     CUDA_CHECK(cudaStreamIsCapturing(stream, &capturing));
@@ -525,42 +453,26 @@ void CudaCpIndexer::Impl::launch_exchange(int layer, const IndexerArgs& args, cu
                  args.batch.num_reqs, args.batch.q_len, static_cast<long long>(p.table_cols),
                  static_cast<unsigned long long>(p.call_word));
   }
-  const int merge_grid =
-      narrow_int(ceil_div(int64_t{max_rows} * merged, cuda::cp::kWarps), "merge CTAs");
   if (cp.transport == CpTransport::kAllReduceMax) {
-    const dim3 grid(narrow_int(ceil_div(max_cols, 256), "scatter CTAs"), max_rows * H);
-    cuda::cp::cp_scatter_scores_kernel<<<grid, cuda::cp::kThreads, 0, stream>>>(p);
-    CUDA_CHECK_LAUNCH();
-    // The scores, then the [P][2] digest slots after them (cp_kernels.cuh).
+    cuda::launch_cp_exchange_scatter_scores(p, stream);
+    // The scores, then the [P][2] digest slots after them (cp_exchange_kernel.cuh).
     const std::size_t count = static_cast<std::size_t>(max_rows) * H * max_cols +
                               2 * static_cast<std::size_t>(cp.world_size);
     M3MSA_NCCL_CHECK(ncclAllReduce(full_scores.data(), full_scores.data(), count, ncclFloat32,
                                    ncclMax, static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
-    cuda::cp::cp_select_full_kernel<<<merge_grid, cuda::cp::kThreads, 0, stream>>>(p);
-    CUDA_CHECK_LAUNCH();
+    cuda::launch_cp_exchange_select_full(p, stream);
+  } else if (cp.transport == CpTransport::kPeer && fused_exchange) {
+    cuda::launch_cp_exchange_fused(p, stream);
   } else {
-    const int nominate_grid =
-        narrow_int(ceil_div(int64_t{max_rows} * H, cuda::cp::kWarps), "nominate CTAs");
-    if (cp.transport == CpTransport::kPeer && fused_exchange) {
-      cuda::cp::cp_exchange_kernel<<<nominate_grid + merge_grid, cuda::cp::kThreads, 0, stream>>>(
-          p, nominate_grid);
-      CUDA_CHECK_LAUNCH();
-    } else {
-      cuda::cp::cp_nominate_kernel<<<nominate_grid, cuda::cp::kThreads, 0, stream>>>(p);
-      CUDA_CHECK_LAUNCH();
-      if (cp.transport == CpTransport::kNccl) {
-        M3MSA_NCCL_CHECK(ncclAllGather(
-            send.data(), recv.data(), static_cast<std::size_t>(H) * max_rows * (config.topk + 1),
-            ncclUint64, static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
-      }
-      cuda::cp::cp_merge_kernel<<<merge_grid, cuda::cp::kThreads, 0, stream>>>(p);
-      CUDA_CHECK_LAUNCH();
+    cuda::launch_cp_exchange_nominate(p, stream);
+    if (cp.transport == CpTransport::kNccl) {
+      M3MSA_NCCL_CHECK(ncclAllGather(
+          send.data(), recv.data(), static_cast<std::size_t>(H) * max_rows * (config.topk + 1),
+          ncclUint64, static_cast<ncclComm_t>(nccl->nccl_comm()), stream));
     }
+    cuda::launch_cp_exchange_merge(p, stream);
   }
-  if (cp_debug()) {
-    cuda::cp::cp_debug_kernel<<<1, 1, 0, stream>>>(p, static_cast<int>(cp.transport));
-    CUDA_CHECK_LAUNCH();
-  }
+  if (cp_debug()) cuda::launch_cp_exchange_debug(p, static_cast<int>(cp.transport), stream);
 }
 
 CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig& config,
@@ -573,8 +485,8 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
     cuda::check_indexer_supported(config);
     M3MSA_CHECK_ARG(cp.world_size == comm.world_size(), "CudaCpConfig.world_size (", cp.world_size,
                     ") differs from the communicator's (", comm.world_size(), ")");
-    M3MSA_CHECK_SUPPORTED(cp.world_size <= cuda::cp::kMaxWorld, "CUDA CP: world size ",
-                          cp.world_size, " > ", cuda::cp::kMaxWorld);
+    M3MSA_CHECK_SUPPORTED(cp.world_size <= cuda::cp_exchange::kMaxWorld, "CUDA CP: world size ",
+                          cp.world_size, " > ", cuda::cp_exchange::kMaxWorld);
     M3MSA_CHECK_ARG(cp.max_reqs >= 1, "CudaCpConfig.max_reqs must be >= 1, got ", cp.max_reqs);
     M3MSA_CHECK_ARG(cp.max_q_len >= 1 && cp.max_q_len <= kMaxQueryLen,
                     "CudaCpConfig.max_q_len must be in [1, ", kMaxQueryLen, "], got ",
@@ -585,7 +497,7 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
     M3MSA_CHECK_ARG(cp.host_timeout.count() > 0, "CudaCpConfig.host_timeout must be > 0 ms");
     M3MSA_CHECK_SUPPORTED(cp.max_q_len * config.index_heads <= cuda::idx::kMaxVectors,
                           "CUDA CP: max_q_len * index_heads must be <= ", cuda::idx::kMaxVectors);
-    // The shard tables rely on every scored block being fully visible (cp_kernels.cuh).
+    // The shard tables rely on every scored block being fully visible (cp_exchange_kernel.cuh).
     M3MSA_CHECK_SUPPORTED(cp.transport == CpTransport::kReplicated || config.local_blocks >= 1,
                           "CUDA CP: local_blocks must be >= 1 for the sharded transports, got ",
                           config.local_blocks);
@@ -688,8 +600,8 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
       }
       if (cp.transport == CpTransport::kAllReduceMax) {
         // The scores, then [P][2] digest slots (sized for the largest world).
-        m.full_scores =
-            DeviceBuffer(sizeof(float) * (m.max_rows * H * m.max_cols + 2 * cuda::cp::kMaxWorld));
+        m.full_scores = DeviceBuffer(
+            sizeof(float) * (m.max_rows * H * m.max_cols + 2 * cuda::cp_exchange::kMaxWorld));
       }
     }
     CUDA_CHECK(cudaDeviceSynchronize());
@@ -762,21 +674,22 @@ std::string CudaCpIndexer::Impl::read_control_for_diagnosis() const {
   static std::mutex host_mutex;
   static void* host = nullptr;
   std::lock_guard<std::mutex> lock(host_mutex);
-  if (host == nullptr && cudaMallocHost(&host, sizeof(cuda::cp::CpControl)) != cudaSuccess) {
+  if (host == nullptr &&
+      cudaMallocHost(&host, sizeof(cuda::cp_exchange::CpExchangeControl)) != cudaSuccess) {
     host = nullptr;
     return "";
   }
   cudaStream_t side = nullptr;
   if (cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking) != cudaSuccess) return "";
   std::string text = "control block unreadable";
-  if (cudaMemcpyAsync(host, set->ctl(), sizeof(cuda::cp::CpControl), cudaMemcpyDeviceToHost,
-                      side) == cudaSuccess) {
+  if (cudaMemcpyAsync(host, set->ctl(), sizeof(cuda::cp_exchange::CpExchangeControl),
+                      cudaMemcpyDeviceToHost, side) == cudaSuccess) {
     const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(500);
     while (cudaStreamQuery(side) == cudaErrorNotReady && Clock::now() < deadline) {
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     }
     if (cudaStreamQuery(side) == cudaSuccess) {
-      const auto* c = static_cast<const cuda::cp::CpControl*>(host);
+      const auto* c = static_cast<const cuda::cp_exchange::CpExchangeControl*>(host);
       text = detail::concat("this rank's calls completed: ", c->generation,
                             ", merge CTAs of the current call arrived: ", c->done,
                             ", device error flag: ", c->error.flag);
@@ -855,8 +768,8 @@ void CudaCpIndexer::check(void* stream) {
            detail::concat("CP rank ", m.rank, ": layer ", m.last_layer, " did not complete within ",
                           m.cp.host_timeout.count(), " ms: ", what, "; ", control));
   }
-  cuda::cp::CpDeviceError e{};
-  cuda::cp::CpControl* ctl = m.set->ctl();
+  cuda::cp_exchange::CpExchangeError e{};
+  cuda::cp_exchange::CpExchangeControl* ctl = m.set->ctl();
   // The stream is idle, so this copy (into pageable memory, returning when it completes) is quick.
   CUDA_CHECK(cudaMemcpyAsync(&e, &ctl->error, sizeof(e), cudaMemcpyDeviceToHost, s));
   CUDA_CHECK(cudaStreamSynchronize(s));
@@ -875,7 +788,7 @@ void CudaCpIndexer::check(void* stream) {
   f.seen_tag = e.seen_tag;
   f.expected_word = e.expected_word;
   f.seen_word = e.seen_word;
-  if (e.kind == cuda::cp::kFaultShapeMismatch) {
+  if (e.kind == cuda::cp_exchange::kFaultShapeMismatch) {
     f.kind = CudaCpFault::Kind::kShapeMismatch;
     m.fail(ErrorCode::kInvalidArgument, f,
            detail::concat("rank ", e.source, " passed another shape for the same call (layer ",
@@ -914,7 +827,7 @@ CudaCpInfo CudaCpIndexer::info() const {
   info.key = impl_->set->key;
   info.buffer_bytes_per_rank = impl_->set->candidate_bytes + impl_->set->word_bytes;
   info.word_bytes_per_rank = impl_->set->word_bytes;
-  info.peer_mapped_by_ipc = impl_->set->by_ipc;
+  info.peer_mapped_by_ipc = impl_->set->by_ipc();
   std::lock_guard<std::mutex> lock(g_registry_mutex);
   for (const auto& [key, weak] : registry()) {
     if (key.comm == impl_->comm && !weak.expired()) ++info.buffer_sets;

@@ -1,13 +1,14 @@
-// Kernels of the context-parallel indexer (docs/cp.md, include/m3msa/cp_cuda.h). Framework-free:
-// raw pointers and one params struct, launched by cp_indexer.cu.
+// Kernels of the context-parallel indexer exchange (docs/cp.md, include/m3msa/cp_cuda.h).
+// Framework-free: raw pointers and one params struct (cp_exchange_params.h), launched by
+// cp_exchange.cu.
 //
 // Scoring of a rank's round-robin shard reuses the one-GPU scoring kernel (indexer.cuh) in its
 // scores-only mode over a *shard table*: local block l of shard r is global block l*P + r. The
-// kernel masks tokens by the local position, so cp_shard_tables_kernel gives every live request a
-// local length that makes all of its shard's blocks fully visible; this is exact because every
-// block a row scores (rather than forces) is fully visible to it: the only partly visible block
-// of a row is its own, which is forced whenever local_blocks >= 1 (checked on the host). The dot
-// products and maxima of a block are then computed by the same code in the same order as on one
+// kernel masks tokens by the local position, so cp_exchange_shard_tables_kernel gives every live
+// request a local length that makes all of its shard's blocks fully visible; this is exact because
+// every block a row scores (rather than forces) is fully visible to it: the only partly visible
+// block of a row is its own, which is forced whenever local_blocks >= 1 (checked on the host). The
+// dot products and maxima of a block are then computed by the same code in the same order as on one
 // GPU, so every key, and so every selection, is bit-identical.
 //
 // Call words (lockstep check). Next to its k keys, each nomination carries one more tagged 64-bit
@@ -24,99 +25,13 @@
 
 #include <cstdint>
 
+#include "cp/cp_exchange_params.h"
 #include "cuda/indexer.cuh"
 #include "m3msa/sort_key.h"
 
-namespace m3msa::cuda::cp {
+namespace m3msa::cuda::cp_exchange {
 
-inline constexpr int kMaxWorld = 8;
-inline constexpr int kWarps = 8;
-inline constexpr int kThreads = 256;
-inline constexpr int kMaxCand = kMaxWorld * 32;  // P * k candidates of one (row, head)
-
-// What a failed wait found (CpDeviceError::kind).
-inline constexpr uint32_t kFaultTimeout = 1;        // a source never delivered within the budget
-inline constexpr uint32_t kFaultShapeMismatch = 2;  // a source's call word differs from ours
-
-// Device error record of a failed wait (cp.md "No silent hang"); the first writer wins.
-struct CpDeviceError {
-  uint32_t flag;  // 0: none
-  int32_t layer;
-  int32_t row;
-  int32_t head;
-  int32_t source;
-  uint32_t expected_tag;
-  uint32_t seen_tag;
-  uint32_t kind;           // kFault*
-  uint64_t expected_word;  // this rank's call word (tag included)
-  uint64_t seen_word;      // the source's call word found at the slot (mismatch) or 0
-};
-
-// Per buffer set, in the rank's own memory.
-struct CpControl {
-  uint32_t generation;  // calls completed on this set (bumped by the last merge CTA)
-  uint32_t done;        // merge CTAs arrived in the current call (back to 0 after each call)
-  uint32_t status;      // sticky guard bits of the shard scoring (params.h kStatus*)
-  uint32_t pad;
-  CpDeviceError error;
-};
-
-struct CpParams {
-  // Batch (the live call; grids come from max_rows).
-  const int32_t* seq_lens = nullptr;     // [num_reqs] i32, global lengths
-  const int32_t* block_table = nullptr;  // [num_reqs, table_cols] i32, global table
-  int64_t table_cols = 0;
-  int num_reqs = 0;
-  int q_len = 1;
-  int live_rows = 0;  // num_reqs * q_len
-  int max_rows = 0;
-  // Shard.
-  int rank = 0;
-  int world = 1;   // P
-  int heads = 0;   // H (all index heads; every rank scores all of them)
-  int merged = 0;  // heads this rank merges (H / P, or 1 when P > H)
-  int head0 = 0;   // first global head this rank merges (they are consecutive)
-  int topk = 0;
-  int init_blocks = 0;
-  int local_blocks = 1;
-  // Shard tables and scores.
-  int32_t* local_seq_lens = nullptr;  // [max_reqs] i32
-  int32_t* local_table = nullptr;     // [max_reqs, local_cols] i32
-  float* scores = nullptr;            // [max_rows, H, local_cols] f32 (shard block scores)
-  int64_t local_cols = 0;
-  // Exchange.
-  CpControl* control = nullptr;
-  uint64_t* dest[kMaxWorld] = {};  // peer: every rank's candidate buffer; local: [0] = send
-  int dest_local = 0;              // 1: nominations go to dest[0] as [H][max_rows][k] (nccl)
-  const uint64_t* cand = nullptr;  // this rank's buffer to merge from
-  int64_t parity_stride = 0;       // elements (0 for nccl: the recv buffer is per call)
-  int64_t source_stride = 0;
-  int64_t head_stride = 0;  // per merged head (peer) / per global head (nccl)
-  int cand_head_base = 0;   // head index of merged head 0 in the cand layout (0 / head0)
-  // Call words: element offset of the word region from dest[r] / cand, and its strides (the
-  // head stride is max_rows). Peer: [2][P][merged][max_rows] after the keys; nccl: [H][max_rows]
-  // after each source's keys.
-  int64_t word_offset = 0;
-  int64_t word_parity_stride = 0;
-  int64_t word_source_stride = 0;
-  uint64_t call_word = 0;  // this call's word without its tag (call_word_of)
-  int layer = 0;
-  uint64_t budget_ns = 0;
-  int32_t* topk_idx = nullptr;  // [live_rows, merged, k] i32 out
-  // allreduce-max.
-  float* full_scores = nullptr;  // [max_rows, H, full_cols] f32, then [P][2] digest halves
-  int64_t full_cols = 0;
-};
-
-// The call word (without tag): bits 63..32 the digest, 23..8 num_reqs, 7..0 q_len (both as far
-// as they fit; the digest covers them whole). Bits 31..24 carry the generation tag on the wire.
-__host__ __device__ inline uint64_t call_word_of(uint32_t digest, int num_reqs, int q_len) {
-  return (static_cast<uint64_t>(digest) << 32) |
-         (static_cast<uint64_t>(static_cast<uint32_t>(num_reqs) & 0xFFFFu) << 8) |
-         (static_cast<uint64_t>(static_cast<uint32_t>(q_len) & 0xFFu));
-}
-
-__device__ __forceinline__ int row_pos(const CpParams& p, int row) {
+__device__ __forceinline__ int row_pos(const CpExchangeParams& p, int row) {
   if (row >= p.live_rows) return -1;
   const int req = row / p.q_len;
   const int seq = p.seq_lens[req];
@@ -151,7 +66,7 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 // j >= 1 see one more local block (column cnt), which points at the request's page of block 0
 // (always valid) and whose score nobody reads.
 __global__ void __launch_bounds__(kThreads)
-    cp_shard_tables_kernel(const __grid_constant__ CpParams p) {
+    cp_exchange_shard_tables_kernel(const __grid_constant__ CpExchangeParams p) {
   const int req = blockIdx.x;
   int cnt = 0;
   int seq = 0;
@@ -181,8 +96,8 @@ __global__ void __launch_bounds__(kThreads)
 // [H][max_rows] words) for the NCCL transport. Rows past the live batch send tagged empties so
 // every consumer's wait is met. Grid: ceil(max_rows * H / 8) CTAs of 8 warps, one warp per
 // (row, head).
-__device__ __forceinline__ void nominate_item(const CpParams& p, int item, uint32_t generation,
-                                              uint64_t* scratch) {
+__device__ __forceinline__ void nominate_item(const CpExchangeParams& p, int item,
+                                              uint32_t generation, uint64_t* scratch) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   if (item >= p.max_rows * p.heads) return;
   const int row = item / p.heads;
@@ -231,11 +146,12 @@ __device__ __forceinline__ void nominate_item(const CpParams& p, int item, uint3
 }
 
 // The generation of the call being made (the counter holds the calls completed).
-__device__ __forceinline__ uint32_t next_generation(const CpParams& p) {
+__device__ __forceinline__ uint32_t next_generation(const CpExchangeParams& p) {
   return *reinterpret_cast<volatile uint32_t*>(&p.control->generation) + 1u;
 }
 
-__global__ void __launch_bounds__(kThreads) cp_nominate_kernel(const __grid_constant__ CpParams p) {
+__global__ void __launch_bounds__(kThreads)
+    cp_exchange_nominate_kernel(const __grid_constant__ CpExchangeParams p) {
   __shared__ __align__(16) uint64_t s_scratch[kWarps][idx::kScratch];
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   nominate_item(p, blockIdx.x * kWarps + warp, next_generation(p), &s_scratch[warp][0]);
@@ -252,11 +168,12 @@ __global__ void __launch_bounds__(kThreads) cp_nominate_kernel(const __grid_cons
 // call. Grid: ceil(max_rows * merged / 8) CTAs of 8 warps, one warp per (row, merged head).
 
 // Records the first fault of the call (the first writer wins); one lane calls it.
-__device__ __forceinline__ void record_fault(const CpParams& p, uint32_t kind, int row, int head,
-                                             int source, uint32_t expected_tag, uint32_t seen_tag,
-                                             uint64_t expected_word, uint64_t seen_word) {
+__device__ __forceinline__ void record_fault(const CpExchangeParams& p, uint32_t kind, int row,
+                                             int head, int source, uint32_t expected_tag,
+                                             uint32_t seen_tag, uint64_t expected_word,
+                                             uint64_t seen_word) {
   if (atomicCAS(&p.control->error.flag, 0u, 1u) != 0u) return;
-  CpDeviceError& e = p.control->error;
+  CpExchangeError& e = p.control->error;
   e.layer = p.layer;
   e.row = row;
   e.head = head;
@@ -272,8 +189,8 @@ __device__ __forceinline__ void record_fault(const CpParams& p, uint32_t kind, i
 // Spins (bounded) until `*slot` carries `tag` in every lane with `active` set; `v` holds the
 // last value read. False when the budget ran out or another warp already recorded a fault.
 // Warp-uniform result.
-__device__ __forceinline__ bool wait_tagged(const CpParams& p, const uint64_t* slot, bool active,
-                                            uint32_t tag, uint64_t& v) {
+__device__ __forceinline__ bool wait_tagged(const CpExchangeParams& p, const uint64_t* slot,
+                                            bool active, uint32_t tag, uint64_t& v) {
   v = active ? load_sys(slot) : 0;
   bool arrived = !active || key_tag(v) == tag;
   if (__all_sync(0xFFFFFFFFu, arrived)) return true;
@@ -292,7 +209,7 @@ __device__ __forceinline__ bool wait_tagged(const CpParams& p, const uint64_t* s
   }
 }
 
-__device__ __forceinline__ void merge_item(const CpParams& p, int item, uint32_t generation,
+__device__ __forceinline__ void merge_item(const CpExchangeParams& p, int item, uint32_t generation,
                                            uint64_t* s_cand_warp, uint64_t* scratch) {
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const uint32_t tag = generation_tag(generation);
@@ -350,7 +267,7 @@ __device__ __forceinline__ void merge_item(const CpParams& p, int item, uint32_t
 
 // Every CTA of the launch has read the generation before it arrives here, so the last one to
 // arrive may bump it for the next call.
-__device__ __forceinline__ void finish_call(const CpParams& p, uint32_t generation) {
+__device__ __forceinline__ void finish_call(const CpExchangeParams& p, uint32_t generation) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
@@ -362,7 +279,8 @@ __device__ __forceinline__ void finish_call(const CpParams& p, uint32_t generati
   }
 }
 
-__global__ void __launch_bounds__(kThreads) cp_merge_kernel(const __grid_constant__ CpParams p) {
+__global__ void __launch_bounds__(kThreads)
+    cp_exchange_merge_kernel(const __grid_constant__ CpExchangeParams p) {
   __shared__ __align__(16) uint64_t s_cand[kWarps][kMaxCand];
   __shared__ __align__(16) uint64_t s_scratch[kWarps][idx::kScratch];
   const int warp = static_cast<int>(threadIdx.x) >> 5;
@@ -377,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) cp_merge_kernel(const __grid_constan
 // should a merging CTA still starve a nominating one, the bounded wait turns that into a timeout
 // error, not a hang. Grid: nominate_ctas + ceil(max_rows * merged / 8) CTAs of 8 warps.
 __global__ void __launch_bounds__(kThreads)
-    cp_exchange_kernel(const __grid_constant__ CpParams p, int nominate_ctas) {
+    cp_exchange_fused_kernel(const __grid_constant__ CpExchangeParams p, int nominate_ctas) {
   __shared__ __align__(16) uint64_t s_cand[kWarps][kMaxCand];
   __shared__ __align__(16) uint64_t s_scratch[kWarps][idx::kScratch];
   const int warp = static_cast<int>(threadIdx.x) >> 5;
@@ -396,8 +314,9 @@ __global__ void __launch_bounds__(kThreads)
 // generation the call completed, its tag and parity, the call word every source left in this
 // rank's buffer for row 0 / merged head 0, and the error record. Device printf is flushed at the
 // host's next synchronization.
-__global__ void cp_debug_kernel(const __grid_constant__ CpParams p, int transport) {
-  const volatile CpControl* c = p.control;
+__global__ void cp_exchange_debug_kernel(const __grid_constant__ CpExchangeParams p,
+                                         int transport) {
+  const volatile CpExchangeControl* c = p.control;
   const uint32_t g = c->generation;
   const int parity = static_cast<int>(g & 1u);
   printf(
@@ -430,7 +349,7 @@ __global__ void cp_debug_kernel(const __grid_constant__ CpParams p, int transpor
 // its own slot (exact in fp32), -inf in the others, so after the MAX every rank holds every
 // rank's digest. Grid: (ceil(full_cols / 256), max_rows * H).
 __global__ void __launch_bounds__(kThreads)
-    cp_scatter_scores_kernel(const __grid_constant__ CpParams p) {
+    cp_exchange_scatter_scores_kernel(const __grid_constant__ CpExchangeParams p) {
   const int item = blockIdx.y;
   const int row = item / p.heads;
   const int head = item % p.heads;
@@ -460,7 +379,7 @@ __global__ void __launch_bounds__(kThreads)
 // recorded as a shape mismatch and nothing is written).
 // Grid: ceil(max_rows * merged / 8) CTAs, one warp per (row, merged head); live rows only write.
 __global__ void __launch_bounds__(kThreads)
-    cp_select_full_kernel(const __grid_constant__ CpParams p) {
+    cp_exchange_select_full_kernel(const __grid_constant__ CpExchangeParams p) {
   __shared__ __align__(16) uint64_t s_scratch[kWarps][idx::kScratch];
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
@@ -508,8 +427,8 @@ __global__ void __launch_bounds__(kThreads)
 // replicated: the merged heads' rows of a full [live_rows, H, k] selection.
 // Grid: ceil(live_rows * merged * k / 256) CTAs.
 __global__ void __launch_bounds__(kThreads)
-    cp_gather_heads_kernel(const int32_t* full, int32_t* out, int live_rows, int heads, int merged,
-                           int head0, int k) {
+    cp_exchange_gather_heads_kernel(const int32_t* full, int32_t* out, int live_rows, int heads,
+                                    int merged, int head0, int k) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t total = static_cast<int64_t>(live_rows) * merged * k;
   if (i >= total) return;
@@ -520,4 +439,4 @@ __global__ void __launch_bounds__(kThreads)
   out[i] = full[(row * heads + head0 + lh) * k + j];
 }
 
-}  // namespace m3msa::cuda::cp
+}  // namespace m3msa::cuda::cp_exchange

@@ -1,5 +1,6 @@
 // The one-shot tensor-parallel all-reduce through peer-mapped buffers (src/comm/peer_allreduce.h),
-// device side. Framework-free: raw pointers, one params struct, launched by peer_allreduce.cu.
+// device side. Framework-free: raw pointers, one params struct (peer_allreduce_params.h), launched
+// by peer_allreduce.cu.
 //
 // Purpose: data[0..count) <- the fp32 sum over the P ranks, in rank order, in place, for
 // decode-sized messages (count <= a few hundred thousand floats), in one kernel and without a
@@ -68,58 +69,9 @@
 
 #include <cstdint>
 
-namespace m3msa::cuda::ar {
+#include "comm/peer_allreduce_params.h"
 
-inline constexpr int kMaxWorld = 8;
-inline constexpr int kThreads = 256;
-inline constexpr int kCallWords = 4;  // per (parity, source, CTA): digest, count lo, call id, hi
-
-// What a failed wait found (ArDeviceError::kind).
-inline constexpr uint32_t kFaultTimeout = 1;   // a source never delivered within the budget
-inline constexpr uint32_t kFaultMismatch = 2;  // a source's call word differs from ours
-
-// Device error record of a failed call; the first writer wins.
-struct ArDeviceError {
-  uint32_t flag;  // 0: none
-  uint32_t kind;  // kFault*
-  int32_t source;
-  int32_t cta;
-  int64_t element;  // the element waited on; -1: the call word
-  uint32_t expected_tag;
-  uint32_t seen_tag;  // tag found in the slot at expiry (0: never written)
-  int64_t count;      // this rank's count and call id
-  int32_t call_id;
-  uint32_t digest;
-  int64_t seen_count;  // the source's (mismatch only)
-  int32_t seen_call_id;
-  uint32_t seen_digest;
-};
-
-// Per rank, in its own memory (peers never touch it).
-struct ArControl {
-  uint32_t generation;  // calls completed (advanced by the last CTA of each call)
-  uint32_t done;        // CTAs finished in the current call (back to 0 after each call)
-  uint32_t pad[2];
-  ArDeviceError error;
-};
-
-struct PeerAllReduceParams {
-  float* data = nullptr;  // [count] f32, summed in place
-  int64_t count = 0;
-  int64_t pairs = 0;               // ceil(count / 2)
-  uint64_t* dest[kMaxWorld] = {};  // [world] every rank's receive buffer (own unused)
-  const uint64_t* recv = nullptr;  // this rank's receive buffer
-  int64_t slot_words = 0;          // words per (parity, source): max_count rounded up to even
-  int64_t slot_pairs = 0;          // slot_words / 2 (the refresh pointer's range)
-  int64_t call_offset = 0;         // word offset of the call words [2][P][CTAs][kCallWords]
-  ArControl* control = nullptr;    // this rank's
-  uint64_t budget_ns = 0;
-  uint32_t digest = 0;  // of (count, call_id), host computed
-  int32_t call_id = 0;
-  int rank = 0;
-  int world = 1;
-  int data_aligned = 0;  // data is 8-byte aligned: float2 accesses
-};
+namespace m3msa::cuda::peer_allreduce {
 
 // Never 0 (the zeroed buffer) and, within one parity, never the same for two calls less than
 // 2^32 - 1 calls apart (see the file comment).
@@ -180,7 +132,7 @@ __device__ __noinline__ void record_fault(const PeerAllReduceParams& p, uint32_t
                                           bool has_seen, CallWords seen, volatile int* s_abort) {
   *s_abort = 1;
   if (atomicCAS(&p.control->error.flag, 0u, 1u) != 0u) return;
-  ArDeviceError& e = p.control->error;
+  PeerAllReduceError& e = p.control->error;
   e.kind = kind;
   e.source = source;
   e.cta = static_cast<int32_t>(blockIdx.x);
@@ -319,12 +271,12 @@ __device__ __forceinline__ bool receive_pair(const PeerAllReduceParams& p, int64
 // Grid: the host's fixed CTA count (the same on every rank); kThreads threads.
 template <int kMaxP>
 __global__ void __launch_bounds__(kThreads)
-    peer_allreduce_kernel(const __grid_constant__ PeerAllReduceParams p) {
+    peer_allreduce_sum_kernel(const __grid_constant__ PeerAllReduceParams p) {
   __shared__ uint32_t s_generation;
   __shared__ int s_abort;
   const int tid = static_cast<int>(threadIdx.x);
   if (tid == 0) {
-    const volatile ArControl* c = p.control;
+    const volatile PeerAllReduceControl* c = p.control;
     s_generation = c->generation;
     s_abort = c->error.flag != 0u ? 1 : 0;  // an earlier call failed: do nothing
   }
@@ -398,4 +350,4 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-}  // namespace m3msa::cuda::ar
+}  // namespace m3msa::cuda::peer_allreduce

@@ -1,9 +1,9 @@
 // m3msa demo on the CUDA runtime: ranks as threads, rank r on GPU r, an in-process
 // NcclCommunicator between them (TP > 1) or a single-rank communicator (TP = 1). Each rank
-// generates its slices of the weights and caches on the host (demo_runtime.cc), copies them to its
-// GPU, prepares the runtime on them and runs the steps eagerly (begin_step with host metadata,
-// forward_layer per layer on the runtime's stream; the host waits for the stream once per step,
-// or after every layer when recording). Compiled in every build; without CUDA run_cuda throws
+// generates its slices of the weights and caches on the host (the test kit's demo model), copies
+// them to its GPU, prepares the runtime on them and runs the steps eagerly (begin_step with host
+// metadata, forward_layer per layer on the runtime's stream; the host waits for the stream once per
+// step, or after every layer when recording). Compiled in every build; without CUDA run_cuda throws
 // kUnsupported.
 #include <fmt/format.h>
 
@@ -169,7 +169,7 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record,
         download(rt.last_layer_trace().topk, topk);
         download(d_hidden.view(), hidden);
         download(d_residual.view(), residual);
-        const int kv0 = m.kv_heads >= tp ? r * (m.kv_heads / tp) : r / (tp / m.kv_heads);
+        const int kv0 = testkit::first_kv_head(m, r, tp);
         std::lock_guard<std::mutex> lock(mutex);
         for (int64_t row = 0; row < rows; ++row) {
           for (int h = 0; h < sc.kv_heads; ++h) {  // this rank's heads

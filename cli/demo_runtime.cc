@@ -22,7 +22,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -30,19 +29,15 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <thread>
 
 #include "backend_select.h"
-#include "checks.h"
 #include "commands.h"
 #include "common.h"
 #include "json_out.h"
 #include "m3msa/comm.h"
-#include "m3msa/cpu_reference.h"
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
-#include "m3msa/sort_key.h"
 #include "m3msa/testing/checks.h"
 #include "m3msa/testing/demo_oracle.h"
 #include "progress.h"

@@ -34,7 +34,6 @@
 #include <vector>
 
 #include "bench_registry.h"
-#include "core/splitmix.h"
 #include "cuda/common.cuh"
 #include "cuda/gemm.h"
 #include "fill.h"
@@ -43,6 +42,7 @@
 #include "m3msa/config.h"
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
+#include "m3msa/testing/splitmix.h"
 
 namespace m3msa::bench {
 namespace {
@@ -95,10 +95,7 @@ std::vector<int64_t> check_columns(int64_t n, int count) {
 }
 
 // splitmix64, for the host-side scales.
-struct Rng : SplitMix64 {
-  using SplitMix64::SplitMix64;
-  double unit() { return uniform01(); }  // [0, 1)
-};
+using Rng = testkit::SplitMix64;
 
 struct CheckResult {
   int64_t checked = 0;
@@ -253,7 +250,7 @@ int run_gemm_bench(int argc, char** argv) {
           Rng rng(seed + 29);
           h_scale.resize(static_cast<size_t>(copies * n));
           // In [0.015, 0.025): the order of amax / 448 of a real layer's rows.
-          for (float& s : h_scale) s = static_cast<float>(0.015 + 0.01 * rng.unit());
+          for (float& s : h_scale) s = static_cast<float>(0.015 + 0.01 * rng.uniform01());
           CUDA_CHECK(cudaMemcpyAsync(scale.data(), h_scale.data(), h_scale.size() * 4,
                                      cudaMemcpyHostToDevice, stream.get()));
         }

@@ -24,7 +24,6 @@
 #include <vector>
 
 #include "bench_registry.h"
-#include "core/splitmix.h"
 #include "cuda/common.cuh"
 #include "cuda/indexer.h"
 #include "fill.h"
@@ -33,13 +32,12 @@
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
 #include "m3msa/ops.h"
+#include "m3msa/testing/splitmix.h"
 
 namespace m3msa::bench {
 namespace {
 
-struct Rng : SplitMix64 {
-  explicit Rng(uint64_t seed) : SplitMix64(salted(seed, 9)) {}
-};
+using Rng = testkit::SaltedRng<9>;
 
 struct Config {
   int batch;

@@ -1,66 +1,20 @@
-// The correctness checks the demo and replay run, with results that say what was checked, how
-// many items, how many failed, and the worst or first failing element with its coordinates.
+// The CLI's correctness checks are the test kit's comparison module (m3msa/testing/checks.h),
+// named here in the CLI's namespace.
 #pragma once
 
-#include <cstdint>
-#include <functional>
-#include <string>
-
-#include "m3msa/ops.h"
+#include "m3msa/testing/checks.h"
 
 namespace m3msa::cli {
 
-// Tolerances, in units of the output dtype (style.md 7).
-// CPU reference vs itself in another summation order (sparse vs dense attention): fp32 sums in a
-// different order flip at most the last bf16 bit, rarely two.
-inline constexpr double kSameBackendUlps = 2.0;
-// Another backend vs the CPU reference (different accumulation hardware and order).
-inline constexpr double kCrossBackendUlps = 4.0;
-// Errors are measured in ulps at max(|reference|, RMS of the reference tensor, kUlpFloor): an
-// output near zero comes from cancellation of terms of the tensor's typical size, and its error
-// scales with those terms, not with the result (a relative measure there would mean nothing).
-inline constexpr float kUlpFloor = 1.0f / 1024.0f;
-// Near-tie rule for selections of another backend (method.md, oracle 4): a block may be swapped
-// with another only when both reference scores are within this (relative to max(1, |S_k|)) of
-// the k-th selected score.
-inline constexpr double kSelectionTieTolerance = 1e-3;
-
-struct CheckResult {
-  std::string name;     // what was checked (one line)
-  int64_t checked = 0;  // items checked
-  int64_t failed = 0;   // items that failed
-  std::string detail;   // the worst / first failure, or the worst error when all passed
-  double worst = 0.0;   // worst error seen (ulps for value comparisons)
-
-  bool passed() const { return failed == 0; }
-  // Accumulates another result of the same check (keeps the first failure's detail).
-  void merge(const CheckResult& other);
-};
-
-// Every (row, head) list of topk_idx ([rows, H, k] i32, host) is well formed: live rows hold
-// min(k, nb) distinct visible block ids, the forced blocks first (ascending), then -1; dead rows
-// hold only -1.
-CheckResult check_selections_wellformed(const SparseConfig& config, const BatchMeta& batch,
-                                        const TensorView& topk_idx);
-
-// Recomputes the block scores (cpu::score_blocks) and checks every list of args.topk_idx against
-// the top-k of the sort keys of spec.md section 4, or against `want` ([rows, H, k] i32) when
-// given. tie_tolerance 0: the exact list; > 0: the same set up to swaps of blocks whose reference
-// scores are within the tolerance of the k-th score (kSelectionTieTolerance).
-CheckResult check_selections_vs_scores(const SparseConfig& config, const IndexerArgs& args,
-                                       double tie_tolerance, int threads,
-                                       const TensorView& want = TensorView{});
-
-// Element-wise comparison of two host tensors of one shape and dtype (bf16, fp8_e4m3 or f32), the
-// error in ulps of the dtype (see kUlpFloor); NaN and inf must sit at the same positions. Elements
-// above max_ulps fail. `include` (optional) picks the flat indices to compare.
-CheckResult compare_values(const std::string& name, const TensorView& got, const TensorView& want,
-                           double max_ulps, const std::function<bool(int64_t)>& include = nullptr);
-
-// Bit-exact comparison (any dtype); reports the first mismatch with its coordinates.
-CheckResult compare_exact(const std::string& name, const TensorView& got, const TensorView& want);
-
-// "[2, 17, 5]" for flat index i of a tensor of `view`'s shape.
-std::string coordinates(const TensorView& view, int64_t index);
+using testkit::check_selections_vs_scores;
+using testkit::check_selections_wellformed;
+using testkit::CheckResult;
+using testkit::compare_exact;
+using testkit::compare_values;
+using testkit::coordinates;
+using testkit::kCrossBackendUlps;
+using testkit::kSameBackendUlps;
+using testkit::kSelectionTieTolerance;
+using testkit::kUlpFloor;
 
 }  // namespace m3msa::cli

@@ -45,19 +45,6 @@ std::string error_text(const std::exception& e) {
   return text.rfind(prefix, 0) == 0 ? text.substr(prefix.size()) : text;
 }
 
-uint64_t derive_seed(uint64_t seed, uint64_t a, uint64_t b) {
-  Rng rng(seed ^ (a * 0xD1B54A32D192ED03ull) ^ (b * 0x8CB92BA72F3D8DD7ull));
-  rng.next();
-  return rng.next();
-}
-
-void fill_bf16(HostTensor& tensor, uint64_t seed, float scale) {
-  M3MSA_CHECK_INTERNAL(tensor.dtype() == DType::kBF16, "fill_bf16 on ", dtype_name(tensor.dtype()));
-  Rng rng(seed);
-  uint16_t* data = tensor.ptr<uint16_t>();
-  for (int64_t i = 0; i < tensor.numel(); ++i) data[i] = float_to_bf16(rng.unit() * scale);
-}
-
 HostTensor clone(const HostTensor& tensor) {
   if (tensor.empty() && tensor.shape().empty()) return {};
   HostTensor copy(tensor.dtype(), tensor.shape());

@@ -6,8 +6,8 @@
 #include <exception>
 #include <string>
 
-#include "core/splitmix.h"
 #include "m3msa/tensor.h"
+#include "m3msa/testing/random.h"
 
 namespace m3msa::cli {
 
@@ -26,17 +26,9 @@ const std::string& command_line();
 // An m3msa::Error's text without the leading "m3msa: " (the CLI prefixes its own).
 std::string error_text(const std::exception& e);
 
-// splitmix64: seedable, tiny, deterministic on every platform.
-struct Rng : SplitMix64 {
-  using SplitMix64::SplitMix64;
-  float unit() { return unit_variance(); }
-};
-
-// A seed for stream `a`, `b` of `seed` (distinct streams never share a sequence).
-uint64_t derive_seed(uint64_t seed, uint64_t a, uint64_t b = 0);
-
-// Fills a bf16 tensor with unit-variance values times `scale`.
-void fill_bf16(HostTensor& tensor, uint64_t seed, float scale = 1.0f);
+// Seeds and fills: the test kit's (m3msa/testing/random.h), so the CLI draws the same streams.
+using testkit::derive_seed;
+using testkit::fill_bf16;
 
 // A deep copy (HostTensor copies share storage).
 HostTensor clone(const HostTensor& tensor);

@@ -3,7 +3,7 @@
 // over the GPUs present (ranks as threads; NCCL on the GPU, a ThreadGroup on the CPU), timed, and
 // checked against a CPU oracle on a small configuration. The model: M3's attention dimensions
 // (64 q heads, 4 KV / index heads of 128, blocks of 128, top-16) and a dense SwiGLU-OAI MLP
-// standing in for the FFN, seeded random weights and caches.
+// standing in for the FFN, seeded random weights and caches (the test kit's demo model).
 //
 // The pieces shared by the CPU path (demo_runtime.cc) and the CUDA path (demo_runtime_gpu.cc).
 #pragma once
@@ -17,6 +17,7 @@
 #include "m3msa/config.h"
 #include "m3msa/runtime.h"
 #include "m3msa/tensor.h"
+#include "m3msa/testing/demo_model.h"
 
 namespace m3msa::cli {
 
@@ -49,54 +50,14 @@ int run_runtime_demo(const RuntimeDemoOptions& options);
 
 namespace demo_rt {
 
-// Everything that defines one demo run: the model, the weights' dtype, the steps.
-struct Spec {
-  ModelConfig model;              // sparse layers [first_sparse_layer, num_layers)
-  bool fp8 = false;               // qkv_proj and o_proj as fp8 e4m3 with per-output-channel scales
-  bool context_parallel = false;  // CP indexer (every rank's qkv_proj has every index_q head)
-  uint64_t seed = 1;
-  int batch = 1;
-  int q_len = 1;
-  int steps = 1;
-  std::vector<int64_t> contexts;  // per request: tokens cached before the first step
-  int64_t max_blocks = 0;         // block-table width (covers the last step)
-  int64_t pages = 0;              // pages per cache
-
-  RuntimeConfig runtime_config(int threads) const;
-  int64_t rows() const { return int64_t{batch} * q_len; }
-  // Bytes of one rank's weights / caches (all layers).
-  double weight_bytes(int tp) const;
-  double cache_bytes(int tp) const;
-};
-
-Spec make_spec(const ModelConfig& model, bool fp8, uint64_t seed, int batch, int64_t context,
-               int q_len, int steps);
-
-// A rank's model as host tensors (its slices of the master TP = 1 tensors, which are defined
-// element by element by a counter-based hash of (seed, tensor, index): any slice is generated
-// directly, and TP = P slices assemble exactly into TP = 1). Generation uses `threads` threads.
-struct HostModel {
-  std::vector<HostTensor> storage;
-  ModelWeights weights;  // views into storage
-};
-HostModel make_host_model(const Spec& spec, int rank, int world, int threads);
-
-// The master (TP = 1) values of the projection weights as floats (dequantized for fp8), for the
-// independent reference: [W, hidden] qkv rows, [hidden, QH*HD] o_proj, MLP [I, H] x2, [H, I].
-struct MasterLayer {
-  int layer = -1;
-  std::vector<float> qkv, o_proj, gate, up, down;
-  std::vector<float> q_norm, k_norm, iq_norm, ik_norm, input_norm, post_norm;
-};
-MasterLayer make_master_layer(const Spec& spec, int layer_index, int threads);
-
-// One decode step's host metadata (`batch` views the tensors).
-struct Step {
-  HostTensor seq_lens, index_table, kv_table, slots, index_slots, positions;
-  BatchMeta batch;
-  std::vector<uint16_t> hidden_in;  // [rows, hidden] bf16: the step's embeddings
-};
-Step make_step(const Spec& spec, int step);
+// The model, its weights and steps come from the test kit (m3msa/testing/demo_model.h).
+using testkit::demo::HostModel;
+using testkit::demo::make_host_model;
+using testkit::demo::make_spec;
+using testkit::demo::make_step;
+using testkit::demo::make_steps;
+using testkit::demo::Spec;
+using testkit::demo::Step;
 
 // What a run records per step and layer when asked to (the check run).
 struct LayerRecord {
@@ -116,9 +77,8 @@ struct RunResult {
 };
 
 // A run's result before its first step (backend, tp, and when `record`, an empty record per
-// step and layer with its selections at -1), and the spec's steps: shared by both backends.
+// step and layer with its selections at -1): shared by both backends.
 RunResult start_run(const Spec& spec, const char* backend, int tp, bool record);
-std::vector<Step> make_steps(const Spec& spec);
 
 // Runs the spec through the runtime at TP = `tp`. record: every layer's inputs / outputs /
 // selections are kept (and ranks compared bit for bit).

@@ -1,9 +1,9 @@
 // m3msa demo on the CUDA runtime: ranks as threads, rank r on GPU r, an in-process
 // NcclCommunicator between them (TP > 1) or a single-rank communicator (TP = 1). Each rank
-// generates its slices of the weights and caches on the host (demo_runtime.cc), copies them to its
-// GPU, prepares the runtime on them and runs the steps eagerly (begin_step with host metadata,
-// forward_layer per layer on the runtime's stream; the host waits for the stream once per step,
-// or after every layer when recording). Compiled in every build; without CUDA run_cuda throws
+// generates its slices of the weights and caches on the host (the test kit's demo model), copies
+// them to its GPU, prepares the runtime on them and runs the steps eagerly (begin_step with host
+// metadata, forward_layer per layer on the runtime's stream; the host waits for the stream once per
+// step, or after every layer when recording). Compiled in every build; without CUDA run_cuda throws
 // kUnsupported.
 #include <fmt/format.h>
 

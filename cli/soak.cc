@@ -118,10 +118,10 @@ void StepSource::fill_page(DType dtype, int64_t page, float scale) {
   const int64_t n = int64_t{config_.block_size} * config_.index_dim;
   if (dtype == DType::kBF16) {
     uint16_t* p = cache_bf16_.ptr<uint16_t>() + page * n;
-    for (int64_t i = 0; i < n; ++i) p[i] = float_to_bf16(rng_.unit() * scale);
+    for (int64_t i = 0; i < n; ++i) p[i] = float_to_bf16(rng_.unit_variance() * scale);
   } else {
     uint8_t* p = cache_fp8_.ptr<uint8_t>() + page * n;
-    for (int64_t i = 0; i < n; ++i) p[i] = float_to_fp8e4m3(rng_.unit() * scale);
+    for (int64_t i = 0; i < n; ++i) p[i] = float_to_fp8e4m3(rng_.unit_variance() * scale);
   }
 }
 
@@ -129,11 +129,8 @@ int64_t StepSource::draw_context(int world_size) {
   const int64_t bs = config_.block_size;
   const int64_t k = config_.topk;
   const int64_t max_tokens = max_blocks_ * bs;
-  auto range = [this](int64_t lo, int64_t hi) {
-    if (hi <= lo) return lo;
-    return lo + static_cast<int64_t>(rng_.next() % static_cast<uint64_t>(hi - lo + 1));
-  };
-  const double u = static_cast<double>(rng_.next() >> 11) * (1.0 / 9007199254740992.0);
+  auto range = [this](int64_t lo, int64_t hi) { return hi <= lo ? lo : rng_.range(lo, hi); };
+  const double u = rng_.uniform01();
   int64_t tokens = 0;
   if (u < 0.08) {
     tokens = 1;
@@ -147,8 +144,7 @@ int64_t StepSource::draw_context(int world_size) {
     tokens = range(1, max_blocks_) * bs + range(-1, 1);  // a block edge
   } else {
     const double blocks =
-        std::exp(static_cast<double>(rng_.next() >> 11) * (1.0 / 9007199254740992.0) *
-                 std::log(static_cast<double>(max_blocks_) + 1.0));
+        std::exp(rng_.uniform01() * std::log(static_cast<double>(max_blocks_) + 1.0));
     const int64_t nb = std::clamp<int64_t>(static_cast<int64_t>(blocks), 1, max_blocks_);
     tokens = range((nb - 1) * bs + 1, nb * bs);
   }
@@ -156,9 +152,7 @@ int64_t StepSource::draw_context(int world_size) {
 }
 
 void StepSource::next(int world_size) {
-  auto range = [this](int64_t lo, int64_t hi) {
-    return lo + static_cast<int64_t>(rng_.next() % static_cast<uint64_t>(hi - lo + 1));
-  };
+  auto range = [this](int64_t lo, int64_t hi) { return rng_.range(lo, hi); };
   index_dtype_ = range(0, 1) ? DType::kFP8E4M3 : DType::kBF16;
   const int q_len = static_cast<int>(range(1, max_q_len_));
   int reqs = static_cast<int>(range(1, max_reqs_));
@@ -183,7 +177,7 @@ void StepSource::next(int world_size) {
   const int64_t rows = int64_t{reqs} * q_len;
   index_q_ = HostTensor(DType::kBF16, {rows, config_.index_heads, config_.index_dim});
   uint16_t* q = index_q_.ptr<uint16_t>();
-  for (int64_t i = 0; i < index_q_.numel(); ++i) q[i] = float_to_bf16(rng_.unit());
+  for (int64_t i = 0; i < index_q_.numel(); ++i) q[i] = float_to_bf16(rng_.unit_variance());
 
   // Two fresh pages per step in the cache this step reads.
   touched_.clear();
@@ -199,7 +193,7 @@ void StepSource::next(int world_size) {
     const auto page = static_cast<int32_t>(range(0, pages_ - 1));
     const int64_t at = page * n + range(0, n - 1);
     if (event < 4) {  // a constant page: every token of the block ties with every other
-      const float value = rng_.unit();
+      const float value = rng_.unit_variance();
       for (int64_t i = 0; i < n; ++i) {
         if (fp8) {
           cache_fp8_.ptr<uint8_t>()[page * n + i] = float_to_fp8e4m3(value);
@@ -352,7 +346,7 @@ SoakResult run_cpu_soak(const SoakOptions& o, Progress& progress) {
       o.sample_every > 0 ? o.sample_every : std::max<int64_t>(100, o.steps / 100);
   const int64_t warmup = std::min<int64_t>(o.steps / 20, 1000);
   MemorySeries rss = host_rss_series();
-  Rng pick(derive_seed(o.seed, 2));
+  testkit::SplitMix64 pick(derive_seed(o.seed, 2));
   int64_t cp_lists_bad = 0;
 
   for (int64_t step = 0; step < o.steps; ++step) {

@@ -129,7 +129,7 @@ class StepSource {
   int max_reqs_, max_q_len_;
   int64_t max_blocks_, pages_;
   bool allow_empty_, hostile_;
-  Rng rng_;
+  testkit::SplitMix64 rng_;
   HostTensor cache_bf16_, cache_fp8_;
   DType index_dtype_ = DType::kBF16;
   BatchMeta batch_;

@@ -18,19 +18,13 @@
 #include "fuzz_common.h"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/sort_key.h"
+#include "m3msa/testing/splitmix.h"
 
 namespace m3msa::fuzz {
 namespace {
 
-struct Rng {  // splitmix64: fills what the fuzz input is too short to spell out
-  uint64_t state;
-  uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-};
+// Fills what the fuzz input is too short to spell out.
+using Rng = testkit::SplitMix64;
 
 // One element's bits: raw from the input while it lasts, else drawn, with a fuzz-chosen rate of
 // special values so NaN / inf / saturation show up in most runs.

@@ -54,6 +54,7 @@
 #include "m3msa/comm.h"
 #include "m3msa/runtime.h"
 #include "m3msa/tensor.h"
+#include "m3msa/testing/splitmix.h"
 
 // The harness's own bulk loops carry no coverage instrumentation: their edges say nothing about
 // the code under test, and instrumented they cost more than the runtime's layers.
@@ -78,16 +79,8 @@ bool tracing() {
   return on;
 }
 
-struct Rng {  // splitmix64: bulk values the input is too short to spell out
-  uint64_t state;
-  M3MSA_FUZZ_NO_COVERAGE uint64_t next() {
-    uint64_t z = (state += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  }
-  int64_t below(int64_t n) { return n <= 0 ? 0 : static_cast<int64_t>(next() % uint64_t(n)); }
-};
+// Bulk values the input is too short to spell out.
+using Rng = testkit::SplitMix64;
 
 // Element values of weights, caches and activations: small numbers on a coarse grid, and with
 // `hostile` set, now and then a NaN, an infinity, a huge or a subnormal value.

@@ -5,20 +5,15 @@
 #include <numeric>
 #include <thread>
 
-#include "core/splitmix.h"
 #include "m3msa/error.h"
+#include "m3msa/testing/splitmix.h"
 
 namespace m3msa {
 
 namespace {
 
-// splitmix64: tiny, seedable per element range, so fills are deterministic under any threading.
-struct Rng : SplitMix64 {
-  using SplitMix64::SplitMix64;
-  double uniform() { return uniform01(); }  // [0, 1)
-  // Unit variance (uniform in [-sqrt 3, sqrt 3]: cheap, bounded, good enough for scores).
-  float unit() { return unit_variance(); }
-};
+// Seedable per element range, so fills are deterministic under any threading.
+using Rng = testkit::SplitMix64;
 
 uint64_t mix(uint64_t seed, uint64_t stream) {
   return Rng(seed ^ (stream * 0xD1B54A32D192ED03ull)).next();
@@ -34,7 +29,7 @@ void fill_random(void* data, DType dtype, int64_t count, float scale, uint64_t s
       Rng rng(mix(seed, static_cast<uint64_t>(c)));
       const int64_t end = std::min(count, (c + 1) * kChunk);
       for (int64_t i = c * kChunk; i < end; ++i) {
-        const float value = rng.unit() * scale;
+        const float value = rng.unit_variance() * scale;
         if (dtype == DType::kBF16) {
           static_cast<uint16_t*>(data)[i] = float_to_bf16(value);
         } else {

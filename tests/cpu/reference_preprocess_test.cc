@@ -42,7 +42,7 @@ HostTensor random_qkv(const SparseConfig& cfg, int64_t rows, Rng& rng) {
     const double scale = rng.uniform(0.1, 5.0);
     for (int64_t i = 0; i < cfg.qkv_width(); ++i) {
       qkv.ptr<uint16_t>()[r * cfg.qkv_width() + i] =
-          float_to_bf16(static_cast<float>(rng.uniform() * scale));
+          float_to_bf16(static_cast<float>(rng.uniform(-1.0, 1.0) * scale));
     }
   }
   return qkv;

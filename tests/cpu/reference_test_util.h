@@ -12,21 +12,19 @@
 #include <numeric>
 #include <vector>
 
-#include "core/splitmix.h"
 #include "m3msa/batch.h"
 #include "m3msa/cache.h"
 #include "m3msa/config.h"
 #include "m3msa/dtype.h"
 #include "m3msa/ops.h"
 #include "m3msa/tensor.h"
+#include "m3msa/testing/splitmix.h"
 
 namespace m3msa::reftest {
 
-// splitmix64: deterministic, seedable, no dependence on the standard library's distributions.
-struct Rng : SplitMix64 {
-  explicit Rng(uint64_t seed) : SplitMix64(salted(seed, 1)) {}
-  double uniform(double lo = -1.0, double hi = 1.0) { return SplitMix64::uniform(lo, hi); }
-};
+// splitmix64 (the test kit's): deterministic, seedable, no dependence on the standard library's
+// distributions.
+using Rng = testkit::SaltedRng<1>;
 
 // Small enough to brute-force, big enough for many blocks per sequence and a real GQA group.
 inline SparseConfig small_config() {
@@ -46,7 +44,7 @@ inline SparseConfig small_config() {
 
 inline void fill_random(HostTensor& t, Rng& rng, double scale) {
   for (int64_t i = 0; i < t.numel(); ++i) {
-    const float v = static_cast<float>(rng.uniform() * scale);
+    const float v = static_cast<float>(rng.uniform(-1.0, 1.0) * scale);
     switch (t.dtype()) {
       case DType::kBF16: t.ptr<uint16_t>()[i] = float_to_bf16(v); break;
       case DType::kFP8E4M3: t.ptr<uint8_t>()[i] = float_to_fp8e4m3(v); break;

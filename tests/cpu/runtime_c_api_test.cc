@@ -8,7 +8,7 @@
 
 #include "m3msa/runtime.h"
 #include "m3msa/runtime_c.h"
-#include "runtime_test_fixture.h"
+#include "m3msa/testing/runtime_model.h"
 
 namespace m3msa {
 namespace {
@@ -138,25 +138,25 @@ TEST(RuntimeCApi, StatusCodesAndLastError) {
 }
 
 TEST(RuntimeCApi, OneStepEqualsTheCppApi) {
-  RuntimeConfig config = rt_test::small_config(/*intermediate=*/64);
+  RuntimeConfig config = testkit::small_config(/*intermediate=*/64);
   const int64_t max_blocks = config.max_context / config.model.block_size;
   const int64_t pages = config.max_requests * max_blocks + 2;
-  const rt_test::MasterModel master = rt_test::make_master(config.model, pages, 77, true);
-  const rt_test::StepMeta step = rt_test::make_step(
-      {50, 90}, 2, config.model.block_size, max_blocks, rt_test::page_permutation(pages, 78),
-      rt_test::page_permutation(pages, 79));
+  const testkit::MasterModel master = testkit::make_master(config.model, pages, 77, true);
+  const testkit::StepMeta step = testkit::make_step(
+      {50, 90}, 2, config.model.block_size, max_blocks, testkit::page_permutation(pages, 78),
+      testkit::page_permutation(pages, 79));
   const int64_t rows = step.batch.num_rows();
   const int64_t H = config.model.hidden;
-  rt_test::Rng rng(80);
+  testkit::SplitMix64 rng(80);
   std::vector<uint16_t> hidden_in(static_cast<std::size_t>(rows * H)),
       residual_in(hidden_in.size());
   for (std::size_t i = 0; i < hidden_in.size(); ++i) {
-    hidden_in[i] = float_to_bf16(rng.unit());
-    residual_in[i] = float_to_bf16(rng.unit());
+    hidden_in[i] = float_to_bf16(rng.signed_unit());
+    residual_in[i] = float_to_bf16(rng.signed_unit());
   }
 
   // C++.
-  rt_test::RankModel cpp_model = rt_test::make_rank_model(master, 0, 1);
+  testkit::RankModel cpp_model = testkit::make_rank_model(master, 0, 1);
   auto comm = make_single_rank_communicator();
   Runtime cpp([](const std::string&) {});
   ASSERT_EQ(cpp.prepare(cpp_model.weights, config, *comm), PrepareResult::kActive);
@@ -170,7 +170,7 @@ TEST(RuntimeCApi, OneStepEqualsTheCppApi) {
   cpp.close();
 
   // C, on fresh copies of the same caches.
-  rt_test::RankModel c_model = rt_test::make_rank_model(master, 0, 1);
+  testkit::RankModel c_model = testkit::make_rank_model(master, 0, 1);
   std::vector<m3msa_layer_weights> layers;
   for (const LayerWeights& w : c_model.weights.layers) layers.push_back(c_layer(w));
   std::vector<int32_t> buckets, q_lens;

@@ -24,7 +24,7 @@
 #include "m3msa/comm.h"
 #include "m3msa/error.h"
 #include "m3msa/runtime.h"
-#include "runtime_test_fixture.h"
+#include "m3msa/testing/runtime_model.h"
 
 namespace m3msa {
 namespace {
@@ -74,28 +74,29 @@ class DyingCommunicator final : public Communicator {
   bool dead_ = false;
 };
 
-// Two ranks of the small model (rt_test), prepared and stepped twice with identical metadata.
+// Two ranks of the small model (testkit::small_config), prepared and stepped twice with identical
+// metadata.
 class Tp2 {
  public:
-  explicit Tp2(bool mlp) : config_(rt_test::small_config(mlp ? 128 : 0)) {
+  explicit Tp2(bool mlp) : config_(testkit::small_config(mlp ? 128 : 0)) {
     const int64_t pages = config_.max_requests * kMaxBlocks + 3;
-    master_ = rt_test::make_master(config_.model, pages, 11, /*mlp_on_last_layer=*/mlp);
-    index_perm_ = rt_test::page_permutation(pages, 12);
-    kv_perm_ = rt_test::page_permutation(pages, 13);
+    master_ = testkit::make_master(config_.model, pages, 11, /*mlp_on_last_layer=*/mlp);
+    index_perm_ = testkit::page_permutation(pages, 12);
+    kv_perm_ = testkit::page_permutation(pages, 13);
     group_ = ThreadGroup::create(kTp, 20s);  // the healthy phase: no spurious timeouts
     for (int r = 0; r < kTp; ++r) {
       comms_.push_back(group_->communicator(r));
       dying_.push_back(std::make_unique<DyingCommunicator>(*comms_.back()));
-      models_.push_back(rt_test::make_rank_model(master_, r, kTp));
+      models_.push_back(testkit::make_rank_model(master_, r, kTp));
       runtimes_.push_back(std::make_unique<Runtime>([](const std::string&) {}));
     }
-    const rt_test::StepMeta warm[] = {step({40, 70}, 1), step({41, 71}, 1)};
+    const testkit::StepMeta warm[] = {step({40, 70}, 1), step({41, 71}, 1)};
     std::vector<std::vector<uint16_t>> out(kTp);
     const auto ends = on_ranks([&](int r) {
       ASSERT_EQ(rt(r).prepare(models_[static_cast<std::size_t>(r)].weights, config_,
                               *dying_[static_cast<std::size_t>(r)]),
                 PrepareResult::kActive);
-      for (const rt_test::StepMeta& s : warm) run_step(r, s, sparse_layers());
+      for (const testkit::StepMeta& s : warm) run_step(r, s, sparse_layers());
       out[static_cast<std::size_t>(r)] = last_hidden_[static_cast<std::size_t>(r)];
     });
     for (const RankEnd& end : ends) EXPECT_FALSE(end.error) << describe(end.error);
@@ -116,19 +117,19 @@ class Tp2 {
     return layers;
   }
 
-  rt_test::StepMeta step(const std::vector<int32_t>& lens, int q_len) const {
-    return rt_test::make_step(lens, q_len, config_.model.block_size, kMaxBlocks, index_perm_,
+  testkit::StepMeta step(const std::vector<int32_t>& lens, int q_len) const {
+    return testkit::make_step(lens, q_len, config_.model.block_size, kMaxBlocks, index_perm_,
                               kv_perm_);
   }
 
   // begin_step, then forward_layer of `layers` in order, on fresh inputs (the same on every rank).
-  void run_step(int r, const rt_test::StepMeta& s, const std::vector<int>& layers) {
+  void run_step(int r, const testkit::StepMeta& s, const std::vector<int>& layers) {
     ASSERT_TRUE(rt(r).begin_step(s.batch)) << rt(r).stats().last_refusal;
     const int64_t rows = s.batch.num_rows();
     const int64_t H = config_.model.hidden;
-    rt_test::Rng rng(static_cast<uint64_t>(rows) * 7919u + 1u);
-    HostTensor hidden = rt_test::bf16_tensor(
-        rt_test::random_values(rng, static_cast<std::size_t>(rows * H), 1.0f), {rows, H});
+    testkit::SplitMix64 rng(static_cast<uint64_t>(rows) * 7919u + 1u);
+    HostTensor hidden = testkit::bf16_tensor(
+        testkit::random_values(rng, static_cast<std::size_t>(rows * H), 1.0f), {rows, H});
     HostTensor residual(DType::kBF16, {rows, H});
     residual.fill_bytes(0);
     for (int layer : layers) {
@@ -197,12 +198,12 @@ class Tp2 {
 
  private:
   RuntimeConfig config_;
-  rt_test::MasterModel master_;
+  testkit::MasterModel master_;
   std::vector<int32_t> index_perm_, kv_perm_;
   std::shared_ptr<ThreadGroup> group_;
   std::vector<std::unique_ptr<Communicator>> comms_;
   std::vector<std::unique_ptr<DyingCommunicator>> dying_;
-  std::vector<rt_test::RankModel> models_;
+  std::vector<testkit::RankModel> models_;
   std::vector<std::unique_ptr<Runtime>> runtimes_;
   std::vector<std::vector<uint16_t>> last_hidden_ = std::vector<std::vector<uint16_t>>(kTp);
 };
@@ -231,7 +232,7 @@ bool contains(const std::string& text, const std::string& part) {
 
 TEST(RuntimeFaults, ASkippedLayerIsALockstepMismatchNamingBothTags) {
   Tp2 tp(/*mlp=*/false);
-  const rt_test::StepMeta s = tp.step({42, 72}, 1);
+  const testkit::StepMeta s = tp.step({42, 72}, 1);
   const auto ends = tp.on_ranks([&](int r) {
     // Rank 1 skips layer 1: its layer 2 reduce meets rank 0's layer 1 reduce.
     tp.run_step(r, s, r == 0 ? std::vector<int>{1, 2} : std::vector<int>{2});
@@ -251,7 +252,7 @@ TEST(RuntimeFaults, ASkippedLayerIsALockstepMismatchNamingBothTags) {
 
 TEST(RuntimeFaults, ASkippedLastLayerTimesOutNamingTheRankThatDidNotArrive) {
   Tp2 tp(/*mlp=*/false);
-  const rt_test::StepMeta s = tp.step({42, 72}, 1);
+  const testkit::StepMeta s = tp.step({42, 72}, 1);
   std::promise<void> survivor_failed;
   std::shared_future<void> failed = survivor_failed.get_future().share();
   const auto ends = tp.on_ranks([&](int r) {
@@ -282,7 +283,7 @@ TEST(RuntimeFaults, ASkippedLastLayerTimesOutNamingTheRankThatDidNotArrive) {
 }
 
 TEST(RuntimeFaults, AStepOfAnotherShapeNamesBothCountsOnEveryRank) {
-  const int64_t H = rt_test::small_config(0).model.hidden;
+  const int64_t H = testkit::small_config(0).model.hidden;
   struct Case {
     const char* what;
     std::vector<int32_t> lens[kTp];
@@ -295,7 +296,7 @@ TEST(RuntimeFaults, AStepOfAnotherShapeNamesBothCountsOnEveryRank) {
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     Tp2 tp(/*mlp=*/false);
-    const rt_test::StepMeta steps[kTp] = {tp.step(c.lens[0], c.q_len[0]),
+    const testkit::StepMeta steps[kTp] = {tp.step(c.lens[0], c.q_len[0]),
                                           tp.step(c.lens[1], c.q_len[1])};
     const auto ends = tp.on_ranks([&](int r) { tp.run_step(r, steps[r], tp.sparse_layers()); });
     for (int r = 0; r < kTp; ++r) {
@@ -317,7 +318,7 @@ TEST(RuntimeFaults, AStepOfAnotherShapeNamesBothCountsOnEveryRank) {
 
 TEST(RuntimeFaults, DetachWhileThePeerStepsIsNamedOnBothRanks) {
   Tp2 tp(/*mlp=*/false);
-  const rt_test::StepMeta s = tp.step({42, 72}, 1);
+  const testkit::StepMeta s = tp.step({42, 72}, 1);
   const auto ends = tp.on_ranks([&](int r) {
     if (r == 0) {
       tp.rt(0).detach({});  // empty replacement: a valid detach, but rank 1 is stepping
@@ -353,7 +354,7 @@ TEST(RuntimeFaults, DetachWhileThePeerIsGoneNamesThePeer) {
 
 TEST(RuntimeFaults, ARankThatDiesBetweenLayersIsNamedByTheSurvivor) {
   Tp2 tp(/*mlp=*/false);
-  const rt_test::StepMeta s = tp.step({42, 72}, 1);
+  const testkit::StepMeta s = tp.step({42, 72}, 1);
   tp.dying(1).die_at("layer 2 o_proj");  // rank 1 runs layer 1, then its thread stops
   const auto ends = tp.on_ranks([&](int r) { tp.run_step(r, s, tp.sparse_layers()); });
   const std::string text = error_of(ends[0], ErrorCode::kTimeout, 0).what();
@@ -367,7 +368,7 @@ TEST(RuntimeFaults, ARankThatDiesBetweenLayersIsNamedByTheSurvivor) {
 
 TEST(RuntimeFaults, ARankThatDiesInsideALayerIsNamedByTheSurvivor) {
   Tp2 tp(/*mlp=*/true);  // layer 2 has an MLP: two reduces per layer
-  const rt_test::StepMeta s = tp.step({42, 72}, 1);
+  const testkit::StepMeta s = tp.step({42, 72}, 1);
   tp.dying(1).die_at("layer 2 mlp_down");  // after layer 2's o_proj reduce, before its MLP one
   const auto ends = tp.on_ranks([&](int r) { tp.run_step(r, s, tp.sparse_layers()); });
   const std::string text = error_of(ends[0], ErrorCode::kTimeout, 0).what();

@@ -1,6 +1,7 @@
 // forward_layer on the CPU backend: TP = 2 and TP = 4 (ranks as threads) against TP = 1, and
-// TP = 1 against a hand-written reference of the layer that composes the CPU reference ops with
-// double-precision matmuls and norms (independent numerics, so wiring errors cannot cancel).
+// TP = 1 against the test kit's composed reference of the layer (m3msa/testing/oracle.h: the CPU
+// reference ops with double-precision matmuls and norms; independent numerics, so wiring errors
+// cannot cancel).
 //
 // Tolerances (bf16 outputs, values O(1)): |got - want| <= kAbsTol + kRelTol * |want|.
 //  - TP = P vs TP = 1: the only difference is the fp32 order of the o_proj / mlp_down sums (rank
@@ -21,13 +22,15 @@
 #include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
 #include "m3msa/runtime.h"
-#include "runtime_test_fixture.h"
+#include "m3msa/testing/checks.h"
+#include "m3msa/testing/oracle.h"
+#include "m3msa/testing/runtime_model.h"
 
 namespace m3msa {
 namespace {
 
-using rt_test::MasterModel;
-using rt_test::StepMeta;
+using testkit::MasterModel;
+using testkit::StepMeta;
 
 constexpr int64_t kMaxContext = 256;
 
@@ -44,24 +47,24 @@ struct Scenario {
 // with a new request. Contexts span 3..10 blocks of 16 against top-4.
 Scenario make_scenario(int intermediate, uint64_t seed) {
   Scenario s;
-  s.config = rt_test::small_config(intermediate);
+  s.config = testkit::small_config(intermediate);
   s.config.max_context = kMaxContext;
   const ModelConfig& m = s.config.model;
   s.max_blocks = kMaxContext / m.block_size;
   const int64_t pages = s.config.max_requests * s.max_blocks + 3;
-  s.master = rt_test::make_master(m, pages, seed, /*mlp_on_last_layer=*/true);
-  const auto index_perm = rt_test::page_permutation(pages, seed + 1);
-  const auto kv_perm = rt_test::page_permutation(pages, seed + 2);
+  s.master = testkit::make_master(m, pages, seed, /*mlp_on_last_layer=*/true);
+  const auto index_perm = testkit::page_permutation(pages, seed + 1);
+  const auto kv_perm = testkit::page_permutation(pages, seed + 2);
   const std::vector<std::pair<std::vector<int32_t>, int>> shapes = {
       {{70, 150, 0}, 2}, {{72, 152, 0}, 2}, {{73, 153, 40, 0}, 1}};
-  rt_test::Rng rng(seed + 3);
+  testkit::SplitMix64 rng(seed + 3);
   for (const auto& [lens, q] : shapes) {
-    s.steps.push_back(rt_test::make_step(lens, q, m.block_size, s.max_blocks, index_perm, kv_perm));
+    s.steps.push_back(testkit::make_step(lens, q, m.block_size, s.max_blocks, index_perm, kv_perm));
     const std::size_t n = lens.size() * static_cast<std::size_t>(q) * m.hidden;
     std::vector<uint16_t> h(n), r(n);
     for (std::size_t i = 0; i < n; ++i) {
-      h[i] = float_to_bf16(rng.unit());
-      r[i] = float_to_bf16(rng.unit());
+      h[i] = float_to_bf16(rng.signed_unit());
+      r[i] = float_to_bf16(rng.signed_unit());
     }
     s.hidden_in.push_back(h);
     s.residual_in.push_back(r);
@@ -80,7 +83,7 @@ struct RunResult {
   std::vector<std::vector<std::vector<uint16_t>>> hidden, residual;
   // [rank][step][layer]: the selection of every layer ([rows, KV heads of the rank, k]).
   std::vector<std::vector<std::vector<std::vector<int32_t>>>> topk;
-  std::vector<rt_test::RankModel> ranks;  // their caches after the run
+  std::vector<testkit::RankModel> ranks;  // their caches after the run
   std::vector<RuntimeStats> stats;        // per rank, before close
 };
 
@@ -92,7 +95,7 @@ RunResult run_runtime(const Scenario& s, int world, const RunOptions& options = 
   out.stats.assign(static_cast<std::size_t>(world), {});
   for (int r = 0; r < world; ++r) {
     out.ranks.push_back(
-        rt_test::make_rank_model(s.master, r, world, options.fp8_qkv, options.context_parallel));
+        testkit::make_rank_model(s.master, r, world, options.fp8_qkv, options.context_parallel));
   }
   RuntimeConfig config = s.config;
   config.context_parallel = options.context_parallel;
@@ -114,7 +117,7 @@ RunResult run_runtime(const Scenario& s, int world, const RunOptions& options = 
       const int64_t rows = meta.batch.num_rows();
       const int64_t H = s.config.model.hidden;
       auto& selections = out.topk[static_cast<std::size_t>(r)].emplace_back();
-      for (const rt_test::MasterLayer& layer : s.master.layers) {
+      for (const testkit::MasterLayer& layer : s.master.layers) {
         runtime.forward_layer(layer.layer,
                               TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}),
                               TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}),
@@ -136,30 +139,7 @@ RunResult run_runtime(const Scenario& s, int world, const RunOptions& options = 
   return out;
 }
 
-// ---- The hand-written reference (TP = 1) ----
-
-uint16_t bf16(double v) {
-  return float_to_bf16(static_cast<float>(v));
-}
-double f(uint16_t v) {
-  return bf16_to_float(v);
-}
-
-// y[n] = bf16(sum_k x[k] * w[n, k]) in double.
-void matvec(const uint16_t* x, const std::vector<float>& w, int64_t out, int64_t in, uint16_t* y) {
-  for (int64_t n = 0; n < out; ++n) {
-    double acc = 0.0;
-    for (int64_t k = 0; k < in; ++k) acc += f(x[k]) * w[static_cast<std::size_t>(n * in + k)];
-    y[n] = bf16(acc);
-  }
-}
-
-void rmsnorm(const uint16_t* x, const std::vector<float>& w, int64_t n, double eps, uint16_t* y) {
-  double sum_sq = 0.0;
-  for (int64_t i = 0; i < n; ++i) sum_sq += f(x[i]) * f(x[i]);
-  const double r = 1.0 / std::sqrt(sum_sq / static_cast<double>(n) + eps);
-  for (int64_t i = 0; i < n; ++i) y[i] = bf16(f(x[i]) * r * (1.0 + w[static_cast<std::size_t>(i)]));
-}
+// ---- The composed reference (TP = 1, the test kit's oracle) ----
 
 struct Reference {
   std::vector<HostTensor> kv, index;         // the reference's own caches
@@ -168,14 +148,14 @@ struct Reference {
 
 Reference make_reference(const MasterModel& master) {
   Reference ref;
-  for (const rt_test::MasterLayer& w : master.layers) {
+  for (const testkit::MasterLayer& w : master.layers) {
     HostTensor kv(DType::kBF16, w.kv_cache.shape());
     std::memcpy(kv.data(), w.kv_cache.data(), kv.nbytes());
     HostTensor index(DType::kBF16, w.index_cache.shape());
     std::memcpy(index.data(), w.index_cache.data(), index.nbytes());
     ref.kv.push_back(kv);
     ref.index.push_back(index);
-    ref.qkv_rows.push_back(rt_test::rank_qkv_rows(master.config, w, 0, 1));
+    ref.qkv_rows.push_back(testkit::rank_qkv_rows(master.config, w, 0, 1));
   }
   return ref;
 }
@@ -186,102 +166,44 @@ void reference_layer(const Scenario& s, Reference& ref, std::size_t li, const St
                      std::vector<uint16_t>& hidden, std::vector<uint16_t>& residual,
                      const HostTensor* shared_topk = nullptr, HostTensor* select_out = nullptr) {
   const ModelConfig& m = s.config.model;
-  const rt_test::MasterLayer& w = s.master.layers[li];
-  const SparseConfig sc = m.sparse(1);
-  const int64_t rows = meta.batch.num_rows();
-  const int64_t H = m.hidden;
-  const int64_t W = sc.qkv_width();
-  const int64_t A = int64_t{sc.q_heads} * sc.head_dim;
-  std::vector<uint16_t> x(static_cast<std::size_t>(rows * H)), normed(x.size());
-  std::vector<uint16_t> qkv(static_cast<std::size_t>(rows * W));
-  for (std::size_t i = 0; i < x.size(); ++i) x[i] = bf16(f(hidden[i]) + f(residual[i]));
-  for (int64_t r = 0; r < rows; ++r) {
-    rmsnorm(&x[r * H], w.input_norm, H, m.rms_eps, &normed[r * H]);
-    matvec(&normed[r * H], ref.qkv_rows[li], W, H, &qkv[r * W]);
+  const testkit::MasterLayer& w = s.master.layers[li];
+  const HostTensor qn = testkit::bf16_tensor(w.q_norm, {m.head_dim});
+  const HostTensor kn = testkit::bf16_tensor(w.k_norm, {m.head_dim});
+  const HostTensor iqn = testkit::bf16_tensor(w.iq_norm, {m.index_dim});
+  const HostTensor ikn = testkit::bf16_tensor(w.ik_norm, {m.index_dim});
+  testkit::ReferenceLayer layer;
+  layer.qkv = ref.qkv_rows[li];
+  layer.o_proj = w.wo;
+  if (w.mlp) {
+    layer.gate = w.gate;
+    layer.up = w.up;
+    layer.down = w.down;
   }
-  HostTensor q(DType::kBF16, {rows, sc.q_heads, sc.head_dim});
-  HostTensor iq(DType::kBF16, {rows, sc.index_heads, sc.index_dim});
-  HostTensor topk(DType::kI32, {rows, sc.index_heads, sc.topk});
-  HostTensor attn(DType::kBF16, {rows, sc.q_heads, sc.head_dim});
-  KVCache kv{ref.kv[li].view(), 1.0f, 1.0f};
-  IndexCache index{ref.index[li].view()};
-
-  PreprocessArgs pre;
-  pre.qkv = TensorView::contiguous(qkv.data(), DType::kBF16, {rows, W});
-  HostTensor qn = rt_test::bf16_tensor(w.q_norm, {sc.head_dim});
-  HostTensor kn = rt_test::bf16_tensor(w.k_norm, {sc.head_dim});
-  HostTensor iqn = rt_test::bf16_tensor(w.iq_norm, {sc.index_dim});
-  HostTensor ikn = rt_test::bf16_tensor(w.ik_norm, {sc.index_dim});
-  pre.q_norm = qn.view();
-  pre.k_norm = kn.view();
-  pre.index_q_norm = iqn.view();
-  pre.index_k_norm = ikn.view();
-  pre.positions = meta.positions.view();
-  pre.batch = meta.batch;
-  pre.kv_cache = kv;
-  pre.q_out = q.view();
-  if (shared_topk == nullptr) {
-    pre.index_cache = index;
-    pre.index_q_out = iq.view();
-  }
-  cpu::preprocess(sc, pre, 1);
-  if (shared_topk == nullptr) {
-    IndexerArgs sel{iq.view(), index, meta.batch, topk.view()};
-    cpu::select_topk(sc, sel, 1);
-    if (select_out != nullptr) *select_out = topk;
-  }
-  AttentionArgs att{q.view(), kv, meta.batch, (shared_topk ? *shared_topk : topk).view(),
-                    attn.view()};
-  cpu::sparse_attention(sc, att, 1);
-
-  std::vector<uint16_t> o(static_cast<std::size_t>(H));
-  for (int64_t r = 0; r < rows; ++r) {
-    matvec(attn.ptr<uint16_t>() + r * A, w.wo, H, A, o.data());
-    for (int64_t i = 0; i < H; ++i) residual[r * H + i] = bf16(f(x[r * H + i]) + f(o[i]));
-    rmsnorm(&residual[r * H], w.post_norm, H, m.rms_eps, &hidden[r * H]);
-    if (!w.mlp) continue;
-    const int64_t I = m.intermediate;
-    std::vector<uint16_t> g(static_cast<std::size_t>(I)), u(g.size()), act(g.size());
-    matvec(&hidden[r * H], w.gate, I, H, g.data());
-    matvec(&hidden[r * H], w.up, I, H, u.data());
-    const double limit = s.config.swiglu_limit;
-    for (int64_t j = 0; j < I; ++j) {
-      const double gate = std::min(f(g[j]), limit);
-      const double up = std::max(std::min(f(u[j]), limit), -limit);
-      act[j] = bf16(gate / (1.0 + std::exp(-1.702 * gate)) * (up + 1.0));
-    }
-    matvec(act.data(), w.down, H, I, &hidden[r * H]);
-  }
+  layer.input_norm = w.input_norm;
+  layer.post_norm = w.post_norm;
+  layer.q_norm = qn.view();
+  layer.k_norm = kn.view();
+  layer.index_q_norm = iqn.view();
+  layer.index_k_norm = ikn.view();
+  layer.kv_cache = {ref.kv[li].view(), 1.0f, 1.0f};
+  layer.index_cache = {ref.index[li].view()};
+  testkit::ReferenceOptions options;
+  options.swiglu_limit = s.config.swiglu_limit;
+  options.shared_topk = shared_topk;
+  options.select_out = select_out;
+  testkit::reference_layer(m, layer, meta.batch, meta.positions.view(), hidden, residual, options);
 }
 
 // ---- Comparison ----
 
-struct Diff {
-  double worst_ratio = 0.0;  // max |got - want| / (abs + rel * |want|); <= 1 passes
-  std::size_t index = 0;
-  double got = 0.0, want = 0.0;
-};
-
-Diff compare(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want, double abs_tol,
-             double rel_tol) {
-  Diff d;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    const double g = f(got[i]);
-    const double w = f(want[i]);
-    const double ratio = std::isfinite(g) && std::isfinite(w)
-                             ? std::fabs(g - w) / (abs_tol + rel_tol * std::fabs(w))
-                             : 1e30;
-    if (ratio > d.worst_ratio) d = {ratio, i, g, w};
-  }
-  return d;
-}
-
 void expect_close(const std::vector<uint16_t>& got, const std::vector<uint16_t>& want,
                   double abs_tol, double rel_tol, int64_t hidden, const std::string& what) {
   ASSERT_EQ(got.size(), want.size()) << what;
-  const Diff d = compare(got, want, abs_tol, rel_tol);
-  EXPECT_LE(d.worst_ratio, 1.0) << what << ": worst element row " << d.index / hidden << " col "
-                                << d.index % hidden << ": got " << d.got << ", want " << d.want;
+  testkit::ValueCheck check;
+  testkit::compare_close(check, got, want, static_cast<int64_t>(want.size()) / hidden, hidden,
+                         abs_tol, rel_tol, {}, what);
+  EXPECT_EQ(check.bad, 0) << check.first << " (" << check.bad << " of " << check.checked
+                          << " values beyond the tolerance)";
 }
 
 constexpr double kTpRel = 1.0 / 64;
@@ -358,7 +280,7 @@ TEST(RuntimeForward, Fp8ProjectionMatchesDequantizedReference) {
   const int64_t H = s.config.model.hidden;
   const RunResult fp8 = run_runtime(s, 1, {.fp8_qkv = true});
   // The reference with the dequantized weights (stored fp8 * per-channel scale).
-  const rt_test::RankModel rank = rt_test::make_rank_model(s.master, 0, 1, /*fp8_qkv=*/true);
+  const testkit::RankModel rank = testkit::make_rank_model(s.master, 0, 1, /*fp8_qkv=*/true);
   Reference ref = make_reference(s.master);
   for (std::size_t li = 0; li < s.master.layers.size(); ++li) {
     const LayerWeights& w = rank.weights.layers[li];
@@ -421,8 +343,8 @@ TEST(RuntimeForward, ContextParallelNeedsEveryIndexQHeadInTheProjection) {
   RuntimeConfig config = s.config;
   config.context_parallel = true;
   auto group = ThreadGroup::create(2, std::chrono::seconds(20));
-  std::vector<rt_test::RankModel> ranks;
-  for (int r = 0; r < 2; ++r) ranks.push_back(rt_test::make_rank_model(s.master, r, 2));
+  std::vector<testkit::RankModel> ranks;
+  for (int r = 0; r < 2; ++r) ranks.push_back(testkit::make_rank_model(s.master, r, 2));
   const auto errors = run_ranks(group, [&](Communicator& comm) {
     Runtime runtime([](const std::string&) {});
     runtime.prepare(ranks[static_cast<std::size_t>(comm.rank())].weights, config, comm);
@@ -498,7 +420,7 @@ TEST(RuntimeForward, SharingLayerBeforeAnyIndexerLayerOfTheStepIsRefused) {
   const Scenario s = make_scenario(/*intermediate=*/0, /*seed=*/7);
   RuntimeConfig config = s.config;
   config.selection_share_period = 2;
-  rt_test::RankModel rank = rt_test::make_rank_model(s.master, 0, 1);
+  testkit::RankModel rank = testkit::make_rank_model(s.master, 0, 1);
   auto comm = make_single_rank_communicator();
   Runtime runtime([](const std::string&) {});
   ASSERT_EQ(runtime.prepare(rank.weights, config, *comm), PrepareResult::kActive);

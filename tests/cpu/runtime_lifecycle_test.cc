@@ -14,7 +14,7 @@
 #include "m3msa/comm.h"
 #include "m3msa/error.h"
 #include "m3msa/runtime.h"
-#include "runtime_test_fixture.h"
+#include "m3msa/testing/runtime_model.h"
 
 namespace m3msa {
 namespace {
@@ -96,18 +96,18 @@ struct Logs {
 };
 
 struct Fixture {
-  RuntimeConfig config = rt_test::small_config(/*intermediate=*/0);
-  rt_test::MasterModel master;
+  RuntimeConfig config = testkit::small_config(/*intermediate=*/0);
+  testkit::MasterModel master;
   std::vector<int32_t> index_perm, kv_perm;
   explicit Fixture(uint64_t seed = 5) {
     const int64_t pages = config.max_requests * kMaxBlocks + 3;
-    master = rt_test::make_master(config.model, pages, seed, false);
+    master = testkit::make_master(config.model, pages, seed, false);
     // Permutations long enough for refused batches with more requests than pages allow.
-    index_perm = rt_test::page_permutation(pages, seed + 1);
-    kv_perm = rt_test::page_permutation(pages, seed + 2);
+    index_perm = testkit::page_permutation(pages, seed + 1);
+    kv_perm = testkit::page_permutation(pages, seed + 2);
   }
-  rt_test::StepMeta step(const std::vector<int32_t>& lens, int q_len) const {
-    return rt_test::make_step(lens, q_len, config.model.block_size, kMaxBlocks, index_perm,
+  testkit::StepMeta step(const std::vector<int32_t>& lens, int q_len) const {
+    return testkit::make_step(lens, q_len, config.model.block_size, kMaxBlocks, index_perm,
                               kv_perm);
   }
 };
@@ -115,8 +115,8 @@ struct Fixture {
 TEST(RuntimeLifecycle, UnanimousUnsupportedFallsBackOnEveryRankForGood) {
   Fixture fx;
   World world(2, 20s);
-  std::vector<rt_test::RankModel> models = {rt_test::make_rank_model(fx.master, 0, 2),
-                                            rt_test::make_rank_model(fx.master, 1, 2)};
+  std::vector<testkit::RankModel> models = {testkit::make_rank_model(fx.master, 0, 2),
+                                            testkit::make_rank_model(fx.master, 1, 2)};
   Logs logs[2];
   std::vector<std::unique_ptr<Runtime>> runtimes;
   for (int r = 0; r < 2; ++r) runtimes.push_back(std::make_unique<Runtime>(logs[r].sink()));
@@ -149,7 +149,7 @@ TEST(RuntimeLifecycle, UnanimousUnsupportedFallsBackOnEveryRankForGood) {
             PrepareResult::kFallback);
   EXPECT_EQ(runtimes[0]->stats().prepare_calls, 1);
   EXPECT_FALSE(world.group->broken());
-  const rt_test::StepMeta step = fx.step({20}, 1);
+  const testkit::StepMeta step = fx.step({20}, 1);
   EXPECT_FALSE(runtimes[0]->begin_step(step.batch));
   EXPECT_EQ(runtimes[0]->stats().refusal_count(StepRefusal::kNotActive), 1);
   runtimes[0]->close();
@@ -159,8 +159,8 @@ TEST(RuntimeLifecycle, UnanimousUnsupportedFallsBackOnEveryRankForGood) {
 TEST(RuntimeLifecycle, OneRankRefusingItsWeightsMakesEveryRankFallBack) {
   Fixture fx;
   World world(2, 20s);
-  std::vector<rt_test::RankModel> models = {rt_test::make_rank_model(fx.master, 0, 2),
-                                            rt_test::make_rank_model(fx.master, 1, 2)};
+  std::vector<testkit::RankModel> models = {testkit::make_rank_model(fx.master, 0, 2),
+                                            testkit::make_rank_model(fx.master, 1, 2)};
   // Rank 1: layer 2's projection is a strided view, its input norm is f32 (both valid tensors
   // the CPU backend does not take: "unsupported").
   LayerWeights& w = models[1].weights.layers[1];
@@ -199,8 +199,8 @@ TEST(RuntimeLifecycle, OneRankRefusingItsWeightsMakesEveryRankFallBack) {
 TEST(RuntimeLifecycle, MixedFailureRaisesOneErrorListingEveryRankOnEveryRank) {
   Fixture fx;
   World world(2, 20s);
-  std::vector<rt_test::RankModel> models = {rt_test::make_rank_model(fx.master, 0, 2),
-                                            rt_test::make_rank_model(fx.master, 1, 2)};
+  std::vector<testkit::RankModel> models = {testkit::make_rank_model(fx.master, 0, 2),
+                                            testkit::make_rank_model(fx.master, 1, 2)};
   std::vector<std::unique_ptr<Runtime>> runtimes;
   for (int r = 0; r < 2; ++r) {
     runtimes.push_back(std::make_unique<Runtime>([](const std::string&) {}));
@@ -251,7 +251,7 @@ TEST(RuntimeLifecycle, MixedFailureRaisesOneErrorListingEveryRankOnEveryRank) {
   }
 
   // An error is not final: fixed bindings prepare.
-  models = {rt_test::make_rank_model(fx.master, 0, 2), rt_test::make_rank_model(fx.master, 1, 2)};
+  models = {testkit::make_rank_model(fx.master, 0, 2), testkit::make_rank_model(fx.master, 1, 2)};
   std::vector<PrepareResult> results(2);
   expect_no_errors(on_ranks(2, [&](int r) {
     auto& rt = *runtimes[static_cast<std::size_t>(r)];
@@ -266,8 +266,8 @@ TEST(RuntimeLifecycle, MixedFailureRaisesOneErrorListingEveryRankOnEveryRank) {
 TEST(RuntimeLifecycle, ReadinessIsRetriedUntilEveryRankIsReady) {
   Fixture fx;
   World world(2, 20s);
-  std::vector<rt_test::RankModel> models = {rt_test::make_rank_model(fx.master, 0, 2),
-                                            rt_test::make_rank_model(fx.master, 1, 2)};
+  std::vector<testkit::RankModel> models = {testkit::make_rank_model(fx.master, 0, 2),
+                                            testkit::make_rank_model(fx.master, 1, 2)};
   // Rank 1 still has the engine's temporary profiling cache for layer 1: zero pages.
   const SparseConfig sc = fx.config.model.sparse(2);
   std::vector<ModelWeights> profiling = {models[0].weights, models[1].weights};
@@ -300,7 +300,7 @@ TEST(RuntimeLifecycle, PrepareWhileCapturingIsAnErrorAndNoMetadataDoesNothing) {
   Fixture fx;
   // A 2-rank group in which rank 1 never calls anything: neither case may run a collective.
   World world(2, 200ms);
-  rt_test::RankModel model = rt_test::make_rank_model(fx.master, 0, 2);
+  testkit::RankModel model = testkit::make_rank_model(fx.master, 0, 2);
   Runtime rt([](const std::string&) {});
   StepContext capturing;
   capturing.capturing = true;
@@ -327,7 +327,7 @@ TEST(RuntimeLifecycle, PrepareWhileCapturingIsAnErrorAndNoMetadataDoesNothing) {
 TEST(RuntimeLifecycle, AnIndexerOverlapOutsideTheEnumIsRefusedByName) {
   Fixture fx;
   World world(1, 20s);
-  rt_test::RankModel model = rt_test::make_rank_model(fx.master, 0, 1);
+  testkit::RankModel model = testkit::make_rank_model(fx.master, 0, 1);
   RuntimeConfig config = fx.config;
   config.indexer_overlap = static_cast<IndexerOverlap>(7);
   Runtime rt([](const std::string&) {});
@@ -348,8 +348,8 @@ TEST(RuntimeLifecycle, AnIndexerOverlapOutsideTheEnumIsRefusedByName) {
 TEST(RuntimeLifecycle, ConfigurationsThatDifferAcrossRanksAreAnError) {
   Fixture fx;
   World world(2, 20s);
-  std::vector<rt_test::RankModel> models = {rt_test::make_rank_model(fx.master, 0, 2),
-                                            rt_test::make_rank_model(fx.master, 1, 2)};
+  std::vector<testkit::RankModel> models = {testkit::make_rank_model(fx.master, 0, 2),
+                                            testkit::make_rank_model(fx.master, 1, 2)};
   std::vector<RuntimeConfig> configs = {fx.config, fx.config};
   configs[1].max_context = 128;
   configs[1].threads = 2;  // rank-local: not compared
@@ -379,10 +379,10 @@ TEST(RuntimeLifecycle, WeightRefusalsNameTheTensorAndTheExpectedAndFoundValues) 
       return e.what();
     }
   };
-  rt_test::RankModel base = rt_test::make_rank_model(fx.master, 0, 1);
+  testkit::RankModel base = testkit::make_rank_model(fx.master, 0, 1);
   const int64_t W = fx.config.model.sparse(1).qkv_width();
 
-  rt_test::RankModel fp8 = rt_test::make_rank_model(fx.master, 0, 1, true);
+  testkit::RankModel fp8 = testkit::make_rank_model(fx.master, 0, 1, true);
   fp8.weights.layers[0].qkv_proj_scale = {};
   std::string text = prepare_error(fp8.weights);
   EXPECT_NE(
@@ -427,27 +427,27 @@ TEST(RuntimeLifecycle, WeightRefusalsNameTheTensorAndTheExpectedAndFoundValues) 
 TEST(RuntimeLifecycle, BeginStepRefusalsAreCountedByReason) {
   Fixture fx;
   auto comm = make_single_rank_communicator();
-  rt_test::RankModel model = rt_test::make_rank_model(fx.master, 0, 1);
+  testkit::RankModel model = testkit::make_rank_model(fx.master, 0, 1);
   Runtime rt([](const std::string&) {});
-  const rt_test::StepMeta one = fx.step({20}, 1);
+  const testkit::StepMeta one = fx.step({20}, 1);
   EXPECT_FALSE(rt.begin_step(one.batch));  // not prepared yet
   ASSERT_EQ(rt.prepare(model.weights, fx.config, *comm), PrepareResult::kActive);
 
   BatchMeta prefill;
   prefill.kind = BatchKind::kPrefill;
   EXPECT_FALSE(rt.begin_step(prefill));
-  const rt_test::StepMeta too_many = rt_test::make_step(
-      {20, 20, 20, 20, 20}, 1, 16, kMaxBlocks, rt_test::page_permutation(5 * kMaxBlocks, 1),
-      rt_test::page_permutation(5 * kMaxBlocks, 2));
+  const testkit::StepMeta too_many = testkit::make_step(
+      {20, 20, 20, 20, 20}, 1, 16, kMaxBlocks, testkit::page_permutation(5 * kMaxBlocks, 1),
+      testkit::page_permutation(5 * kMaxBlocks, 2));
   EXPECT_FALSE(rt.begin_step(too_many.batch));
   EXPECT_NE(rt.stats().last_refusal.find("num_reqs 5 > max_requests 4"), std::string::npos);
-  const rt_test::StepMeta q3 = fx.step({20}, 3);
+  const testkit::StepMeta q3 = fx.step({20}, 3);
   EXPECT_FALSE(rt.begin_step(q3.batch));
-  const rt_test::StepMeta twelve = fx.step({20, 30, 40}, 4);  // 12 rows > bucket 8
+  const testkit::StepMeta twelve = fx.step({20, 30, 40}, 4);  // 12 rows > bucket 8
   EXPECT_FALSE(rt.begin_step(twelve.batch));
-  const rt_test::StepMeta empty = fx.step({}, 1);
+  const testkit::StepMeta empty = fx.step({}, 1);
   EXPECT_FALSE(rt.begin_step(empty.batch));
-  const rt_test::StepMeta too_long = fx.step({300}, 1);
+  const testkit::StepMeta too_long = fx.step({300}, 1);
   EXPECT_FALSE(rt.begin_step(too_long.batch));
 
   // A refused step leaves nothing to run.
@@ -457,7 +457,7 @@ TEST(RuntimeLifecycle, BeginStepRefusalsAreCountedByReason) {
                                 one.positions.view()),
                Error);
 
-  const rt_test::StepMeta six = fx.step({20, 100, 0}, 2);  // 6 rows -> bucket 8
+  const testkit::StepMeta six = fx.step({20, 100, 0}, 2);  // 6 rows -> bucket 8
   ASSERT_TRUE(rt.begin_step(six.batch)) << rt.stats().last_refusal;
   const BatchMeta& fixed = rt.step_metadata();
   const void* seq_lens_at = fixed.seq_lens.data;
@@ -512,8 +512,8 @@ TEST(RuntimeLifecycle, BeginStepRefusalsAreCountedByReason) {
 TEST(RuntimeLifecycle, DetachNeedsEmptyReplacementOnEveryRankThenCloses) {
   Fixture fx;
   World world(2, 20s);
-  std::vector<rt_test::RankModel> models = {rt_test::make_rank_model(fx.master, 0, 2),
-                                            rt_test::make_rank_model(fx.master, 1, 2)};
+  std::vector<testkit::RankModel> models = {testkit::make_rank_model(fx.master, 0, 2),
+                                            testkit::make_rank_model(fx.master, 1, 2)};
   std::vector<std::unique_ptr<Runtime>> runtimes;
   for (int r = 0; r < 2; ++r) {
     runtimes.push_back(std::make_unique<Runtime>([](const std::string&) {}));
@@ -553,8 +553,8 @@ TEST(RuntimeLifecycle, DetachNeedsEmptyReplacementOnEveryRankThenCloses) {
     EXPECT_TRUE(runtimes[static_cast<std::size_t>(r)]->stats().bound_layers.empty());
   }
   // The next eager step prepares afresh on new caches.
-  std::vector<rt_test::RankModel> fresh = {rt_test::make_rank_model(fx.master, 0, 2),
-                                           rt_test::make_rank_model(fx.master, 1, 2)};
+  std::vector<testkit::RankModel> fresh = {testkit::make_rank_model(fx.master, 0, 2),
+                                           testkit::make_rank_model(fx.master, 1, 2)};
   std::vector<PrepareResult> results(2);
   expect_no_errors(on_ranks(2, [&](int r) {
     auto& rt = *runtimes[static_cast<std::size_t>(r)];
@@ -569,8 +569,8 @@ TEST(RuntimeLifecycle, DetachNeedsEmptyReplacementOnEveryRankThenCloses) {
 TEST(RuntimeLifecycle, CloseIsIdempotentAndAgreedAcrossRanks) {
   Fixture fx;
   World world(2, 20s);
-  std::vector<rt_test::RankModel> models = {rt_test::make_rank_model(fx.master, 0, 2),
-                                            rt_test::make_rank_model(fx.master, 1, 2)};
+  std::vector<testkit::RankModel> models = {testkit::make_rank_model(fx.master, 0, 2),
+                                            testkit::make_rank_model(fx.master, 1, 2)};
   expect_no_errors(on_ranks(2, [&](int r) {
     Runtime rt([](const std::string&) {});
     rt.close();  // before prepare: nothing to do
@@ -584,7 +584,7 @@ TEST(RuntimeLifecycle, CloseIsIdempotentAndAgreedAcrossRanks) {
 
   // Ranks that ran different work are out of lockstep: close says so on every rank, and still
   // releases everything.
-  const rt_test::StepMeta step = fx.step({20}, 1);
+  const testkit::StepMeta step = fx.step({20}, 1);
   auto errors = on_ranks(2, [&](int r) {
     Runtime rt([](const std::string&) {});
     rt.prepare(models[static_cast<std::size_t>(r)].weights, fx.config, world.comm(r));
@@ -607,10 +607,10 @@ TEST(RuntimeLifecycle, CloseIsIdempotentAndAgreedAcrossRanks) {
 TEST(RuntimeLifecycle, APeerThatNeverArrivesIsNamedWithinTheTimeout) {
   Fixture fx;
   World world(3, 300ms);
-  std::vector<rt_test::RankModel> models;
+  std::vector<testkit::RankModel> models;
   // The first collective (model support) already times out, so weights are never inspected:
   // every rank can hold the TP=1 slice (a TP=3 slice of this master would not exist).
-  for (int r = 0; r < 3; ++r) models.push_back(rt_test::make_rank_model(fx.master, 0, 1));
+  for (int r = 0; r < 3; ++r) models.push_back(testkit::make_rank_model(fx.master, 0, 1));
   RuntimeConfig config = fx.config;
   config.model.q_heads = 6;  // TP 3 needs 3 | q_heads; rank 2 never calls anyway
   const auto start = std::chrono::steady_clock::now();

@@ -9,7 +9,7 @@
 #include "m3msa/comm.h"
 #include "m3msa/error.h"
 #include "m3msa/runtime.h"
-#include "runtime_test_fixture.h"
+#include "m3msa/testing/runtime_model.h"
 
 namespace m3msa {
 namespace {
@@ -19,10 +19,10 @@ struct StepRun {
   std::vector<HostTensor> caches;
 };
 
-StepRun run_step(const rt_test::MasterModel& master, const RuntimeConfig& config,
-                 const rt_test::StepMeta& meta, int pad, const std::vector<uint16_t>& hidden_in,
+StepRun run_step(const testkit::MasterModel& master, const RuntimeConfig& config,
+                 const testkit::StepMeta& meta, int pad, const std::vector<uint16_t>& hidden_in,
                  const std::vector<uint16_t>& residual_in) {
-  rt_test::RankModel model = rt_test::make_rank_model(master, 0, 1);
+  testkit::RankModel model = testkit::make_rank_model(master, 0, 1);
   auto comm = make_single_rank_communicator();
   Runtime rt([](const std::string&) {});
   M3MSA_CHECK_INTERNAL(rt.prepare(model.weights, config, *comm) == PrepareResult::kActive,
@@ -59,23 +59,23 @@ StepRun run_step(const rt_test::MasterModel& master, const RuntimeConfig& config
 }
 
 TEST(RuntimePadding, PaddedStepEqualsUnpaddedOnTheRealRows) {
-  RuntimeConfig config = rt_test::small_config();
+  RuntimeConfig config = testkit::small_config();
   config.max_context = 256;
   const ModelConfig& m = config.model;
   const int64_t max_blocks = config.max_context / m.block_size;
   const int64_t pages = config.max_requests * max_blocks + 3;
-  const rt_test::MasterModel master = rt_test::make_master(m, pages, 31, true);
-  const auto index_perm = rt_test::page_permutation(pages, 32);
-  const auto kv_perm = rt_test::page_permutation(pages, 33);
+  const testkit::MasterModel master = testkit::make_master(m, pages, 31, true);
+  const auto index_perm = testkit::page_permutation(pages, 32);
+  const auto kv_perm = testkit::page_permutation(pages, 33);
   // 3 requests of q_len 2 (6 rows) padded to 4 requests (bucket 8).
-  const rt_test::StepMeta meta =
-      rt_test::make_step({70, 150, 33}, 2, m.block_size, max_blocks, index_perm, kv_perm);
-  rt_test::Rng rng(34);
+  const testkit::StepMeta meta =
+      testkit::make_step({70, 150, 33}, 2, m.block_size, max_blocks, index_perm, kv_perm);
+  testkit::SplitMix64 rng(34);
   const std::size_t n = static_cast<std::size_t>(meta.batch.num_rows() * m.hidden);
   std::vector<uint16_t> hidden(n), residual(n);
   for (std::size_t i = 0; i < n; ++i) {
-    hidden[i] = float_to_bf16(rng.unit());
-    residual[i] = float_to_bf16(rng.unit());
+    hidden[i] = float_to_bf16(rng.signed_unit());
+    residual[i] = float_to_bf16(rng.signed_unit());
   }
   const StepRun plain = run_step(master, config, meta, 3, hidden, residual);
   const StepRun padded = run_step(master, config, meta, 4, hidden, residual);
@@ -90,16 +90,16 @@ TEST(RuntimePadding, PaddedStepEqualsUnpaddedOnTheRealRows) {
 }
 
 TEST(RuntimePadding, BadPaddingIsAnError) {
-  RuntimeConfig config = rt_test::small_config();  // max_requests 4, buckets up to 8
+  RuntimeConfig config = testkit::small_config();  // max_requests 4, buckets up to 8
   config.max_context = 256;
   const ModelConfig& m = config.model;
   const int64_t max_blocks = config.max_context / m.block_size;
   const int64_t pages = config.max_requests * max_blocks + 3;
-  const rt_test::MasterModel master = rt_test::make_master(m, pages, 41, false);
-  rt_test::RankModel model = rt_test::make_rank_model(master, 0, 1);
-  const auto perm = rt_test::page_permutation(pages, 42);
-  const rt_test::StepMeta meta =
-      rt_test::make_step({70, 150}, 2, m.block_size, max_blocks, perm, perm);
+  const testkit::MasterModel master = testkit::make_master(m, pages, 41, false);
+  testkit::RankModel model = testkit::make_rank_model(master, 0, 1);
+  const auto perm = testkit::page_permutation(pages, 42);
+  const testkit::StepMeta meta =
+      testkit::make_step({70, 150}, 2, m.block_size, max_blocks, perm, perm);
   auto comm = make_single_rank_communicator();
   Runtime rt([](const std::string&) {});
   ASSERT_EQ(rt.prepare(model.weights, config, *comm), PrepareResult::kActive);

@@ -19,12 +19,12 @@
 #include <string>
 #include <vector>
 
-#include "core/splitmix.h"
 #include "cuda/common.cuh"
 #include "m3msa/backend.h"
 #include "m3msa/dtype.h"
 #include "m3msa/synthetic.h"
 #include "m3msa/tensor.h"
+#include "m3msa/testing/splitmix.h"
 
 namespace m3msa::attntest {
 
@@ -35,10 +35,8 @@ namespace m3msa::attntest {
     }                                                                                        \
   } while (0)
 
-// splitmix64, as everywhere in the project's tests.
-struct Rng : SplitMix64 {
-  explicit Rng(uint64_t seed) : SplitMix64(salted(seed, 7)) {}
-};
+// The suite's stream of the test kit's splitmix64.
+using Rng = testkit::SaltedRng<7>;
 
 // A device copy of a host tensor; `view` is the device view with the host's shape and dtype.
 struct DevTensor {

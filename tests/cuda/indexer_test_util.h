@@ -5,10 +5,11 @@
 // order, so two blocks whose scores differ by a few fp32 roundings may swap across the k-th place.
 // Selections are compared as sets; a block that is in one set and not the other is accepted only
 // when its CPU score is within kTieTolerance * max(1, |S_k|) of the CPU's k-th selected score S_k
-// (1e-3: the fp32 reordering error of a 128-term dot product of unit-scale inputs is ~1e-5
-// relative; the margin covers heavy-tailed sums). Such swaps are counted and reported; any other
-// difference fails, as does anything structural: unwritten entries, ids outside [0, nb), repeats,
-// -1 inside the valid prefix, a missing forced block, a wrong count of valid entries.
+// (testkit::near_tie; 1e-3: the fp32 reordering error of a 128-term dot product of unit-scale
+// inputs is ~1e-5 relative; the margin covers heavy-tailed sums). Such swaps are counted and
+// reported; any other difference fails, as does anything structural: unwritten entries, ids outside
+// [0, nb), repeats, -1 inside the valid prefix, a missing forced block, a wrong count of valid
+// entries.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -24,7 +25,6 @@
 #include <string>
 #include <vector>
 
-#include "core/splitmix.h"
 #include "cuda/common.cuh"
 #include "cuda/indexer.h"
 #include "m3msa/backend.h"
@@ -33,6 +33,8 @@
 #include "m3msa/error.h"
 #include "m3msa/sort_key.h"
 #include "m3msa/synthetic.h"
+#include "m3msa/testing/checks.h"
+#include "m3msa/testing/splitmix.h"
 
 namespace m3msa::idxtest {
 
@@ -43,12 +45,10 @@ namespace m3msa::idxtest {
     }                                                                                        \
   } while (0)
 
-// splitmix64, as everywhere in the project's tests.
-struct Rng : SplitMix64 {
-  explicit Rng(uint64_t seed) : SplitMix64(salted(seed, 5)) {}
-};
+// The suite's stream of the test kit's splitmix64.
+using Rng = testkit::SaltedRng<5>;
 
-inline constexpr double kTieTolerance = 1e-3;
+inline constexpr double kTieTolerance = testkit::kSelectionTieTolerance;
 inline constexpr uint8_t kPoisonByte = 0x5A;  // int32 0x5A5A5A5A: never a valid entry
 
 // M3MSA_TEST_SMALL=1 (set by scripts/gpu_steps/sanitize-all.sh): the suite runs under
@@ -230,7 +230,7 @@ inline Comparison compare_selections(const SyntheticCase& c, const HostTensor& g
         // b (GPU only) must tie with the k-th, and so must some CPU-only block (counted below).
         const double sb = s[b];
         const double gap = std::fabs(sb - kth) / std::max(1.0, std::fabs(kth));
-        if (!have_kth || std::isnan(sb) || std::isnan(kth) || gap > kTieTolerance) {
+        if (!have_kth || !testkit::near_tie(sb, kth)) {
           std::ostringstream msg;
           msg << where.str() << "GPU selected block " << b << " (CPU score " << sb
               << ") instead of a CPU block; CPU k-th score " << kth << ", gap " << gap;
@@ -245,7 +245,7 @@ inline Comparison compare_selections(const SyntheticCase& c, const HostTensor& g
         if (gset.count(b)) continue;
         const double sb = s[b];
         const double gap = std::fabs(sb - kth) / std::max(1.0, std::fabs(kth));
-        if (std::isnan(sb) || gap > kTieTolerance) {
+        if (!testkit::near_tie(sb, kth)) {
           std::ostringstream msg;
           msg << where.str() << "GPU dropped CPU block " << b << " (score " << sb
               << "), CPU k-th score " << kth << ", gap " << gap;

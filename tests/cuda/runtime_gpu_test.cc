@@ -1,34 +1,7 @@
-// The CUDA backend of the runtime (runtime.h, src/runtime/gpu_layer.cc) and its kernels
-// (src/cuda/gemm.h, norm.h). Every test skips without a GPU (TP = 2 ones without two).
-//
-// Oracles:
-//  - the runtime's kernels against double-precision / CPU references (exact where the maths is
-//    the same: the residual add);
-//  - forward_layer against the CPU runtime on the same inputs, layer by layer (teacher forcing:
-//    both backends get the CPU's input of every layer, so differences do not compound);
-//  - StepGraphs replay against the same step run eagerly (bit-for-bit, caches included);
-//  - TP = 2 (ranks as threads on two GPUs, NCCL) against TP = 1 on one GPU.
-//
-// Tolerances (bf16 outputs of O(1)): |gpu - want| <= kAbsTol + kRelTol * |want|.
-//  - GPU vs CPU runtime: every fp32 sum runs in another order (the GEMM's tensor-core tree, the
-//    norms' block tree, the attention's split merge), so any bf16 rounding along the chain
-//    (normed -> qkv -> q/k -> attention -> o -> x2 -> h2 -> MLP) can flip: kRelTol = 2^-5,
-//    kAbsTol = 2^-6 (those of the CPU runtime's own double-precision check). Selections follow
-//    the near-tie rule of method.md (tolerance 1e-3 of the k-th score, scores from the CPU's
-//    index_q); a row whose selection swapped near-tied blocks is excluded from the output check
-//    (counted; at most a quarter of the rows may swap), any other difference fails.
-//  - TP = 2 vs TP = 1: the projections of q/k/v/index are computed per output column in the same
-//    order whatever the column count, so selections must be identical; only the o_proj /
-//    mlp_down sums are split across ranks: kRelTol = 2^-6, kAbsTol = 2^-8 (the CPU runtime's TP
-//    tolerance). Ranks' outputs are bit-identical to each other.
-//  - Caches: slots written by the step within the GPU-vs-CPU tolerance, every other byte exact.
-//  - The MLP output (hidden, when MLP weights are bound) is a 2-GEMM function of h2: a one-ulp
-//    flip of a bf16 gate/up/act value (from any upstream flip) moves an output element by
-//    |w_down * act| ~ 2^-8 * |act| with act up to limit * (limit + 1), so elementwise bounds of
-//    O(1) outputs do not apply. It is checked per row by relative L2 error <= 2^-5 (a wrong
-//    column, row or scale gives O(1)), and elementwise within kMlpAbsTol to catch single garbage
-//    elements and NaN / inf positions.
-#include <cuda_runtime.h>
+// The CUDA backend of the runtime (runtime.h, src/runtime/gpu_engine.cc): forward_layer against the
+// CPU runtime layer by layer, graph replay against eager, TP = 2 against TP = 1, the lifecycle and
+// faults of one rank (oracles and tolerances: runtime_gpu_fixture.h). Every test skips without a
+// GPU (TP = 2 ones without two).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -42,392 +15,13 @@
 #include <thread>
 #include <vector>
 
-#include "cpu/runtime_test_fixture.h"
-#include "cuda/common.cuh"
-#include "cuda/gemm.h"
-#include "cuda/norm.h"
-#include "m3msa/backend.h"
-#include "m3msa/cp_cuda.h"
-#include "m3msa/cpu_reference.h"
-#include "m3msa/cuda_backend.h"
-#include "m3msa/error.h"
-#include "m3msa/runtime.h"
-#include "m3msa/sort_key.h"
-#include "runtime/runtime_internal.h"
+#include "m3msa/testing/checks.h"
+#include "runtime_gpu_fixture.h"
 
 namespace m3msa {
 namespace {
 
-#define M3MSA_RUNTIME_REQUIRE_GPUS(n)                                                   \
-  do {                                                                                  \
-    const int visible_ = ::m3msa::cuda_device_count();                                  \
-    if (visible_ < (n)) {                                                               \
-      GTEST_SKIP() << "needs " << (n) << " CUDA device(s), " << visible_ << " visible"; \
-    }                                                                                   \
-  } while (0)
-
-using rt_test::MasterModel;
-using rt_test::StepMeta;
-
-constexpr double kAbsTol = 1.0 / 64;
-constexpr double kMlpRowL2Tol = 1.0 / 32;
-constexpr double kMlpAbsTol = 0.25;
-constexpr double kRelTol = 1.0 / 32;
-constexpr double kTpAbsTol = 1.0 / 256;
-constexpr double kTpRelTol = 1.0 / 64;
-constexpr double kTieTolerance = 1e-3;
-constexpr int64_t kMaxContext = 2048;
-
-// ---- A model the CUDA kernels run: 128-d heads, blocks of 128 tokens ----
-
-ModelConfig gpu_model(int intermediate = 256) {
-  ModelConfig m;
-  m.hidden = 512;
-  m.num_layers = 3;
-  m.first_sparse_layer = 1;
-  m.q_heads = 8;
-  m.kv_heads = 2;
-  m.head_dim = 128;
-  m.index_heads = 2;
-  m.index_dim = 128;
-  m.block_size = 128;
-  m.topk = 4;  // of up to 16 blocks: a real selection
-  m.init_blocks = 0;
-  m.local_blocks = 1;
-  m.rope_dim = 64;
-  m.rope_theta = 10000.0;
-  m.intermediate = intermediate;
-  return m;
-}
-
-RuntimeConfig gpu_config() {
-  RuntimeConfig c;
-  c.model = gpu_model();
-  c.token_buckets = {1, 2, 4, 8, 16};
-  c.query_lens = {1, 2, 4};
-  c.max_requests = 16;
-  c.max_context = kMaxContext;
-  c.threads = 2;
-  return c;
-}
-
-int64_t max_blocks() {
-  return kMaxContext / 128;
-}
-
-int64_t num_pages(const RuntimeConfig& c) {
-  return int64_t{c.max_requests} * max_blocks() + 3;
-}
-
-struct Shape {
-  std::vector<int32_t> lens;
-  int q_len;
-};
-
-// Decode steps: speculative rows with a padding request, plain decode with short and
-// block-boundary contexts, 4 rows per request, and a full 16-row step.
-std::vector<Shape> default_shapes() {
-  return {
-      {{700, 1500, 0, 2000}, 2},
-      {{702, 1502, 0, 2002}, 2},
-      {{703, 1503, 90, 0, 2003, 1024, 129, 128}, 1},
-      {{1000, 2040}, 4},
-      {{5, 130, 257, 400, 555, 600, 777, 800, 901, 1111, 1200, 1333, 1500, 1600, 1800, 2047}, 1}};
-}
-
-struct Scenario {
-  RuntimeConfig config;
-  MasterModel master;
-  std::vector<int32_t> index_perm, kv_perm;
-  std::vector<StepMeta> steps;
-  std::vector<std::vector<uint16_t>> hidden_in, residual_in;  // per step
-};
-
-Scenario make_scenario(uint64_t seed, const std::vector<Shape>& shapes = default_shapes()) {
-  Scenario s;
-  s.config = gpu_config();
-  const ModelConfig& m = s.config.model;
-  const int64_t pages = num_pages(s.config);
-  s.master = rt_test::make_master(m, pages, seed, /*mlp_on_last_layer=*/true);
-  s.index_perm = rt_test::page_permutation(pages, seed + 1);
-  s.kv_perm = rt_test::page_permutation(pages, seed + 2);
-  rt_test::Rng rng(seed + 3);
-  for (const Shape& shape : shapes) {
-    s.steps.push_back(rt_test::make_step(shape.lens, shape.q_len, m.block_size, max_blocks(),
-                                         s.index_perm, s.kv_perm));
-    const std::size_t n = shape.lens.size() * static_cast<std::size_t>(shape.q_len) * m.hidden;
-    std::vector<uint16_t> h(n), r(n);
-    for (std::size_t i = 0; i < n; ++i) {
-      h[i] = float_to_bf16(rng.unit());
-      r[i] = float_to_bf16(rng.unit());
-    }
-    s.hidden_in.push_back(h);
-    s.residual_in.push_back(r);
-  }
-  return s;
-}
-
-// ---- Device copies ----
-
-TensorView upload_view(std::vector<DeviceTensor>& keep, const TensorView& host, int device) {
-  if (!host.defined()) return {};
-  DeviceTensor t(host.dtype, host.sizes(), device);
-  if (host.nbytes()) {
-    cuda::DeviceGuard guard(device);
-    CUDA_CHECK(cudaMemcpy(t.data(), host.data, host.nbytes(), cudaMemcpyHostToDevice));
-    // The runtime's streams do not synchronize with the legacy stream: land the copy first.
-    CUDA_CHECK(cudaDeviceSynchronize());
-  }
-  keep.push_back(t);
-  return t.view();
-}
-
-// One rank's model on a GPU: every tensor of the host RankModel copied (caches included).
-struct DeviceModel {
-  std::vector<DeviceTensor> storage;
-  ModelWeights weights;
-};
-
-DeviceModel upload_model(const rt_test::RankModel& host, int device) {
-  DeviceModel d;
-  auto up = [&](const TensorView& v) { return upload_view(d.storage, v, device); };
-  for (const LayerWeights& h : host.weights.layers) {
-    d.weights.layers.push_back(map_tensors(h, up));
-  }
-  return d;
-}
-
-template <typename T>
-std::vector<T> download(const TensorView& view) {
-  // Sized by bytes, so a byte-wise download of a wider dtype gets all of it.
-  M3MSA_CHECK_INTERNAL(view.nbytes() % static_cast<int64_t>(sizeof(T)) == 0,
-                       "download: ", view.nbytes(), " bytes is not a whole number of elements");
-  std::vector<T> out(static_cast<std::size_t>(view.nbytes()) / sizeof(T));
-  if (!out.empty()) {
-    cuda::DeviceGuard guard(view.device.index);
-    CUDA_CHECK(cudaMemcpy(out.data(), view.data, view.nbytes(), cudaMemcpyDeviceToHost));
-  }
-  return out;
-}
-
-template <typename T>
-std::vector<T> host_values(const TensorView& view) {
-  const T* p = view.ptr<const T>();
-  return std::vector<T>(p, p + view.numel());
-}
-
-void upload_into(const TensorView& device_view, const void* host, std::size_t bytes) {
-  if (bytes == 0) return;
-  cuda::DeviceGuard guard(device_view.device.index);
-  CUDA_CHECK(cudaMemcpy(device_view.data, host, bytes, cudaMemcpyHostToDevice));
-  CUDA_CHECK(cudaDeviceSynchronize());  // see upload_view
-}
-
-// The batch with every tensor on `device` (the engine's usual case).
-struct DeviceBatch {
-  std::vector<DeviceTensor> keep;
-  BatchMeta batch;
-};
-
-DeviceBatch device_batch(const BatchMeta& host, int device) {
-  DeviceBatch d;
-  d.batch = host;
-  d.batch.seq_lens = upload_view(d.keep, host.seq_lens, device);
-  d.batch.index_block_table = upload_view(d.keep, host.index_block_table, device);
-  d.batch.kv_block_table = upload_view(d.keep, host.kv_block_table, device);
-  d.batch.slot_mapping = upload_view(d.keep, host.slot_mapping, device);
-  d.batch.index_slot_mapping = upload_view(d.keep, host.index_slot_mapping, device);
-  return d;
-}
-
-// ---- Comparisons ----
-
-struct Check {
-  int64_t checked = 0;
-  int64_t bad = 0;
-  double worst = 0.0;  // largest |got - want| / (abs + rel |want|)
-  std::string first;
-};
-
-// [rows, cols] bf16; rows in `skip` are not compared.
-void compare_bf16(Check& c, const uint16_t* got, const uint16_t* want, int64_t rows, int64_t cols,
-                  double abs_tol, double rel_tol, const std::vector<bool>& skip,
-                  const std::string& what) {
-  for (int64_t r = 0; r < rows; ++r) {
-    if (!skip.empty() && skip[static_cast<std::size_t>(r)]) continue;
-    for (int64_t i = 0; i < cols; ++i) {
-      const double g = bf16_to_float(got[r * cols + i]);
-      const double w = bf16_to_float(want[r * cols + i]);
-      ++c.checked;
-      const bool nan_ok = std::isnan(g) == std::isnan(w);
-      const double bound = abs_tol + rel_tol * std::fabs(w);
-      const double ratio = std::isnan(g) || std::isnan(w) ? 0.0 : std::fabs(g - w) / bound;
-      if (!nan_ok || ratio > 1.0 || (std::isinf(g) != std::isinf(w))) {
-        if (c.bad++ == 0) {
-          std::ostringstream out;
-          out << what << " [" << r << ", " << i << "]: got " << g << ", want " << w;
-          c.first = out.str();
-        }
-      }
-      c.worst = std::max(c.worst, ratio);
-    }
-  }
-}
-
-// Per-row relative L2 error (the MLP output; see the tolerance notes at the top), plus an
-// elementwise bound against garbage elements. Check::worst is the worst L2 ratio / tolerance.
-void compare_bf16_rows_l2(Check& c, const uint16_t* got, const uint16_t* want, int64_t rows,
-                          int64_t cols, const std::vector<bool>& skip, const std::string& what) {
-  for (int64_t r = 0; r < rows; ++r) {
-    if (!skip.empty() && skip[static_cast<std::size_t>(r)]) continue;
-    double err2 = 0.0, ref2 = 0.0;
-    bool elements_ok = true;
-    for (int64_t i = 0; i < cols; ++i) {
-      const double g = bf16_to_float(got[r * cols + i]);
-      const double w = bf16_to_float(want[r * cols + i]);
-      ++c.checked;
-      if (std::isnan(g) != std::isnan(w) || std::isinf(g) != std::isinf(w)) {
-        elements_ok = false;
-        continue;
-      }
-      if (std::isnan(w) || std::isinf(w)) continue;
-      elements_ok = elements_ok && std::fabs(g - w) <= kMlpAbsTol;
-      err2 += (g - w) * (g - w);
-      ref2 += w * w;
-    }
-    const double ratio = std::sqrt(err2 / std::max(ref2, 1e-30)) / kMlpRowL2Tol;
-    c.worst = std::max(c.worst, ratio);
-    if (!elements_ok || ratio > 1.0) {
-      if (c.bad++ == 0) {
-        std::ostringstream out;
-        out << what << " row " << r << ": relative L2 error " << ratio * kMlpRowL2Tol
-            << (elements_ok ? "" : ", an element off by more than kMlpAbsTol or NaN/inf moved");
-        c.first = out.str();
-      }
-    }
-  }
-}
-
-// GPU selection vs the CPU's under the near-tie rule. Marks rows whose selection differs (by
-// near ties only) in `swapped`; returns the number of (row, head) failures.
-int64_t compare_selection(const SparseConfig& sc, const std::vector<int32_t>& gpu,
-                          const std::vector<int32_t>& cpu, const HostTensor& scores,
-                          const BatchMeta& batch, std::vector<bool>& swapped, std::string& first) {
-  const int H = sc.index_heads;
-  const int k = sc.topk;
-  const int64_t cols = scores.shape()[2];
-  const std::vector<RowPosition> rows = row_positions(batch);
-  int64_t failures = 0;
-  auto fail = [&](const std::string& what) {
-    if (failures++ == 0) first = what;
-  };
-  for (int64_t row = 0; row < static_cast<int64_t>(rows.size()); ++row) {
-    const int64_t nb = visible_blocks(rows[row].pos, sc.block_size);
-    const int64_t expect = std::min<int64_t>(k, nb);
-    for (int h = 0; h < H; ++h) {
-      const int32_t* g = gpu.data() + (row * H + h) * k;
-      const int32_t* c = cpu.data() + (row * H + h) * k;
-      const float* s = scores.ptr<float>() + (row * H + h) * cols;
-      std::set<int32_t> gs, cs;
-      std::ostringstream where;
-      where << "row " << row << " (pos " << rows[row].pos << ") head " << h << ": ";
-      bool structure = true;
-      for (int i = 0; i < k; ++i) {
-        if (i < expect) {
-          if (g[i] < 0 || g[i] >= nb || !gs.insert(g[i]).second) structure = false;
-          cs.insert(c[i]);
-        } else if (g[i] != -1) {
-          structure = false;
-        }
-      }
-      if (!structure) {
-        fail(where.str() + "malformed GPU selection");
-        continue;
-      }
-      if (gs == cs) continue;
-      double kth = INFINITY;
-      for (int32_t b : cs) {
-        if (!is_forced_block(b, nb, sc.init_blocks, sc.local_blocks))
-          kth = std::min<double>(kth, s[b]);
-      }
-      bool near = std::isfinite(kth);
-      for (int32_t b : gs) {
-        if (!cs.count(b))
-          near = near && std::fabs(s[b] - kth) <= kTieTolerance * std::max(1.0, std::fabs(kth));
-      }
-      for (int32_t b : cs) {
-        if (!gs.count(b))
-          near = near && std::fabs(s[b] - kth) <= kTieTolerance * std::max(1.0, std::fabs(kth));
-      }
-      if (near) {
-        swapped[static_cast<std::size_t>(row)] = true;
-      } else {
-        fail(where.str() + "selections differ beyond a near tie (CPU k-th score " +
-             std::to_string(kth) + ")");
-      }
-    }
-  }
-  return failures;
-}
-
-// The slots a step writes, per cache: (page, offset) pairs from both slot mappings.
-std::set<int64_t> written_slots(const std::vector<StepMeta>& steps, bool index) {
-  std::set<int64_t> out;
-  for (const StepMeta& m : steps) {
-    const HostTensor& t = index ? m.index_slots : m.slots;
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      if (t.ptr<int64_t>()[i] >= 0) out.insert(t.ptr<int64_t>()[i]);
-    }
-  }
-  return out;
-}
-
-// Caches: written slots within tolerance, everything else exact.
-void compare_caches(const SparseConfig& sc, const rt_test::RankModel& cpu, const DeviceModel& gpu,
-                    const std::vector<StepMeta>& steps) {
-  const std::set<int64_t> kv_slots = written_slots(steps, false);
-  const std::set<int64_t> index_slots = written_slots(steps, true);
-  for (std::size_t l = 0; l < cpu.weights.layers.size(); ++l) {
-    const LayerWeights& want = cpu.weights.layers[l];
-    const LayerWeights& got = gpu.weights.layers[l];
-    const std::vector<uint16_t> kv = download<uint16_t>(got.kv_cache.data);
-    const std::vector<uint16_t> ix = download<uint16_t>(got.index_cache.data);
-    const auto* kv_want = want.kv_cache.data.ptr<const uint16_t>();
-    const auto* ix_want = want.index_cache.data.ptr<const uint16_t>();
-    const int64_t bs = sc.block_size;
-    const int64_t hd = sc.head_dim;
-    Check written;
-    int64_t stray = 0;
-    const int64_t pages = want.kv_cache.pages();
-    for (int64_t p = 0; p < pages; ++p) {
-      for (int64_t off = 0; off < bs; ++off) {
-        const bool wrote_kv = kv_slots.count(p * bs + off) > 0;
-        const bool wrote_ix = index_slots.count(p * bs + off) > 0;
-        for (int h = 0; h < sc.kv_heads; ++h) {
-          for (int part = 0; part < 2; ++part) {
-            const int64_t at = (((p * sc.kv_heads + h) * 2 + part) * bs + off) * hd;
-            if (wrote_kv) {
-              compare_bf16(written, kv.data() + at, kv_want + at, 1, hd, kAbsTol, kRelTol, {},
-                           "kv cache");
-            } else {
-              stray += std::memcmp(kv.data() + at, kv_want + at, 2 * hd) != 0;
-            }
-          }
-        }
-        const int64_t at = (p * bs + off) * sc.index_dim;
-        if (wrote_ix) {
-          compare_bf16(written, ix.data() + at, ix_want + at, 1, sc.index_dim, kAbsTol, kRelTol, {},
-                       "index cache");
-        } else {
-          stray += std::memcmp(ix.data() + at, ix_want + at, 2 * sc.index_dim) != 0;
-        }
-      }
-    }
-    EXPECT_EQ(written.bad, 0) << "layer " << want.layer << ": " << written.first;
-    EXPECT_EQ(stray, 0) << "layer " << want.layer
-                        << ": cache rows changed outside the steps' slots";
-  }
-}
+using namespace rtgpu;
 
 // ---- GPU forward_layer vs the CPU runtime, layer by layer ----
 
@@ -444,8 +38,8 @@ void run_against_cpu(uint64_t seed, const AgainstCpu& opt = {}) {
   s.config.selection_share_period = opt.share_period;
   const ModelConfig& m = s.config.model;
   const SparseConfig sc = m.sparse(1);
-  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, opt.fp8_qkv);
-  rt_test::RankModel host_for_gpu = rt_test::make_rank_model(s.master, 0, 1, opt.fp8_qkv);
+  testkit::RankModel host = testkit::make_rank_model(s.master, 0, 1, opt.fp8_qkv);
+  testkit::RankModel host_for_gpu = testkit::make_rank_model(s.master, 0, 1, opt.fp8_qkv);
   DeviceModel dev = upload_model(host_for_gpu, 0);
   auto comm_cpu = make_single_rank_communicator();
   auto comm_gpu = make_single_rank_communicator();
@@ -517,7 +111,8 @@ void run_against_cpu(uint64_t seed, const AgainstCpu& opt = {}) {
         HostTensor scores(DType::kF32, {rows, sc.index_heads, max_blocks()});
         cpu::score_blocks(sc, idx, scores.view());
         std::fill(swapped.begin(), swapped.end(), false);
-        selection_failures += compare_selection(sc, gpu_topk, host_values<int32_t>(ct.topk), scores,
+        selection_failures +=
+            testkit::compare_selection_near_tie(sc, gpu_topk, host_values<int32_t>(ct.topk), scores,
                                                 meta.batch, swapped, selection_first);
         for (bool b : swapped) swapped_rows += b;
         rows_total += rows;
@@ -562,325 +157,6 @@ void run_against_cpu(uint64_t seed, const AgainstCpu& opt = {}) {
   EXPECT_EQ(gpu.state(), RuntimeState::kClosed);
 }
 
-// ---- Kernels ----
-
-TEST(RuntimeKernels, SkinnyGemmMatchesDoubleReference) {
-  M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  rt_test::Rng rng(11);
-  struct Case {
-    int n, k;
-  };
-  for (const Case c : {Case{40, 64}, Case{1920, 512}, Case{136, 6144}, Case{24, 192}}) {
-    for (int rows : {1, 3, 8, 9, 16}) {
-      for (bool fp8 : {false, true}) {
-        // bf16 / f32 out, then deep (bf16), then 8 warps over K (f32; its own reduction order)
-        for (int variant = 0; variant < 4; ++variant) {
-          const bool f32 = variant == 1 || variant == 3;
-          const int deep = variant == 2 ? 1 : 0;
-          std::vector<uint16_t> x(static_cast<std::size_t>(16) * c.k);
-          for (auto& v : x) v = float_to_bf16(rng.unit() * 2.0f);
-          std::vector<uint8_t> w(static_cast<std::size_t>(c.n) * c.k * (fp8 ? 1 : 2));
-          std::vector<double> wv(static_cast<std::size_t>(c.n) * c.k);
-          for (std::size_t i = 0; i < wv.size(); ++i) {
-            if (fp8) {
-              w[i] = float_to_fp8e4m3(rng.unit() * 300.0f);
-              wv[i] = fp8e4m3_to_float(w[i]);
-            } else {
-              const uint16_t b = float_to_bf16(rng.unit() * 0.1f);
-              std::memcpy(&w[2 * i], &b, 2);
-              wv[i] = bf16_to_float(b);
-            }
-          }
-          std::vector<float> scale(static_cast<std::size_t>(c.n));
-          for (auto& v : scale) v = 1e-3f * (1.5f + rng.unit());
-          DeviceTensor dx(DType::kBF16, {16, c.k}), dw(DType::kU8, {int64_t(w.size())});
-          DeviceTensor ds(DType::kF32, {c.n}), dout(DType::kF32, {17, c.n});
-          upload_into(dx.view(), x.data(), x.size() * 2);
-          upload_into(dw.view(), w.data(), w.size());
-          upload_into(ds.view(), scale.data(), scale.size() * 4);
-          fill_device_bytes(dout.view(), 0x7F);  // poison (NaN as f32 / bf16 pairs)
-          cuda::GemmSkinnyParams p;
-          p.x = static_cast<const uint16_t*>(dx.data());
-          p.x_stride = c.k;
-          p.w = dw.data();
-          p.scale = fp8 ? static_cast<const float*>(ds.data()) : nullptr;
-          p.out = dout.data();
-          p.out_stride = c.n;
-          p.rows = rows;
-          p.n = c.n;
-          p.k = c.k;
-          p.w_fp8 = fp8;
-          p.out_f32 = f32;
-          p.deep = deep;
-          p.split_k8 = variant == 3;
-          cuda::launch_gemm_skinny(p, nullptr);
-          CUDA_CHECK(cudaDeviceSynchronize());
-          const std::vector<uint8_t> raw = download<uint8_t>(dout.view());
-          // Again with the other loops (deep, ring): the same bits (also: run to run determinism).
-          const std::vector<uint8_t> raw2 = [&] {
-            cuda::GemmSkinnyParams other = p;
-            other.deep = 1 - p.deep;
-            cuda::launch_gemm_skinny(other, nullptr);
-            CUDA_CHECK(cudaDeviceSynchronize());
-            return download<uint8_t>(dout.view());
-          }();
-          EXPECT_EQ(raw, raw2) << "deep = 0 and deep = 1 differ";
-          // And through the ring loop (these grids are too small to take it by themselves).
-          const std::vector<uint8_t> raw3 = [&] {
-            cuda::GemmSkinnyParams other = p;
-            other.deep = 0;
-            other.force_ring = 1;
-            cuda::launch_gemm_skinny(other, nullptr);
-            CUDA_CHECK(cudaDeviceSynchronize());
-            return download<uint8_t>(dout.view());
-          }();
-          EXPECT_EQ(raw, raw3) << "the ring and the group loops differ";
-          int64_t bad = 0;
-          std::string first;
-          const std::size_t elem = f32 ? 4 : 2;
-          for (int r = 0; r < 17; ++r) {
-            for (int n = 0; n < c.n; ++n) {
-              const uint8_t* at = raw.data() + (static_cast<std::size_t>(r) * c.n + n) * elem;
-              if (r >= rows) {  // untouched: still poisoned
-                bad += !std::all_of(at, at + elem, [](uint8_t b) { return b == 0x7F; });
-                continue;
-              }
-              double ref = 0.0, mag = 0.0;
-              for (int kk = 0; kk < c.k; ++kk) {
-                const double t = bf16_to_float(x[static_cast<std::size_t>(r) * c.k + kk]) *
-                                 wv[static_cast<std::size_t>(n) * c.k + kk];
-                ref += t;
-                mag += std::fabs(t);
-              }
-              const double sc = fp8 ? scale[static_cast<std::size_t>(n)] : 1.0;
-              ref *= sc;
-              mag *= sc;
-              double got;
-              if (f32) {
-                float v;
-                std::memcpy(&v, at, 4);
-                got = v;
-              } else {
-                uint16_t v;
-                std::memcpy(&v, at, 2);
-                got = bf16_to_float(v);
-              }
-              // fp32 accumulation: ~1e-6 of the magnitude; bf16 output: half an ulp more.
-              const double tol = 2e-6 * mag + (f32 ? 0.0 : std::fabs(ref) / 256.0) + 1e-30;
-              if (!(std::fabs(got - ref) <= tol)) {
-                if (bad++ == 0) {
-                  first = "row " + std::to_string(r) + " col " + std::to_string(n) + ": got " +
-                          std::to_string(got) + ", want " + std::to_string(ref);
-                }
-              }
-            }
-          }
-          EXPECT_EQ(bad, 0) << "n " << c.n << " k " << c.k << " rows " << rows << " fp8 " << fp8
-                            << " f32 " << f32 << " deep " << deep << " split_k8 " << (variant == 3)
-                            << ": " << first;
-        }
-      }
-    }
-  }
-}
-
-// A skinny GEMM of contiguous x [*, k] and w [n, k] into f32 out [*, n], no scale; rows unset.
-cuda::GemmSkinnyParams f32_gemm(const DeviceTensor& x, const DeviceTensor& w,
-                                const DeviceTensor& out, int n, int k, bool fp8) {
-  cuda::GemmSkinnyParams p;
-  p.x = static_cast<const uint16_t*>(x.data());
-  p.x_stride = k;
-  p.w = w.data();
-  p.out = out.data();
-  p.out_stride = n;
-  p.n = n;
-  p.k = k;
-  p.w_fp8 = fp8 ? 1 : 0;
-  p.out_f32 = 1;
-  return p;
-}
-
-// Every e4m3 code through the fp8 GEMM, exactly: column n holds code n % 256 at every k, row r of
-// x is 1 at k = 5 r + 1 and 0 elsewhere, so out[r, n] must be the decoded code itself (f32 out, no
-// scale). Covers +-0, the subnormals, the largest normals and the two NaN codes, which must make
-// their whole column NaN; so must one NaN weight met only by zero activations (columns 256 ..
-// 271: random codes, one NaN at a k no row selects, in the odd columns).
-TEST(RuntimeKernels, SkinnyGemmDecodesEveryFp8CodeExactly) {
-  M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  rt_test::Rng rng(29);
-  constexpr int kN = 272, kK = 128, kRows = 16, kHiddenNanK = 2;
-  std::vector<uint16_t> x(static_cast<std::size_t>(kRows) * kK, float_to_bf16(0.0f));
-  for (int r = 0; r < kRows; ++r)
-    x[static_cast<std::size_t>(r) * kK + 5 * r + 1] = float_to_bf16(1.0f);
-  std::vector<uint8_t> w(static_cast<std::size_t>(kN) * kK);
-  for (int n = 0; n < kN; ++n) {
-    for (int k = 0; k < kK; ++k) {
-      uint8_t code = static_cast<uint8_t>(n % 256);
-      if (n >= 256) {
-        do {
-          code = static_cast<uint8_t>(rng.next() & 0xFFu);
-        } while ((code & 0x7Fu) == 0x7Fu);
-        if (n % 2 == 1 && k == kHiddenNanK) code = 0xFF;
-      }
-      w[static_cast<std::size_t>(n) * kK + k] = code;
-    }
-  }
-  DeviceTensor dx(DType::kBF16, {kRows, kK}), dw(DType::kU8, {int64_t(w.size())});
-  DeviceTensor dout(DType::kF32, {kRows, kN});
-  upload_into(dx.view(), x.data(), x.size() * 2);
-  upload_into(dw.view(), w.data(), w.size());
-  for (int variant = 0; variant < 6; ++variant) {
-    const int loop = variant % 3;  // group, deep, ring (128-byte fp8 chunks: k = 128)
-    const int rows = variant < 3 ? kRows : 8;
-    fill_device_bytes(dout.view(), 0x5A);
-    cuda::GemmSkinnyParams p = f32_gemm(dx, dw, dout, kN, kK, /*fp8=*/true);
-    p.rows = rows;
-    p.deep = loop == 1;
-    p.force_ring = loop == 2;
-    cuda::launch_gemm_skinny(p, nullptr);
-    CUDA_CHECK(cudaDeviceSynchronize());
-    const std::vector<float> out = download<float>(dout.view());
-    int64_t bad = 0;
-    std::string first;
-    for (int r = 0; r < rows; ++r) {
-      for (int n = 0; n < kN; ++n) {
-        const int k = 5 * r + 1;
-        const uint8_t code = w[static_cast<std::size_t>(n) * kK + k];
-        const bool want_nan = (code & 0x7Fu) == 0x7Fu || (n >= 256 && n % 2 == 1);
-        const float want = fp8e4m3_to_float(code);
-        const float got = out[static_cast<std::size_t>(r) * kN + n];
-        // == (not the bits): a -0 weight's products sum to +0 from the +0 accumulator.
-        const bool ok = want_nan ? std::isnan(got) : got == want;
-        if (!ok && bad++ == 0) {
-          first = "row " + std::to_string(r) + " col " + std::to_string(n) + " code " +
-                  std::to_string(code) + ": got " + std::to_string(got) + ", want " +
-                  (want_nan ? std::string("NaN") : std::to_string(want));
-        }
-      }
-    }
-    EXPECT_EQ(bad, 0) << "loop " << loop << " (group, deep, ring), rows " << rows << ": " << first;
-  }
-}
-
-// A row's output does not depend on how many rows its launch has: the loop may follow the row
-// count (fp8 takes the ring from 2 rows, on grids of >= 4 CTAs per SM, as M3's q/k/v projection
-// is), and every loop reduces a column in the same order. Rows 1, 2, 5 and 16 of the same inputs,
-// bf16 and fp8 (128-byte chunks: k % 128 == 0; 64-byte: k = 192), bit for bit.
-TEST(RuntimeKernels, SkinnyGemmRowResultIsIndependentOfTheBatch) {
-  M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  rt_test::Rng rng(31);
-  constexpr int kN = 9856;  // 616 CTAs
-  for (int k : {512, 192}) {
-    for (bool fp8 : {false, true}) {
-      std::vector<uint16_t> x(static_cast<std::size_t>(16) * k);
-      for (auto& v : x) v = float_to_bf16(rng.unit() * 2.0f);
-      std::vector<uint8_t> w(static_cast<std::size_t>(kN) * k * (fp8 ? 1 : 2));
-      for (std::size_t i = 0; i < w.size(); ++i) {
-        w[i] = static_cast<uint8_t>(rng.next() & (fp8 ? 0x7Eu : 0x3Fu));  // no NaN, no huge bf16
-      }
-      DeviceTensor dx(DType::kBF16, {16, k}), dw(DType::kU8, {int64_t(w.size())});
-      DeviceTensor dout(DType::kF32, {16, kN});
-      upload_into(dx.view(), x.data(), x.size() * 2);
-      upload_into(dw.view(), w.data(), w.size());
-      cuda::GemmSkinnyParams p = f32_gemm(dx, dw, dout, kN, k, fp8);
-      const auto run = [&](int rows) {
-        fill_device_bytes(dout.view(), 0x7F);
-        p.rows = rows;
-        cuda::launch_gemm_skinny(p, nullptr);
-        CUDA_CHECK(cudaDeviceSynchronize());
-        std::vector<float> out = download<float>(dout.view());
-        out.resize(static_cast<std::size_t>(rows) * kN);
-        return out;
-      };
-      const std::vector<float> all = run(16);
-      for (int rows : {1, 2, 5}) {
-        const std::vector<float> some = run(rows);
-        const std::vector<float> head(all.begin(), all.begin() + static_cast<int64_t>(some.size()));
-        EXPECT_EQ(0, std::memcmp(some.data(), head.data(), some.size() * sizeof(float)))
-            << "k " << k << " fp8 " << fp8 << ": rows 0.." << rows - 1 << " of a " << rows
-            << "-row launch differ from the same rows of a 16-row launch";
-      }
-    }
-  }
-}
-
-TEST(RuntimeKernels, SkinnyGemmRefusesUnsupportedShapes) {
-  M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  DeviceTensor buf(DType::kU8, {1 << 20});
-  cuda::GemmSkinnyParams p;
-  p.x = static_cast<const uint16_t*>(buf.data());
-  p.w = buf.data();
-  p.out = buf.data();
-  p.n = 16;
-  p.k = 96;  // not a multiple of 64
-  p.x_stride = 96;
-  p.out_stride = 16;
-  p.rows = 1;
-  EXPECT_THROW(cuda::launch_gemm_skinny(p, nullptr), Error);
-  p.k = 64;
-  p.x_stride = 64;
-  p.rows = 17;
-  EXPECT_THROW(cuda::launch_gemm_skinny(p, nullptr), Error);
-}
-
-TEST(RuntimeKernels, AddRmsNormMatchesCpu) {
-  M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  rt_test::Rng rng(5);
-  // One pass with 1, 2 and 4 chunks per thread (6144, 8200, 24576), the loop beyond (40000).
-  for (int n : {512, 6144, 8200, 24576, 40000}) {
-    for (int rows : {1, 7, 16}) {
-      for (bool f32 : {false, true}) {
-        const std::size_t count = static_cast<std::size_t>(rows) * n;
-        std::vector<uint16_t> res(count), w(static_cast<std::size_t>(n));
-        std::vector<float> delta(count);
-        std::vector<uint16_t> delta16(count);
-        for (std::size_t i = 0; i < count; ++i) {
-          res[i] = float_to_bf16(rng.unit() * 3.0f);
-          delta[i] = rng.unit() * 2.0f;
-          delta16[i] = float_to_bf16(delta[i]);
-        }
-        for (auto& v : w) v = float_to_bf16(rng.unit() * 0.3f);
-        DeviceTensor dres(DType::kBF16, {rows, n}), dw(DType::kBF16, {n}),
-            dd(f32 ? DType::kF32 : DType::kBF16, {rows, n}), dout(DType::kBF16, {rows, n});
-        upload_into(dres.view(), res.data(), count * 2);
-        upload_into(dw.view(), w.data(), w.size() * 2);
-        if (f32) {
-          upload_into(dd.view(), delta.data(), count * 4);
-        } else {
-          upload_into(dd.view(), delta16.data(), count * 2);
-        }
-        cuda::NormResidualParams p;
-        p.delta = dd.data();
-        p.residual = static_cast<uint16_t*>(dres.data());
-        p.weight = static_cast<const uint16_t*>(dw.data());
-        p.out = static_cast<uint16_t*>(dout.data());
-        p.rows = rows;
-        p.n = n;
-        p.delta_f32 = f32;
-        p.eps = 1e-6f;
-        cuda::launch_norm_residual(p, nullptr);
-        CUDA_CHECK(cudaDeviceSynchronize());
-        const std::vector<uint16_t> got_res = download<uint16_t>(dres.view());
-        const std::vector<uint16_t> got_out = download<uint16_t>(dout.view());
-        std::vector<uint16_t> want_res(count), want_out(count);
-        for (std::size_t i = 0; i < count; ++i) {
-          const float d = f32 ? round_to_bf16(delta[i]) : bf16_to_float(delta16[i]);
-          want_res[i] = float_to_bf16(bf16_to_float(res[i]) + d);
-        }
-        for (int r = 0; r < rows; ++r) {
-          runtime_detail::gemma_rmsnorm_row(&want_res[static_cast<std::size_t>(r) * n], w.data(), n,
-                                            1e-6f, &want_out[static_cast<std::size_t>(r) * n]);
-        }
-        EXPECT_EQ(got_res, want_res) << "the residual add is exact maths";
-        Check c;
-        // Only the sum-of-squares order differs: one bf16 rounding of the output can flip.
-        compare_bf16(c, got_out.data(), want_out.data(), rows, n, 1e-6, 1.0 / 128, {}, "normed");
-        EXPECT_EQ(c.bad, 0) << c.first;
-      }
-    }
-  }
-}
-
 // ---- The layer ----
 
 TEST(RuntimeGpu, LayerMatchesCpuBf16) {
@@ -923,7 +199,7 @@ TEST(RuntimeGpu, GraphReplayEqualsEager) {
                                      {{77, 1900, 1234}, 1}};        // bucket 4 again
   const Scenario s = make_scenario(404, shapes);
   const ModelConfig& m = s.config.model;
-  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+  testkit::RankModel host = testkit::make_rank_model(s.master, 0, 1, false);
   DeviceModel dev = upload_model(host, 0);
   // Pristine caches to restore before each run.
   std::vector<DeviceTensor> pristine;
@@ -1004,7 +280,7 @@ TEST(RuntimeGpu, GraphReplayEqualsEager) {
 TEST(RuntimeGpu, PrepareAndBeginStepRefusedWhileCapturing) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
   const Scenario s = make_scenario(505, {{{300, 900}, 1}});
-  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+  testkit::RankModel host = testkit::make_rank_model(s.master, 0, 1, false);
   DeviceModel dev = upload_model(host, 0);
   cuda::Stream stream;
   RuntimeConfig config = s.config;
@@ -1060,9 +336,9 @@ TEST(RuntimeGpu, PrepareAndBeginStepRefusedWhileCapturing) {
 TEST(RuntimeGpu, UnsupportedFallsBackAndMixedDevicesFail) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
   {
-    RuntimeConfig c = rt_test::small_config();  // 32-d heads, blocks of 16
-    const MasterModel master = rt_test::make_master(c.model, 20, 7, true);
-    rt_test::RankModel host = rt_test::make_rank_model(master, 0, 1, false);
+    RuntimeConfig c = testkit::small_config();  // 32-d heads, blocks of 16
+    const MasterModel master = testkit::make_master(c.model, 20, 7, true);
+    testkit::RankModel host = testkit::make_rank_model(master, 0, 1, false);
     DeviceModel dev = upload_model(host, 0);
     auto comm = make_single_rank_communicator();
     Runtime rt([](const std::string&) {});
@@ -1075,7 +351,7 @@ TEST(RuntimeGpu, UnsupportedFallsBackAndMixedDevicesFail) {
   }
   {
     const Scenario s = make_scenario(606, {{{300}, 1}});
-    rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+    testkit::RankModel host = testkit::make_rank_model(s.master, 0, 1, false);
     DeviceModel dev = upload_model(host, 0);
     dev.weights.layers[0].input_norm = host.weights.layers[0].input_norm;  // a host tensor
     auto comm = make_single_rank_communicator();
@@ -1095,9 +371,9 @@ TEST(RuntimeGpu, UnsupportedFallsBackAndMixedDevicesFail) {
     Scenario s = make_scenario(707, {{{300}, 1}});
     s.config.tp_allreduce = TpAllReduce::kNccl;
     std::vector<DeviceModel> devs;
-    std::vector<rt_test::RankModel> hosts;
+    std::vector<testkit::RankModel> hosts;
     for (int r = 0; r < 2; ++r) {
-      hosts.push_back(rt_test::make_rank_model(s.master, r, 2, false));
+      hosts.push_back(testkit::make_rank_model(s.master, r, 2, false));
       devs.push_back(upload_model(hosts.back(), 0));
     }
     auto group = ThreadGroup::create(2, std::chrono::seconds(60));
@@ -1129,7 +405,7 @@ TEST(RuntimeGpu, UnsupportedFallsBackAndMixedDevicesFail) {
 TEST(RuntimeGpu, DetachPrepareCyclesKeepDeviceMemoryStable) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
   const Scenario s = make_scenario(808, {{{700, 1500, 0, 2000}, 2}});
-  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+  testkit::RankModel host = testkit::make_rank_model(s.master, 0, 1, false);
   DeviceModel dev = upload_model(host, 0);
   auto comm = make_single_rank_communicator();
   Runtime rt([](const std::string&) {});
@@ -1190,7 +466,7 @@ struct LayerRecord {
 std::vector<std::vector<LayerRecord>> record_tp1(const Scenario& s) {
   const int64_t H = s.config.model.hidden;
   std::vector<std::vector<LayerRecord>> records(s.steps.size());
-  rt_test::RankModel host = rt_test::make_rank_model(s.master, 0, 1, false);
+  testkit::RankModel host = testkit::make_rank_model(s.master, 0, 1, false);
   DeviceModel dev = upload_model(host, 0);
   auto comm = make_single_rank_communicator();
   Runtime rt([](const std::string&) {});
@@ -1211,7 +487,7 @@ std::vector<std::vector<LayerRecord>> record_tp1(const Scenario& s) {
     upload_into(hv, s.hidden_in[step].data(), s.hidden_in[step].size() * 2);
     upload_into(rv, s.residual_in[step].data(), s.residual_in[step].size() * 2);
     M3MSA_CHECK_INTERNAL(rt.begin_step(meta.batch), "TP = 1 refused step ", step);
-    for (const rt_test::MasterLayer& layer : s.master.layers) {
+    for (const testkit::MasterLayer& layer : s.master.layers) {
       LayerRecord rec;
       rec.in_hidden = download<uint16_t>(hv);
       rec.in_residual = download<uint16_t>(rv);
@@ -1271,10 +547,10 @@ TpRun run_tp2(const Scenario& s, const std::vector<std::vector<LayerRecord>>& re
               const std::vector<int>& devices, const RuntimeConfig& config) {
   const int64_t H = s.config.model.hidden;
   TpRun out;
-  std::vector<rt_test::RankModel> hosts;
+  std::vector<testkit::RankModel> hosts;
   std::vector<DeviceModel> devs;
   for (int r = 0; r < 2; ++r) {
-    hosts.push_back(rt_test::make_rank_model(s.master, r, 2, false, config.context_parallel));
+    hosts.push_back(testkit::make_rank_model(s.master, r, 2, false, config.context_parallel));
     devs.push_back(upload_model(hosts.back(), devices[static_cast<std::size_t>(r)]));
   }
   auto body = [&](Communicator& comm) {
@@ -1478,10 +754,10 @@ FaultRun run_fault(
     const Scenario& s,
     const std::function<void(int rank, Runtime& rt, const StepMeta& meta, const TensorView& h,
                              const TensorView& r, const TensorView& p)>& script) {
-  std::vector<rt_test::RankModel> hosts;
+  std::vector<testkit::RankModel> hosts;
   std::vector<DeviceModel> devs;
   for (int r = 0; r < 2; ++r) {
-    hosts.push_back(rt_test::make_rank_model(s.master, r, 2, false));
+    hosts.push_back(testkit::make_rank_model(s.master, r, 2, false));
     devs.push_back(upload_model(hosts.back(), 0));
   }
   RuntimeConfig config = s.config;
@@ -1505,7 +781,7 @@ FaultRun run_fault(
     CUDA_CHECK(cudaMemsetAsync(residual.data(), 0, residual.view().nbytes(), stream));
     // One healthy step first.
     M3MSA_CHECK_INTERNAL(rt.begin_step(meta.batch), "step refused");
-    for (const rt_test::MasterLayer& layer : s.master.layers) {
+    for (const testkit::MasterLayer& layer : s.master.layers) {
       rt.forward_layer(layer.layer, hidden.view(), residual.view(), positions.view());
     }
     rt.check();
@@ -1539,7 +815,7 @@ TEST(RuntimeGpu, FaultsOfOneRankAreNamedOnTheOther) {
         run_fault(s, [&](int rank, Runtime& rt, const StepMeta& meta, const TensorView& h,
                          const TensorView& r, const TensorView& p) {
           M3MSA_CHECK_INTERNAL(rt.begin_step(meta.batch), "step refused");
-          for (const rt_test::MasterLayer& layer : s.master.layers) {
+          for (const testkit::MasterLayer& layer : s.master.layers) {
             if (rank == 1 && layer.layer == last_layer) continue;  // the fault
             rt.forward_layer(layer.layer, h, r, p);
           }
@@ -1558,14 +834,14 @@ TEST(RuntimeGpu, FaultsOfOneRankAreNamedOnTheOther) {
                          const TensorView& r, const TensorView& p) {
           if (rank == 1) {
             std::vector<LayerCaches> empty;
-            for (const rt_test::MasterLayer& layer : s.master.layers) {
+            for (const testkit::MasterLayer& layer : s.master.layers) {
               empty.push_back(LayerCaches{layer.layer, {}, {}});
             }
             rt.detach(empty);  // while rank 0 steps
             return;
           }
           M3MSA_CHECK_INTERNAL(rt.begin_step(meta.batch), "step refused");
-          for (const rt_test::MasterLayer& layer : s.master.layers) {
+          for (const testkit::MasterLayer& layer : s.master.layers) {
             rt.forward_layer(layer.layer, h, r, p);
           }
           rt.check();

@@ -1,27 +1,14 @@
-// Shared pieces of the runtime tests: a small model with seeded master (TP = 1) weights and
-// caches, each rank's slice of them as the runtime binds it, and decode-step metadata.
-#pragma once
+#include "m3msa/testing/runtime_model.h"
 
 #include <algorithm>
 #include <cmath>
-#include <cstdint>
 #include <cstring>
-#include <numeric>
-#include <string>
-#include <vector>
 
-#include "core/splitmix.h"
-#include "m3msa/batch.h"
-#include "m3msa/config.h"
 #include "m3msa/dtype.h"
-#include "m3msa/runtime.h"
-#include "m3msa/tensor.h"
 
-namespace m3msa::rt_test {
+namespace m3msa::testkit {
 
-// hidden 256, 4 q heads / 2 KV heads of 32, blocks of 16 tokens, top-4: contexts of a few
-// hundred tokens already need a real selection. Layer 0 is dense, layers 1 and 2 are sparse.
-inline ModelConfig small_model(int intermediate = 128) {
+ModelConfig small_model(int intermediate) {
   ModelConfig m;
   m.hidden = 256;
   m.num_layers = 3;
@@ -41,7 +28,7 @@ inline ModelConfig small_model(int intermediate = 128) {
   return m;
 }
 
-inline RuntimeConfig small_config(int intermediate = 128) {
+RuntimeConfig small_config(int intermediate) {
   RuntimeConfig c;
   c.model = small_model(intermediate);
   c.token_buckets = {1, 2, 4, 8};
@@ -52,56 +39,12 @@ inline RuntimeConfig small_config(int intermediate = 128) {
   return c;
 }
 
-struct Rng : SplitMix64 {
-  using SplitMix64::SplitMix64;
-  float unit() { return signed_unit(); }  // [-1, 1)
-};
-
-// n bf16-exact values, uniform in [-scale, scale).
-inline std::vector<float> random_values(Rng& rng, std::size_t n, float scale) {
-  std::vector<float> v(n);
-  for (float& x : v) x = round_to_bf16(rng.unit() * scale);
-  return v;
-}
-
-inline HostTensor bf16_tensor(const std::vector<float>& values, std::vector<int64_t> shape) {
-  HostTensor t(DType::kBF16, std::move(shape));
-  for (std::size_t i = 0; i < values.size(); ++i) t.ptr<uint16_t>()[i] = float_to_bf16(values[i]);
-  return t;
-}
-
-inline std::vector<float> to_floats(const HostTensor& t) {
-  std::vector<float> out(static_cast<std::size_t>(t.numel()));
-  for (std::size_t i = 0; i < out.size(); ++i) out[i] = bf16_to_float(t.ptr<uint16_t>()[i]);
-  return out;
-}
-
-// One sparse layer's TP = 1 parameters (bf16-exact floats, row-major [out, in]) and the initial
-// contents of its caches.
-struct MasterLayer {
-  int layer = -1;
-  std::vector<float> wq, wk, wv, wiq, wik;  // [QH*HD | KVH*HD | KVH*HD | IH*ID | ID, hidden]
-  std::vector<float> q_norm, k_norm, iq_norm, ik_norm, input_norm, post_norm;
-  std::vector<float> wo;  // [hidden, QH*HD]
-  bool mlp = false;
-  std::vector<float> gate, up, down;  // [I, hidden], [I, hidden], [hidden, I]
-  HostTensor kv_cache;                // [pages, KVH, 2, bs, HD] bf16
-  HostTensor index_cache;             // [pages, bs, ID] bf16
-};
-
-struct MasterModel {
-  ModelConfig config;
-  int64_t pages = 0;
-  std::vector<MasterLayer> layers;  // one per sparse layer, ascending
-};
-
-// Caches are filled with random values everywhere (so a read past a context is visible).
-inline MasterModel make_master(const ModelConfig& m, int64_t pages, uint64_t seed,
-                               bool mlp_on_last_layer) {
+MasterModel make_master(const ModelConfig& m, int64_t pages, uint64_t seed,
+                        bool mlp_on_last_layer) {
   MasterModel model;
   model.config = m;
   model.pages = pages;
-  Rng rng(seed);
+  SplitMix64 rng(seed);
   const std::size_t H = static_cast<std::size_t>(m.hidden);
   const std::size_t hd = static_cast<std::size_t>(m.head_dim);
   const std::size_t id = static_cast<std::size_t>(m.index_dim);
@@ -140,15 +83,13 @@ inline MasterModel make_master(const ModelConfig& m, int64_t pages, uint64_t see
   return model;
 }
 
-// Appends rows [first, first + count) of a row-major [rows, cols] matrix.
-inline void append_rows(std::vector<float>& out, const std::vector<float>& w, int64_t cols,
-                        int64_t first, int64_t count) {
+void append_rows(std::vector<float>& out, const std::vector<float>& w, int64_t cols, int64_t first,
+                 int64_t count) {
   out.insert(out.end(), w.begin() + first * cols, w.begin() + (first + count) * cols);
 }
 
-// Columns [first, first + count) of a row-major [rows, cols] matrix.
-inline std::vector<float> columns(const std::vector<float>& w, int64_t rows, int64_t cols,
-                                  int64_t first, int64_t count) {
+std::vector<float> columns(const std::vector<float>& w, int64_t rows, int64_t cols, int64_t first,
+                           int64_t count) {
   std::vector<float> out;
   out.reserve(static_cast<std::size_t>(rows * count));
   for (int64_t r = 0; r < rows; ++r) {
@@ -157,10 +98,8 @@ inline std::vector<float> columns(const std::vector<float>& w, int64_t rows, int
   return out;
 }
 
-// The fused projection of rank r as float rows [q | k | v | index_q | index_k]; with context
-// parallelism every rank carries every index_q head.
-inline std::vector<float> rank_qkv_rows(const ModelConfig& m, const MasterLayer& w, int rank,
-                                        int world, bool context_parallel = false) {
+std::vector<float> rank_qkv_rows(const ModelConfig& m, const MasterLayer& w, int rank, int world,
+                                 bool context_parallel) {
   const int64_t H = m.hidden;
   std::vector<float> rows;
   const RankLayout l = rank_layout(m, rank, world, context_parallel);
@@ -172,24 +111,8 @@ inline std::vector<float> rank_qkv_rows(const ModelConfig& m, const MasterLayer&
   return rows;
 }
 
-// What one rank binds: owning storage plus the LayerWeights views into it. The caches are fresh
-// copies of the master caches (this rank's KV heads), so every run starts from the same state.
-struct RankModel {
-  std::vector<HostTensor> storage;
-  std::vector<HostTensor> kv_caches;     // per sparse layer
-  std::vector<HostTensor> index_caches;  // per sparse layer
-  ModelWeights weights;
-
-  TensorView keep(HostTensor t) {
-    storage.push_back(std::move(t));
-    return storage.back().view();
-  }
-};
-
-// fp8_qkv: the fused projection as fp8 e4m3 with per-output-channel scales (max |w| / 448).
-// context_parallel: the projection as the CP runtime binds it (every index_q head).
-inline RankModel make_rank_model(const MasterModel& master, int rank, int world,
-                                 bool fp8_qkv = false, bool context_parallel = false) {
+RankModel make_rank_model(const MasterModel& master, int rank, int world, bool fp8_qkv,
+                          bool context_parallel) {
   const ModelConfig& m = master.config;
   const SparseConfig sc = m.sparse(world, context_parallel);
   RankModel out;
@@ -259,26 +182,9 @@ inline RankModel make_rank_model(const MasterModel& master, int rank, int world,
   return out;
 }
 
-// One decode step's metadata. Request r owns pages perm[r * max_blocks + b] for logical block b
-// (a different shuffle per cache, so mixing the tables up shows).
-struct StepMeta {
-  HostTensor seq_lens, index_table, kv_table, slots, index_slots, positions;
-  BatchMeta batch;
-};
-
-inline std::vector<int32_t> page_permutation(int64_t pages, uint64_t seed) {
-  std::vector<int32_t> perm(static_cast<std::size_t>(pages));
-  std::iota(perm.begin(), perm.end(), 0);
-  Rng rng(seed);
-  for (std::size_t i = perm.size(); i > 1; --i) {
-    std::swap(perm[i - 1], perm[static_cast<std::size_t>(rng.next() % i)]);
-  }
-  return perm;
-}
-
-inline StepMeta make_step(const std::vector<int32_t>& seq_lens, int q_len, int block_size,
-                          int64_t max_blocks, const std::vector<int32_t>& index_perm,
-                          const std::vector<int32_t>& kv_perm) {
+StepMeta make_step(const std::vector<int32_t>& seq_lens, int q_len, int block_size,
+                   int64_t max_blocks, const std::vector<int32_t>& index_perm,
+                   const std::vector<int32_t>& kv_perm) {
   StepMeta s;
   const int64_t n = static_cast<int64_t>(seq_lens.size());
   const int64_t rows = n * q_len;
@@ -325,4 +231,4 @@ inline StepMeta make_step(const std::vector<int32_t>& seq_lens, int q_len, int b
   return s;
 }
 
-}  // namespace m3msa::rt_test
+}  // namespace m3msa::testkit

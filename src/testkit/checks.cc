@@ -1,4 +1,4 @@
-#include "checks.h"
+#include "m3msa/testing/checks.h"
 
 #include <fmt/format.h>
 
@@ -6,13 +6,14 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <set>
 #include <vector>
 
 #include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
 #include "m3msa/sort_key.h"
 
-namespace m3msa::cli {
+namespace m3msa::testkit {
 
 void CheckResult::merge(const CheckResult& other) {
   if (name.empty()) name = other.name;
@@ -188,7 +189,7 @@ CheckResult check_selections_vs_scores(const SparseConfig& config, const Indexer
             const bool valid = block >= 0 && block < nb;
             const bool forced =
                 valid && is_forced_block(block, nb, config.init_blocks, config.local_blocks);
-            if (!valid || forced || !(std::fabs(static_cast<double>(s[block]) - kth) <= tol)) {
+            if (!valid || forced || !near_tie(s[block], kth, tie_tolerance)) {
               problem = fmt::format(
                   "block {} differs (score {}, k-th score {}, tolerance {}): "
                   "got {}, want {}",
@@ -326,4 +327,80 @@ CheckResult compare_exact(const std::string& name, const TensorView& got, const 
   return result;
 }
 
-}  // namespace m3msa::cli
+int64_t compare_selection_near_tie(const SparseConfig& sc, const std::vector<int32_t>& got,
+                                   const std::vector<int32_t>& want, const HostTensor& scores,
+                                   const BatchMeta& batch, std::vector<bool>& swapped,
+                                   std::string& first) {
+  const int H = sc.index_heads;
+  const int k = sc.topk;
+  const int64_t cols = scores.shape()[2];
+  const std::vector<RowPosition> rows = row_positions(batch);
+  int64_t failures = 0;
+  auto fail = [&](const std::string& what) {
+    if (failures++ == 0) first = what;
+  };
+  for (int64_t row = 0; row < static_cast<int64_t>(rows.size()); ++row) {
+    const int64_t nb = visible_blocks(rows[static_cast<std::size_t>(row)].pos, sc.block_size);
+    const int64_t expect = std::min<int64_t>(k, nb);
+    for (int h = 0; h < H; ++h) {
+      const int32_t* g = got.data() + (row * H + h) * k;
+      const int32_t* c = want.data() + (row * H + h) * k;
+      const float* s = scores.ptr<float>() + (row * H + h) * cols;
+      std::set<int32_t> gs, cs;
+      const std::string where =
+          fmt::format("row {} (pos {}) head {}: ", row, rows[static_cast<std::size_t>(row)].pos, h);
+      bool structure = true;
+      for (int i = 0; i < k; ++i) {
+        if (i < expect) {
+          if (g[i] < 0 || g[i] >= nb || !gs.insert(g[i]).second) structure = false;
+          cs.insert(c[i]);
+        } else if (g[i] != -1) {
+          structure = false;
+        }
+      }
+      if (!structure) {
+        fail(where + "malformed selection");
+        continue;
+      }
+      if (gs == cs) continue;
+      double kth = INFINITY;
+      for (int32_t b : cs) {
+        if (!is_forced_block(b, nb, sc.init_blocks, sc.local_blocks)) {
+          kth = std::min<double>(kth, s[b]);
+        }
+      }
+      bool near = std::isfinite(kth);
+      for (int32_t b : gs) near = near && (cs.count(b) || near_tie(s[b], kth));
+      for (int32_t b : cs) near = near && (gs.count(b) || near_tie(s[b], kth));
+      if (near) {
+        swapped[static_cast<std::size_t>(row)] = true;
+      } else {
+        fail(where + fmt::format("selections differ beyond a near tie (k-th score {})", kth));
+      }
+    }
+  }
+  return failures;
+}
+
+void compare_close(ValueCheck& check, const std::vector<uint16_t>& got,
+                   const std::vector<uint16_t>& want, int64_t rows, int64_t cols, double abs_tol,
+                   double rel_tol, const std::vector<bool>& skip, const std::string& what) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!skip.empty() && skip[static_cast<std::size_t>(r)]) continue;
+    for (int64_t i = 0; i < cols; ++i) {
+      const std::size_t at = static_cast<std::size_t>(r * cols + i);
+      const double g = bf16_to_float(got[at]);
+      const double w = bf16_to_float(want[at]);
+      ++check.checked;
+      check.differ += got[at] != want[at];
+      const bool finite = std::isfinite(g) && std::isfinite(w);
+      const double ratio = finite ? std::fabs(g - w) / (abs_tol + rel_tol * std::fabs(w)) : 1e30;
+      if (ratio > 1.0 && check.bad++ == 0) {
+        check.first = fmt::format("{} [row {}, col {}]: got {}, want {}", what, r, i, g, w);
+      }
+      if (finite) check.worst = std::max(check.worst, ratio);
+    }
+  }
+}
+
+}  // namespace m3msa::testkit

@@ -36,6 +36,11 @@ declare -A brs_timeout=([indexer]=75 [attention]=45 [sparse-step]=75 [layer]=75 
 IFS=',' read -ra brs_list <<<"${BENCH_RESULTS_ONLY:-indexer,attention,sparse-step,layer,gemm,cp,allreduce}"
 : >"$OUT/bench_results.txt"
 for brs_name in "${brs_list[@]}"; do
+  if [[ -z "${brs_args[$brs_name]+set}" ]]; then
+    note "bench-results: unknown benchmark '$brs_name' in BENCH_RESULTS_ONLY"
+    brs_rc=2
+    continue
+  fi
   if [[ ($brs_name == cp || $brs_name == allreduce) && $brs_gpus -lt 2 ]]; then
     note "bench-results: $brs_name skipped: $brs_gpus GPU(s) visible, its table needs 2"
     continue

@@ -28,7 +28,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <exception>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -119,7 +118,7 @@ int run_allreduce_bench(int argc, char** argv) {
   app.add_flag("--same-gpu", opt.same_gpu, "every rank on GPU 0 (one-shot only)");
   app.add_flag("--no-nccl", opt.no_nccl, "skip the NCCL baseline");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
-  app.add_option("--commit", opt.commit, "commit id recorded in the JSON");
+  app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -145,6 +144,7 @@ int run_allreduce_bench(int argc, char** argv) {
   const bool with_nccl = !same_gpu && !opt.no_nccl;
   const std::string mode = same_gpu ? "same-gpu" : "nvlink";
   const std::string device = device_description();
+  ResultFile result_file("allreduce", argc, argv, opt.json_path, opt.commit);
   std::printf("m3msa bench allreduce: TP %d, mode %s, on %d x %s\n", P, mode.c_str(), visible,
               device.c_str());
   if (same_gpu) {
@@ -327,6 +327,11 @@ int run_allreduce_bench(int argc, char** argv) {
       cells[6] = fmt::format("{:.0f}%", 100.0 * noise(nc));
       cells[7] = fmt::format("{:.2f}", nc.median / one.median);
     }
+    // median_us and the floor columns are the one-shot's; bytes = the fp32 payload one rank
+    // receives, the floor's bytes.
+    rec.update(measured_fields(Timing{one.median, one.p10, one.p90, opt.reps},
+                               static_cast<double>(P - 1) * static_cast<double>(count) * 4.0,
+                               same_gpu ? 0.0 : floor_us));
     if (!same_gpu) {
       rec["floor_us"] = floor_us;
       rec["oneshot_over_floor"] = one.median / floor_us;
@@ -340,17 +345,8 @@ int run_allreduce_bench(int argc, char** argv) {
       "\none-shot: %d CTAs per launch; %d calls per replay, median of %d replays (max over "
       "ranks); floor = (P - 1) x fp32 payload / %.0f GB/s + %.2f us\n",
       results[0].ctas, opt.launches, opt.reps, kNvlinkGBs, kOneWayLatencyUs);
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  write_json(opt.json_path, {{"benchmark", "allreduce"},
-                             {"device", device},
-                             {"gpus", visible},
-                             {"mode", mode},
-                             {"tp", P},
-                             {"date", date},
-                             {"commit", opt.commit},
-                             {"results", table.records()}});
+  result_file.meta() = {{"mode", mode}, {"tp", P}};
+  result_file.write(table.records());
   if (!all_right) {
     std::fprintf(stderr, "bench allreduce: a result differs from the CPU rank-order sum\n");
     return 1;

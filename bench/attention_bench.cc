@@ -236,6 +236,7 @@ int run_attention_bench(int argc, char** argv) {
     }
   }
   const std::string device = device_description();
+  ResultFile results("attention", argc, argv, json_path);
   std::printf(
       "m3msa bench attention on %s; read ceiling %.2f TB/s; M3 shapes: 64 q heads, 4 KV "
       "heads, head_dim 128, topk 16; graph replay, inputs rotated over > 4x L2\n",
@@ -305,13 +306,15 @@ int run_attention_bench(int argc, char** argv) {
                               {"tb_per_s", tbs},
                               {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
                               {"device", device}});
+            table.last_record().update(measured_fields(r.timing, r.bytes));
+            results.write(table.records(), false);
           }
         }
       }
     }
   }
   table.print();
-  write_json(json_path, table.records());
+  results.write(table.records());
   return 0;
 }
 

@@ -26,7 +26,6 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -238,7 +237,7 @@ int run_cp_bench(int argc, char** argv) {
   app.add_option("--reps", opt.reps, "graph replays per measurement");
   app.add_option("--max-copies", opt.max_copies, "input copies rotated through (at most)");
   app.add_option("--json", opt.json_path, "write the results as JSON here (after every config)");
-  app.add_option("--commit", opt.commit, "commit id recorded in the JSON");
+  app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -276,14 +275,10 @@ int run_cp_bench(int argc, char** argv) {
   Table table({"P", "transport", "batch", "context", "dtype", "q", "step us", "noise",
                "exch+merge us", "MB/rank", "% roof", "x repl", "x nccl", "x ar-max"});
   std::vector<std::string> skipped;
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
+  ResultFile results("cp", argc, argv, opt.json_path, opt.commit);
   auto save = [&](bool complete) {
-    nlohmann::json doc = {{"benchmark", "cp"},  {"device", device},          {"gpus", visible},
-                          {"date", date},       {"commit", opt.commit},      {"complete", complete},
-                          {"skipped", skipped}, {"results", table.records()}};
-    write_json(opt.json_path, doc);
+    results.meta()["skipped"] = skipped;
+    results.write(table.records(), complete);
   };
   std::size_t done = 0;
   const auto started = std::chrono::steady_clock::now();
@@ -374,6 +369,8 @@ int run_cp_bench(int argc, char** argv) {
               rec["tb_per_s"] = tbs;
               rec["pct_of_read_ceiling"] = 100.0 * tbs / kReadCeilingTBs;
               rec["copies"] = copies;
+              rec["median_us"] = res.step_us;
+              rec.update(floor_fields(res.step_us, static_cast<double>(read_bytes)));
               rows.push_back(
                   {transport,
                    {std::to_string(P), tname, std::to_string(batch), fmt_context(context), dt,

@@ -28,7 +28,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -129,7 +128,7 @@ int run_gemm_bench(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "random seed of the inputs");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
   app.add_option("--torch-json", opt.torch_json, "PyTorch baseline results (torch_gemm.py)");
-  app.add_option("--commit", opt.commit, "commit id recorded in the JSON");
+  app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -196,20 +195,10 @@ int run_gemm_bench(int argc, char** argv) {
                "floor us", "torch us", "x torch", "torch op", "check"});
   const char* tolerance =
       "|got - ref| <= 4e-6 * sum|x w| (* scale) + |ref| / 256 vs a double host reference";
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  auto save = [&] {
-    nlohmann::json doc = {{"benchmark", "gemm"},
-                          {"device", device},
-                          {"date", date},
-                          {"commit", opt.commit},
-                          {"read_ceiling_tb_per_s", kReadCeilingTBs},
-                          {"check_tolerance", tolerance},
-                          {"torch", torch.meta()},
-                          {"results", table.records()}};
-    write_json(opt.json_path, doc);
-  };
+  ResultFile results("gemm", argc, argv, opt.json_path, opt.commit);
+  results.meta()["check_tolerance"] = tolerance;
+  results.meta()["torch"] = torch.meta();
+  auto save = [&](bool complete) { results.write(table.records(), complete); };
 
   bool all_ok = true;
   for (bool fp8 : fp8s) {
@@ -374,6 +363,7 @@ int run_gemm_bench(int argc, char** argv) {
                               {"check", check},
                               {"checked_outputs", chk.checked},
                               {"worst_err_over_tol", chk.worst}};
+        rec.update(measured_fields(t, static_cast<double>(bytes)));
         if (!chk.first.empty()) rec["first_failure"] = chk.first;
         if (trec != nullptr) {
           rec["torch_op"] = torch_op;
@@ -398,7 +388,7 @@ int run_gemm_bench(int argc, char** argv) {
             torch_us > 0 ? fmt::format("{:.2f} us", torch_us).c_str() : "-", check.c_str(),
             chk.first.empty() ? "" : ": ", chk.first.c_str());
         std::fflush(stdout);
-        save();
+        save(false);
       }
     }
   }
@@ -408,7 +398,7 @@ int run_gemm_bench(int argc, char** argv) {
       "\ncheck: %s, poisoned outputs, a guard row, graph replay == eager.\n"
       "x torch = torch us / ours (> 1: ours is faster).\n",
       tolerance);
-  save();
+  save(true);
   if (!all_ok) {
     std::fprintf(stderr, "m3msa bench gemm: a correctness check failed (see the check column)\n");
     return 1;

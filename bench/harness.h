@@ -1,10 +1,10 @@
 // The GPU benchmark harness shared by `m3msa bench ...` handlers: CUDA-graph replay timing with
 // CUDA events, order statistics, and one table format printed as text and written as JSON.
 //
-// Method (docs/benchmarks.md): a graph holds `launches` back-to-back launches that cycle through
-// input copies whose total size is several times the 60 MB L2, so no launch finds its inputs in
-// L2; the graph is replayed `reps` times after `warmup` replays; the time of one launch is the
-// replay time / launches. Reported: the median over replays, and the noise as p10..p90.
+// Method (docs/benchmarks.md, "Method"): a graph holds `launches` back-to-back launches that cycle
+// through input copies whose total size is several times the 60 MB L2, so no launch finds its
+// inputs in L2; the graph is replayed `reps` times after `warmup` replays; the time of one launch
+// is the replay time / launches. Reported: the median over replays, and the noise as p10..p90.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <ctime>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "m3msa/error.h"
 
 namespace m3msa::bench {
 
@@ -117,6 +120,8 @@ class Table {
     std::fflush(out);
   }
   const nlohmann::json& records() const { return records_; }
+  // The record of the row added last, for columns computed after add().
+  nlohmann::json& last_record() { return records_.back(); }
 
  private:
   std::vector<std::string> columns_;
@@ -200,10 +205,114 @@ class TorchBaseline {
   nlohmann::json meta_;
 };
 
-inline void write_json(const std::string& path, const nlohmann::json& doc) {
-  if (path.empty()) return;
-  std::ofstream out(path);
-  out << doc.dump(2) << "\n";
+// The floor columns of a result row: bytes and, when there is a floor, floor_us and pct_of_floor
+// (floor / median, in %). The floor defaults to bytes / the read ceiling; a benchmark whose floor
+// counts more than HBM bytes (the layer's all-reduce, the all-reduce's NVLink payload) passes its
+// own, and floor_us == 0 leaves it out.
+inline nlohmann::json floor_fields(double median_us, double bytes, double floor_us = -1.0) {
+  nlohmann::json out = nlohmann::json::object();
+  if (bytes > 0) out["bytes"] = bytes;
+  if (floor_us < 0) floor_us = bytes > 0 ? bytes / (kReadCeilingTBs * 1e12) * 1e6 : 0.0;
+  if (floor_us > 0) {
+    out["floor_us"] = floor_us;
+    if (median_us > 0) out["pct_of_floor"] = 100.0 * floor_us / median_us;
+  }
+  return out;
 }
+
+// The standard measurement columns of a result row: median_us, p10_us, p90_us, noise, reps, and
+// floor_fields().
+inline nlohmann::json measured_fields(const Timing& t, double bytes, double floor_us = -1.0) {
+  nlohmann::json out = {
+      {"median_us", t.median_us}, {"p10_us", t.p10_us}, {"p90_us", t.p90_us}, {"noise", t.noise()}};
+  if (t.reps > 0) out["reps"] = t.reps;
+  out.update(floor_fields(t.median_us, bytes, floor_us));
+  return out;
+}
+
+inline std::string card_name() {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  cudaDeviceProp prop{};
+  CUDA_CHECK(cudaGetDeviceProperties(&prop, device));
+  return prop.name;
+}
+
+// argv joined into one shell line (arguments with spaces or shell characters single-quoted).
+inline std::string command_line(int argc, char** argv) {
+  std::string out;
+  for (int i = 0; i < argc; ++i) {
+    std::string arg = argv[i];
+    // argv[0] is "m3msa bench NAME" (cli/bench.cc): one word list, never quoted.
+    const bool plain =
+        i == 0 || (!arg.empty() && arg.find_first_of(" \t'\"$;&|<>()*?`\\") == std::string::npos);
+    if (!plain) {
+      std::string quoted = "'";
+      for (char c : arg) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+      arg = quoted + "'";
+    }
+    out += (i ? " " : "") + arg;
+  }
+  return out;
+}
+
+// The one result file format of every `m3msa bench NAME --json FILE` (docs/benchmarks.md,
+// "Result files"):
+//   {"benchmark", "commit", "card", "card_detail", "gpus", "date", "command",
+//    "read_ceiling_tb_per_s", "complete", "meta": {...}, "rows": [...]}
+// commit: the --commit flag where a benchmark has one, else $M3MSA_COMMIT, else "unknown";
+// card: the CUDA device name; date: when the run started, UTC, ISO 8601; meta: what a benchmark
+// records beside its rows (skipped configurations, the PyTorch baseline's versions, ...).
+// write() may be called after every configuration (complete = false), so a run stopped by a time
+// limit leaves the rows it measured.
+class ResultFile {
+ public:
+  ResultFile(std::string benchmark, int argc, char** argv, std::string path,
+             const std::string& commit = "")
+      : benchmark_(std::move(benchmark)), path_(std::move(path)) {
+    command_ = command_line(argc, argv);
+    commit_ = commit;
+    if (commit_.empty() || commit_ == "unknown") {
+      const char* env = std::getenv("M3MSA_COMMIT");
+      commit_ = env != nullptr && *env != '\0' ? env : "unknown";
+    }
+    char date[32];
+    const std::time_t now = std::time(nullptr);
+    std::strftime(date, sizeof(date), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+    date_ = date;
+  }
+
+  nlohmann::json& meta() { return meta_; }
+  const std::string& commit() const { return commit_; }
+
+  void write(const nlohmann::json& rows, bool complete = true) const {
+    if (path_.empty()) return;
+    int gpus = 0;
+    CUDA_CHECK(cudaGetDeviceCount(&gpus));
+    nlohmann::ordered_json doc;
+    doc["benchmark"] = benchmark_;
+    doc["commit"] = commit_;
+    doc["card"] = card_name();
+    doc["card_detail"] = device_description();
+    doc["gpus"] = gpus;
+    doc["date"] = date_;
+    doc["command"] = command_;
+    doc["read_ceiling_tb_per_s"] = kReadCeilingTBs;
+    doc["complete"] = complete;
+    doc["meta"] = nlohmann::ordered_json::parse(meta_.is_null() ? "{}" : meta_.dump());
+    doc["rows"] = nlohmann::ordered_json::parse(rows.dump());
+    std::ofstream out(path_);
+    out << doc.dump(2) << "\n";
+    M3MSA_CHECK_ARG(out.good(), "--json: cannot write ", path_);
+  }
+
+ private:
+  std::string benchmark_;
+  std::string path_;
+  std::string command_;
+  std::string commit_;
+  std::string date_;
+  nlohmann::json meta_;
+};
 
 }  // namespace m3msa::bench

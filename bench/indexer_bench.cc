@@ -17,7 +17,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
-#include <ctime>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
@@ -85,7 +84,7 @@ int run_indexer_bench(int argc, char** argv) {
                  "bytes of distinct inputs one graph cycles through (default 4 x L2)");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
   app.add_option("--torch-json", opt.torch_json, "PyTorch baseline results (torch_indexer.py)");
-  app.add_option("--commit", opt.commit, "commit id recorded in the JSON");
+  app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -96,6 +95,7 @@ int run_indexer_bench(int argc, char** argv) {
     opt.contexts = {4096, 131072};
   }
   M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, "bench indexer: no CUDA device visible");
+  ResultFile results("indexer", argc, argv, opt.json_path, opt.commit);
   const TorchBaseline torch =
       TorchBaseline::read(opt.torch_json, {"batch", "context", "dtype", "q_len"}, "bench indexer");
 
@@ -248,6 +248,7 @@ int run_indexer_bench(int argc, char** argv) {
                           {"copies", copies},
                           {"reps", fused.reps},
                           {"check", check}};
+    rec.update(measured_fields(fused, static_cast<double>(bytes_per_launch)));
     if (!opt.no_unfused) {
       rec["unfused_us"] = unfused.median_us;
       rec["speedup_vs_unfused"] = unfused.median_us / fused.median_us;
@@ -268,6 +269,7 @@ int run_indexer_bench(int argc, char** argv) {
          torch_us > 0 ? fmt::format("{:.0f}", torch_us) : "-",
          torch_us > 0 ? fmt::format("{:.1f}", torch_us / fused.median_us) : "-", check},
         rec);
+    results.write(table.records(), false);
     std::printf(
         "batch %4d context %5s %-4s q %d min blocks %d: fused %9.1f us (%3.0f%% roof), span"
         " %9.1f us, unfused %9.1f us [%s]\n",
@@ -278,16 +280,8 @@ int run_indexer_bench(int argc, char** argv) {
   std::printf("\n");
   table.print();
 
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  nlohmann::json doc = {{"benchmark", "indexer"},
-                        {"device", device},
-                        {"date", date},
-                        {"commit", opt.commit},
-                        {"read_ceiling_tb_per_s", kReadCeilingTBs},
-                        {"results", table.records()}};
-  write_json(opt.json_path, doc);
+  if (!torch.meta().is_null()) results.meta()["torch"] = torch.meta();
+  results.write(table.records());
   return 0;
 }
 

@@ -392,7 +392,7 @@ int run_layer_bench(int argc, char** argv) {
   app.add_flag("--quick", quick,
                "subset: tokens 1,16 x q_len 1 x 128K, TP 1,2, CP off and on, bf16 and fp8");
   app.add_option("--json", json_path, "write the results as JSON here");
-  app.add_option("--commit", commit, "commit id recorded in the JSON");
+  app.add_option("--commit", commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -428,6 +428,7 @@ int run_layer_bench(int argc, char** argv) {
   }
   const TpAllReduce allreduce_mode = parse_tp_allreduce(allreduce);
   const std::string device = device_description();
+  const ResultFile results("layer", argc, argv, json_path, commit);
   std::printf(
       "m3msa bench layer on %s; read ceiling %.2f TB/s; M3 attention dims, %d layers per graph, "
       "kv %s, no MLP, share period %d; per layer under graph replay\n",
@@ -516,8 +517,10 @@ int run_layer_bench(int argc, char** argv) {
                            {"tb_per_s", tbs},
                            {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
                            {"device", device},
-                           {"commit", commit}});
-                write_json(json_path, table.records());  // a stopped run keeps what it measured
+                           {"commit", results.commit()}});
+                table.last_record().update(
+                    measured_fields(r.timing, r.weight_bytes + r.cache_bytes, r.floor_us));
+                results.write(table.records(), false);  // a stopped run keeps what it measured
               }
             }
           }
@@ -526,7 +529,7 @@ int run_layer_bench(int argc, char** argv) {
     }
   }
   table.print();
-  write_json(json_path, table.records());
+  results.write(table.records());
   return 0;
 }
 

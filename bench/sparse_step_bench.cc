@@ -15,7 +15,6 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
-#include <ctime>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
@@ -65,7 +64,7 @@ int run_sparse_step_bench(int argc, char** argv) {
   app.add_flag("--quick", opt.quick, "batch 4, 16K, q 4 only (the issue's target point)");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
-  app.add_option("--commit", opt.commit, "commit id recorded in the JSON");
+  app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -77,6 +76,7 @@ int run_sparse_step_bench(int argc, char** argv) {
     opt.q_lens = {4};
   }
   M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, "bench sparse-step: no CUDA device visible");
+  ResultFile results("sparse-step", argc, argv, opt.json_path, opt.commit);
 
   SparseConfig config;  // M3 per rank at TP 1: 64 q heads, 4 KV heads, 4 index heads, top-16
   const int H = config.index_heads;
@@ -239,12 +239,14 @@ int run_sparse_step_bench(int argc, char** argv) {
                                 {"pct_roof", roof},
                                 {"copies", copies},
                                 {"indexer_status", status}};
+          rec.update(measured_fields(timing, static_cast<double>(bytes)));
           table.add(
               {std::to_string(batch), context_label(context), dt, std::to_string(q_len),
                fmt::format("{:.1f}", timing.median_us),
                fmt::format("{:.0f}%", 100.0 * timing.noise()), fmt::format("{:.1f}", bytes / 1e6),
                fmt::format("{:.1f}", floor_us), fmt::format("{:.0f}%", roof), target},
               rec);
+          results.write(table.records(), false);
           std::printf("batch %3d context %5s %-4s q %d: %8.1f us (floor %.1f us)%s\n", batch,
                       context_label(context).c_str(), dt.c_str(), q_len, timing.median_us, floor_us,
                       status ? " [indexer status set]" : "");
@@ -255,15 +257,7 @@ int run_sparse_step_bench(int argc, char** argv) {
   }
   std::printf("\n");
   table.print();
-  char date[32];
-  const std::time_t now = std::time(nullptr);
-  std::strftime(date, sizeof(date), "%Y-%m-%d %H:%M UTC", std::gmtime(&now));
-  write_json(opt.json_path, {{"benchmark", "sparse-step"},
-                             {"device", device},
-                             {"date", date},
-                             {"commit", opt.commit},
-                             {"read_ceiling_tb_per_s", kReadCeilingTBs},
-                             {"results", table.records()}});
+  results.write(table.records());
   return 0;
 }
 

@@ -108,7 +108,7 @@ if has bench-attention; then
   step_result "bench attention ($((SECONDS - start)) s)" "${PIPESTATUS[0]}"
 fi
 
-# ---- sparse attention + preprocessing (attention owner) ----
+# ---- sparse attention + preprocessing ----
 # attention-tunings: the attention and preprocessing suites again under every launcher tuning the
 # benchmark compares (AttentionTuning, src/cuda/attention.h; the default one already ran in
 # `tests`).

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The lead's one device call: correctness steps, then benchmarks, each run of scripts/gpu_check.sh
+# One device call: correctness steps, then benchmarks, each run of scripts/gpu_check.sh
 # under its own time limit, everything packed into $OUT/all.tgz (the device tool returns at most
 # 8 files) with $OUT/summary_all.txt beside it. The binaries are built on the CPU machine
 # (-DCMAKE_CUDA_ARCHITECTURES=90a) and carried in $BUILD.

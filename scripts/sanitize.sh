@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# AddressSanitizer + UndefinedBehaviorSanitizer build of the CPU library and its tests (issue 6),
+# AddressSanitizer + UndefinedBehaviorSanitizer build of the CPU library and its tests,
 # in build-asan, without CUDA, then every CPU test under CTest. Any sanitizer report fails the run
 # (UBSan does not recover; ASan aborts on the first error; leaks are errors).
 #   scripts/sanitize.sh            build + run

@@ -1,4 +1,4 @@
-# STEPS=bench-cp: `m3msa bench cp` (issue 4 grid, or its --quick subset with QUICK=1), JSON to
+# STEPS=bench-cp: `m3msa bench cp` (its default grid, or its --quick subset with QUICK=1), JSON to
 # $OUT/bench_cp.json (rewritten after every configuration, so a run stopped by BENCH_CP_TIMEOUT
 # keeps what it measured; "complete": true when the grid finished), progress and the table to
 # $OUT/bench_cp.log. BENCH_CP_ARGS adds flags (e.g. --worlds 2 --batches 32 --contexts 131072).

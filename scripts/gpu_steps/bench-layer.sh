@@ -1,4 +1,4 @@
-# STEPS=bench-layer: `m3msa bench layer` (issue 5 grid: TP {1,2} x weights {bf16,fp8} x tokens
+# STEPS=bench-layer: `m3msa bench layer` (its default grid: TP {1,2} x weights {bf16,fp8} x tokens
 # {1,4,16} x q_len {1,4} x context {16K,128K}; QUICK=1: its --quick subset), JSON to
 # $OUT/bench_layer.json (rewritten after every configuration, so a run stopped by
 # BENCH_LAYER_TIMEOUT keeps what it measured), progress and the table to $OUT/bench_layer.log.

@@ -1,4 +1,4 @@
-# STEPS=cp-tests: the CP tests of issue 4 on the GPU machine, every run under `timeout`.
+# STEPS=cp-tests: the CP tests on the GPU machine, every run under `timeout`.
 #  1. in-process (ranks as threads):  CudaCp.* and CudaCpFaults.*             -> $OUT/cp_tests.log
 #  2. multi-process (2 GPUs only), through `m3msa launch -n 2`, rank logs
 #     concatenated into $OUT/cp_mp.log:

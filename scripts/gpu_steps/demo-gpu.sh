@@ -1,4 +1,4 @@
-# STEPS=demo-gpu: `m3msa demo` on the CUDA runtime (issue 5, "the demo runs on this runtime"):
+# STEPS=demo-gpu: `m3msa demo` on the CUDA runtime:
 # the default model (M3's attention dimensions, hidden 6144, dense SwiGLU-OAI MLP 6144, 2 sparse
 # layers, batch 4 x q-len 2, context 8192, 3 steps) at TP over the GPUs present (1 or 2: ranks as
 # threads, NCCL), then the same with --weights fp8. Each run also checks a small configuration

@@ -1,4 +1,4 @@
-# memory (issue 6): 1000 plan / run / destroy cycles of the CUDA backend and of the CUDA CP
+# STEPS=memory: 1000 plan / run / destroy cycles of the CUDA backend and of the CUDA CP
 # indexer (2 ranks when 2 GPUs are visible, else 1); cudaMemGetInfo free memory after every
 # sampled cycle within 2 MiB of its value after the first cycle
 # (tests/cuda/memory_stability_test.cc). Writes $OUT/memory.log. Pass: both tests OK; the log's

@@ -1,4 +1,4 @@
-# STEPS=runtime-tests: the CUDA runtime tests of issue 5 (tests/cuda/runtime_gpu_test.cc), under
+# STEPS=runtime-tests: the CUDA runtime tests (tests/cuda/runtime_gpu_test.cc), under
 # `timeout`, log in $OUT/runtime_tests.log:
 #  - RuntimeKernels.*  skinny GEMM vs a double reference, add + RMSNorm vs the CPU;
 #  - RuntimeGpu.*      forward_layer vs the CPU runtime (bf16, fp8, device metadata), StepGraphs

@@ -1,4 +1,4 @@
-# sanitize-all (issue 6): compute-sanitizer memcheck, racecheck, synccheck and initcheck over the
+# STEPS=sanitize-all: compute-sanitizer memcheck, racecheck, synccheck and initcheck over the
 # whole GPU suite ($TESTS, i.e. build-gpu/tests/m3msa_cuda_tests), one run per tool bounded by
 # SANITIZE_TOOL_TIMEOUT, with M3MSA_TEST_SMALL=1 (tests/cuda/indexer_test_util.h caps the drawn
 # contexts at 16K tokens; nothing else changes).

@@ -1,4 +1,4 @@
-# soak (issue 6): `m3msa soak --gpu --steps 100000`: the CUDA CP indexer (peer transport, P =
+# STEPS=soak: `m3msa soak --gpu --steps 100000`: the CUDA CP indexer (peer transport, P =
 # max(2, GPUs) ranks as threads) vs the one-GPU CUDA backend (bit for bit) vs the CPU reference
 # (near-tie rule), randomized decode steps within fixed planned maxima, cudaMemGetInfo sampled on
 # every GPU. Writes $OUT/soak.json and $OUT/soak.log. Pass: "passed": true in the JSON, i.e.

@@ -1,6 +1,7 @@
-// An executable CPU model of the context-parallel (CP) indexer exchange of docs/cp.md: P ranks are
-// threads of one process, each rank's device buffer is host memory of std::atomic<uint64_t>, and
-// the protocol is the one the GPU "peer" transport runs, step for step:
+// An executable CPU model of the context-parallel (CP) indexer exchange of
+// docs/context_parallel.md: P ranks are threads of one process, each rank's device buffer is host
+// memory of std::atomic<uint64_t>, and the protocol is the one the GPU "peer" transport runs, step
+// for step:
 //  - rank r scores its round-robin shard (block b belongs to b % P) for all H index heads and
 //    nominates its full top-k per (row, head), tagged with its generation tag;
 //  - it stores the nominations straight into the candidate buffer of every rank that merges that
@@ -8,9 +9,10 @@
 //  - each consumer spins (bounded by a clock budget) on every slot until the expected tag shows,
 //    strips it and keeps the exact top-k of the P*k candidates.
 // There is no barrier anywhere: the payload is its own arrival flag and the two parities keep
-// consecutive calls apart. The result is bit-identical to cpu::select_topk (cp.md "Exactness"),
-// which is what the tests check. The model exists to pin down the protocol (tags, parities, the
-// host agreement, the bounded wait and its error) before and beside the CUDA transport.
+// consecutive calls apart. The result is bit-identical to cpu::select_topk
+// (docs/context_parallel.md "Exactness"), which is what the tests check. The model exists to pin
+// down the protocol (tags, parities, the host agreement, the bounded wait and its error) before and
+// beside the CUDA transport.
 //
 // Configuration convention: the SparseConfig given here is the indexer's view of one rank under
 // CP, i.e. it has all H index heads (every rank projects and scores all of them); it is the
@@ -32,7 +34,8 @@
 
 namespace m3msa {
 
-// Well under a second (cp.md): long enough for any healthy peer, short enough to fail fast.
+// Well under a second (docs/context_parallel.md): long enough for any healthy peer, short enough to
+// fail fast.
 inline constexpr std::chrono::microseconds kDefaultCpSpinBudget{500000};
 
 struct CpConfig {
@@ -43,7 +46,7 @@ struct CpConfig {
   int threads = 1;  // CPU threads one rank uses to score its shard (0 = hardware concurrency)
 };
 
-// ---- Head placement (cp.md "Who merges what") ----
+// ---- Head placement (docs/context_parallel.md "Who merges what") ----
 
 // Throws Error(kInvalidArgument) naming the world size and the head count unless P divides H
 // (one merger per head) or is a multiple of it (P/H consumers per head, each merging for itself).
@@ -55,7 +58,8 @@ std::vector<int> cp_consumers(int world_size, int index_heads, int head);
 
 // ---- Buffer sets ----
 
-// The identity of a buffer set (cp.md): one set per key, shared by every layer that uses it.
+// The identity of a buffer set (docs/context_parallel.md): one set per key, shared by every layer
+// that uses it.
 struct CpBufferKey {
   int world_size = 0;
   int merged_heads = 0;  // heads each rank merges (H/P, or 1 when P > H)
@@ -68,7 +72,8 @@ struct CpBufferKey {
   std::string to_string() const;  // "(world_size=4, merged_heads=1, max_rows=8, topk=16)"
 };
 
-// What a bounded wait saw when its budget ran out: the device error word of cp.md.
+// What a bounded wait saw when its budget ran out: the device error word of
+// docs/context_parallel.md.
 struct CpTimeoutRecord {
   int layer = -1;   // the caller's layer id of the call that gave up
   int row = -1;     // buffer row waited on
@@ -104,8 +109,8 @@ class CpuCpWorld {
 // buffer set and one generation counter, so one thread must drive all of a rank's objects (as one
 // stream orders a GPU rank's launches); different ranks run on different threads.
 //
-// The one hard rule (cp.md): every rank makes the same calls with the same shapes in the same
-// order. What the model does when the rule is broken:
+// The one hard rule (docs/context_parallel.md): every rank makes the same calls with the same
+// shapes in the same order. What the model does when the rule is broken:
 //  - the first select() of each CpuCpRank is a collective setup step in which every rank posts its
 //    shape; a rank that sees a different shape throws kInvalidArgument naming both, a rank that
 //    never posts makes the others throw kTimeout naming it;

@@ -1,6 +1,6 @@
-"""The context-parallel indexer: the CPU model of its exchange (include/m3msa/cp.h, docs/cp.md;
-P ranks as threads of this process) and one rank of the CUDA one (cp_cuda.h), both bit-identical
-to select_topk."""
+"""The context-parallel indexer: the CPU model of its exchange (include/m3msa/cp.h,
+docs/context_parallel.md; P ranks as threads of this process) and one rank of the CUDA one
+(cp_cuda.h), both bit-identical to select_topk."""
 
 import sys
 
@@ -65,8 +65,8 @@ def cp_consumers(world_size, index_heads, head):
 
 
 class CudaCpIndexer:
-    """One rank of the context-parallel indexer on the GPU (include/m3msa/cp_cuda.h, docs/cp.md):
-    this rank scores every index head over its round-robin shard of the blocks, the ranks exchange
+    """One rank of the context-parallel indexer on the GPU (include/m3msa/cp_cuda.h,
+    docs/context_parallel.md): this rank scores every index head over its round-robin shard of the blocks, the ranks exchange
     their nominations and this rank merges the exact top-k of the heads it attends
     (merged_heads), bit-identical to select_topk on one GPU.
 

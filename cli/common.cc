@@ -7,15 +7,12 @@
 
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
-
-#ifndef M3MSA_VERSION
-#define M3MSA_VERSION "unknown"
-#endif
+#include "m3msa/version.h"
 
 namespace m3msa::cli {
 
 const char* version_string() {
-  return M3MSA_VERSION;
+  return M3MSA_VERSION_STRING;
 }
 
 namespace {

@@ -17,7 +17,7 @@ inline constexpr int kExitCheckFailed = 1;  // a correctness check failed
 inline constexpr int kExitUsage = 2;        // bad flags or values
 inline constexpr int kExitError = 3;        // the library reported an error (m3msa::Error)
 
-const char* version_string();  // "0.1.0"
+const char* version_string();  // M3MSA_VERSION_STRING of m3msa/version.h
 
 // The command line as typed (main() records it; saved cases and JSON reports carry it).
 void set_command_line(int argc, char** argv);

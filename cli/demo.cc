@@ -298,7 +298,7 @@ int run_ops_demo(const DemoOptions& o) {
       "blocks, forced blocks first, then -1)";
   const std::string kVsScores =
       "selections are exactly the top-k of the recomputed block scores "
-      "(cpu::score_blocks + spec.md section 4 keys)";
+      "(cpu::score_blocks + docs/spec.md section 4 keys)";
   const std::string kNearTies =
       "selections match the top-k of the CPU reference scores (swaps "
       "only between near-tied blocks)";

@@ -95,7 +95,7 @@ StepSource::StepSource(const SparseConfig& config, int max_reqs, int max_q_len, 
       max_q_len_(max_q_len),
       max_blocks_(max_blocks),
       // Twice the pages one request can see, plus a few: tables draw pages uniformly, so pages
-      // are shared within and across requests (aliasing is allowed, spec.md section 3), which
+      // are shared within and across requests (aliasing is allowed, docs/spec.md section 3), which
       // makes exact ties between blocks common.
       pages_(2 * max_blocks + 8),
       allow_empty_(allow_empty_batch),

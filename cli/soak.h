@@ -1,5 +1,5 @@
-// m3msa soak: many randomized decode indexer steps, each checked, with memory sampled throughout
-// (issue 6 "Soak"). Shared by the CPU mode (soak.cc: the CPU model of the CP exchange vs the
+// m3msa soak: many randomized decode indexer steps, each checked, with memory sampled throughout.
+// Shared by the CPU mode (soak.cc: the CPU model of the CP exchange vs the
 // single-rank CPU reference) and the GPU mode (soak_gpu.cc: the CUDA CP indexer vs the one-GPU
 // CUDA backend vs the CPU reference).
 //
@@ -9,7 +9,7 @@
 // block edges) and a long log-uniform tail, either index cache dtype, aliased pages. A few cache
 // pages are rewritten every step, and now and then a hostile value lands in them (a constant page:
 // exact ties; a NaN; an infinity or the fp8 maximum; a NaN in a query), so selections change
-// and the tie / NaN orders of spec.md section 4 are exercised for as long as the soak runs.
+// and the tie / NaN orders of docs/spec.md section 4 are exercised for as long as the soak runs.
 #pragma once
 
 #include <cstdint>

@@ -1,7 +1,8 @@
 // m3msa soak --gpu: the CUDA CP indexer (peer transport, P ranks as threads, rank r on GPU
-// r % visible) against the one-GPU CUDA backend (bit for bit, cp.md "Exactness") and the CPU
-// reference (up to the near-tie rule of method.md), every step; cudaMemGetInfo sampled on every
-// device. Compiled in every build; without CUDA run_gpu_soak throws kUnsupported.
+// r % visible) against the one-GPU CUDA backend (bit for bit, docs/context_parallel.md "Exactness")
+// and the CPU reference (up to the near-tie rule of docs/spec.md section 4), every step;
+// cudaMemGetInfo sampled on every device. Compiled in every build; without CUDA run_gpu_soak throws
+// kUnsupported.
 //
 // Nothing in the step loop allocates device memory: the caches, the per-device batch buffers
 // (sized for the planned maxima; each step views a prefix with its own shape) and the outputs are
@@ -342,7 +343,7 @@ SoakResult run_gpu_soak(const SoakOptions& o, Progress& progress) {
         }
       }
       // One GPU vs the CPU reference: well formed, and the top-k of the CPU's block scores up
-      // to near-ties (method.md, oracle 4).
+      // to near-ties (docs/spec.md section 4).
       const IndexerArgs host_args = source.args(single_host.view());
       const CheckResult structure = check_selections_wellformed(config, b, single_host.view());
       const CheckResult reference =

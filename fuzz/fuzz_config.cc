@@ -84,7 +84,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     check_accepted(m.sparse(1));
   }
   // Splitting for tensor parallelism: either an error, or a per-rank config that validates
-  // whenever the whole model does, with the head counts split as spec.md section 1 says.
+  // whenever the whole model does, with the head counts split as docs/spec.md section 1 says.
   SparseConfig rank;
   if (accepts([&] { rank = m.sparse(tp_size); })) {
     bool model_ok = accepts([&] { m.validate(); });

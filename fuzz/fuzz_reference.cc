@@ -1,6 +1,6 @@
 // fuzz_reference: a fuzz-chosen tiny config, decode or prefill batch, page tables and cache
 // contents (any bf16 / fp8 bit pattern: NaN, inf, -0.0, subnormals, saturated values) ->
-// cpu::select_topk. Checks the output contract of spec.md section 4 on every accepted input:
+// cpu::select_topk. Checks the output contract of docs/spec.md section 4 on every accepted input:
 //  - each (row, head) holds min(k, nb) valid block ids as a prefix, then -1; dead rows all -1;
 //  - the ids are distinct and visible (< nb), and never -1 inside the prefix, whatever the NaNs;
 //  - forced blocks come first (in ascending id order), then descending sort key recomputed from

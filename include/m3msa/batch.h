@@ -1,4 +1,4 @@
-// Per-step batch metadata (spec.md section 3). Views only: the engine owns the storage.
+// Per-step batch metadata (docs/spec.md section 3). Views only: the engine owns the storage.
 #pragma once
 
 #include <cstdint>

@@ -1,4 +1,4 @@
-// The two paged caches (spec.md section 3). Views only.
+// The two paged caches (docs/spec.md section 3). Views only.
 #pragma once
 
 #include "m3msa/config.h"

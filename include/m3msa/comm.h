@@ -2,8 +2,8 @@
 // records) and the TP reduce of a host float buffer (the CPU backend's all-reduce).
 //
 // Every collective is called by every rank of the group, in the same order, with the same tag
-// (mono.md: "every rank runs the same layers with the same shapes in the same order"). The tag
-// names the call site ("prepare/model", "layer 5 o_proj"); ranks that disagree on it are out of
+// (docs/runtime.md: "every rank runs the same layers with the same shapes in the same order"). The
+// tag names the call site ("prepare/model", "layer 5 o_proj"); ranks that disagree on it are out of
 // lockstep and every rank throws kInternal naming each rank's tag, instead of silently combining
 // unrelated buffers. Every blocking wait is bounded: when a peer never arrives, the waiting ranks
 // throw kTimeout naming the ranks that did not arrive, and the group is broken (a later

@@ -1,4 +1,4 @@
-// Model and sparse-attention configuration with MiniMax-M3 defaults (spec.md section 1).
+// Model and sparse-attention configuration with MiniMax-M3 defaults (docs/spec.md section 1).
 // Every number is a validated field; nothing downstream hard-codes an M3 constant.
 #pragma once
 
@@ -9,9 +9,9 @@ namespace m3msa {
 
 // What one sparse layer's kernels need, with head counts *local to one rank*.
 // index_heads == kv_heads (index head h selects for KV head h), except in the view of one rank
-// under indexer-only context parallelism (cp.md): every rank projects and scores all H index
-// heads over its shard of the blocks while it attends only its H/P KV heads, so index_heads is
-// then a multiple of kv_heads (ModelConfig::sparse(P, true)).
+// under indexer-only context parallelism (docs/context_parallel.md): every rank projects and scores
+// all H index heads over its shard of the blocks while it attends only its H/P KV heads, so
+// index_heads is then a multiple of kv_heads (ModelConfig::sparse(P, true)).
 struct SparseConfig {
   int q_heads = 64;  // query heads on this rank
   int kv_heads = 4;  // KV heads on this rank

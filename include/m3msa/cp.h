@@ -20,7 +20,8 @@
 
 namespace m3msa {
 
-// Well under a second (cp.md): long enough for any healthy peer, short enough to fail fast.
+// Well under a second (docs/context_parallel.md): long enough for any healthy peer, short enough to
+// fail fast.
 inline constexpr std::chrono::microseconds kDefaultCpSpinBudget{500000};
 
 // ---- Head placement (cp.md "Who merges what") ----
@@ -35,7 +36,8 @@ std::vector<int> cp_consumers(int world_size, int index_heads, int head);
 
 // ---- Buffer sets ----
 
-// The identity of a buffer set (cp.md): one set per key, shared by every layer that uses it.
+// The identity of a buffer set (docs/context_parallel.md): one set per key, shared by every layer
+// that uses it.
 struct CpBufferKey {
   int world_size = 0;
   int merged_heads = 0;  // heads each rank merges (H/P, or 1 when P > H)
@@ -48,7 +50,8 @@ struct CpBufferKey {
   std::string to_string() const;  // "(world_size=4, merged_heads=1, max_rows=8, topk=16)"
 };
 
-// What a bounded wait saw when its budget ran out: the device error word of cp.md.
+// What a bounded wait saw when its budget ran out: the device error word of
+// docs/context_parallel.md.
 struct CpTimeoutRecord {
   int layer = -1;   // the caller's layer id of the call that gave up
   int row = -1;     // buffer row waited on

@@ -3,7 +3,7 @@
 // (cp_merged_heads / cp_consumers of cp.h), buffer key, tags, parities and bounded spin. The NCCL
 // transports run on the NcclCommunicator of comm.h.
 //
-// Transports, kept side by side (cp.md):
+// Transports, kept side by side (docs/context_parallel.md):
 //  - kPeer:          each rank scores every index head over its round-robin shard (global block
 //                    l*P + r is its local block l), nominates its full top-k per (row, head) with
 //                    the generation tag and stores it with system-scope stores straight into each
@@ -13,16 +13,17 @@
 //  - kReplicated:    no CP: every rank runs the one-GPU indexer over every block (what TP does).
 //  - kAllReduceMax:  shard scores into a full-width fp32 tensor prefilled with -inf, an NCCL MAX
 //                    all-reduce, then an ordinary top-k.
-// Every transport's selection is bit-identical to the one-GPU indexer's (cp.md "Exactness").
+// Every transport's selection is bit-identical to the one-GPU indexer's (docs/context_parallel.md
+// "Exactness").
 //
 // Graphs: the constructor is a collective setup step (host agreement, buffer set, peer mapping);
 // select() afterwards allocates nothing, never synchronizes the host and can be captured into a
 // CUDA graph. Grids come from the planned maxima, never the live batch, so one graph replays any
-// metadata within the plan. The rule of cp.md holds: every rank makes the same calls with the
-// same shapes in the same order.
+// metadata within the plan. The rule of docs/context_parallel.md holds: every rank makes the same
+// calls with the same shapes in the same order.
 //
-// When the rule is broken (cp.md "No silent hang"): every nomination carries a tagged call word
-// (a digest of layer, num_reqs, q_len, table width and cache dtype), so
+// When the rule is broken (docs/context_parallel.md "No silent hang"): every nomination carries a
+// tagged call word (a digest of layer, num_reqs, q_len, table width and cache dtype), so
 //  - a rank that skips a call, or whose process died, makes the others' check() throw kTimeout
 //    naming it within the spin budget (peer, nccl: the device watchdog; for the NCCL transports a
 //    collective that never completes is bounded by CudaCpConfig::host_timeout on the host, then

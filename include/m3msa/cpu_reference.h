@@ -42,7 +42,7 @@ void nominate(const SparseConfig& config, const IndexerArgs& args, int shard, in
 // The k largest of `candidates` (tags stripped first), descending; kNoCandidate entries ignored.
 std::vector<uint64_t> top_keys(const std::vector<uint64_t>& candidates, int k);
 
-// Key list -> the spec.md output row: block ids of the non-empty keys, then -1.
+// Key list -> the docs/spec.md output row: block ids of the non-empty keys, then -1.
 void keys_to_indices(const uint64_t* keys, int n, int32_t* out, int k);
 
 // Dense causal attention over every visible key (the oracle for nb <= topk).

@@ -1,6 +1,6 @@
 // Element types and the exact scalar conversions every backend shares (host and device).
 // bf16: round to nearest even, NaN kept quiet. fp8 e4m3 (OCP "fn": bias 7, max 448, no inf):
-// round to nearest even with saturation to +-448; NaN stays NaN (spec.md section 3).
+// round to nearest even with saturation to +-448; NaN stays NaN (docs/spec.md section 3).
 #pragma once
 
 #include <cstddef>

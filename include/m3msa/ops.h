@@ -10,7 +10,7 @@
 
 namespace m3msa {
 
-// Per-token preprocessing: head norms, partial NeoX RoPE, cache insert (spec.md section 2).
+// Per-token preprocessing: head norms, partial NeoX RoPE, cache insert (docs/spec.md section 2).
 struct PreprocessArgs {
   TensorView qkv;           // [rows, qkv_width] bf16: [q | k | v | index_q | index_k]
   TensorView q_norm;        // [HD] bf16 Gemma RMSNorm weights (y = x * rms * (1 + w))
@@ -24,12 +24,12 @@ struct PreprocessArgs {
   TensorView q_out;         // [rows, QH, HD] bf16, normed + roped q
   TensorView index_q_out;   // [rows, H, D] bf16, normed + roped index_q
   // index_cache and index_q_out both not given (ndim 0): a layer that shares another layer's
-  // selection (spec.md section 7) computes no index_q and inserts no index_k; the index columns
-  // of qkv (and index_q_norm / index_k_norm) are then not read.
+  // selection (docs/spec.md section 7) computes no index_q and inserts no index_k; the index
+  // columns of qkv (and index_q_norm / index_k_norm) are then not read.
   bool has_index_part() const { return index_q_out.defined() || index_cache.data.defined(); }
 };
 
-// Index scoring + exact top-k block selection (spec.md section 4).
+// Index scoring + exact top-k block selection (docs/spec.md section 4).
 struct IndexerArgs {
   TensorView index_q;      // [rows, H, D] bf16
   IndexCache index_cache;  // read through batch.index_block_table
@@ -37,7 +37,7 @@ struct IndexerArgs {
   TensorView topk_idx;  // [rows, H, k] i32 out: logical block ids, descending key, -1 padded
 };
 
-// Block-sparse GQA attention over the selected blocks (spec.md section 5).
+// Block-sparse GQA attention over the selected blocks (docs/spec.md section 5).
 struct AttentionArgs {
   TensorView q;      // [rows, QH, HD] bf16
   KVCache kv_cache;  // read through batch.kv_block_table

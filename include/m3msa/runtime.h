@@ -1,4 +1,4 @@
-// The fused decode runtime ("mono", ../shared/docs/mono.md is the contract): an engine hands each
+// The fused decode runtime (docs/runtime.md is the contract): an engine hands each
 // sparse layer of the decode steps it can serve to this runtime.
 //
 // Lifecycle (every rank of the TP group calls the same functions in the same order):
@@ -30,19 +30,19 @@
 //    and index dims 128, block size 128, <= 16 query heads per KV head, topk <= 32, token
 //    buckets <= 16 rows, q_len * index heads <= 32, widths multiple of 64; anything else is an
 //    "unsupported" outcome of the weight stage naming the value.
-// Context parallelism (RuntimeConfig::context_parallel, cp.md): the indexer alone is spread over
-// the P = TP ranks. Every rank projects all H index heads (its qkv_proj has H index_q heads, see
-// LayerWeights), scores its round-robin shard of the blocks for every head and nominates its
-// top-k; the nominations are exchanged (CUDA: CpTransport kPeer or kNccl; CPU: an all-gather
-// through the communicator) and each rank merges the heads of its KV heads. The selections are
-// bit-identical to CP off; everything else is the same as CP off.
-// Cross-layer selection sharing (RuntimeConfig::selection_share_period F, spec.md section 7): a
-// sparse layer whose ordinal (layer - first_sparse_layer) is not a multiple of F projects no
-// index_q / index_k (the GEMM stops before those columns), writes nothing to its index cache,
-// runs no indexer and attends with the selection of the last layer of the step that ran one
-// (forward_layer refuses a sharing layer before any indexer layer of the step ran).
-// The CPU numerics (the contract the CUDA path approximates: different fp32 summation orders, so
-// bf16 outputs agree within a few ulps and selections within the near-tie rule of method.md):
+// Context parallelism (RuntimeConfig::context_parallel, docs/context_parallel.md): the indexer
+// alone is spread over the P = TP ranks. Every rank projects all H index heads (its qkv_proj has H
+// index_q heads, see LayerWeights), scores its round-robin shard of the blocks for every head and
+// nominates its top-k; the nominations are exchanged (CUDA: CpTransport kPeer or kNccl; CPU: an
+// all-gather through the communicator) and each rank merges the heads of its KV heads. The
+// selections are bit-identical to CP off; everything else is the same as CP off. Cross-layer
+// selection sharing (RuntimeConfig::selection_share_period F, docs/spec.md section 7): a sparse
+// layer whose ordinal (layer - first_sparse_layer) is not a multiple of F projects no index_q /
+// index_k (the GEMM stops before those columns), writes nothing to its index cache, runs no indexer
+// and attends with the selection of the last layer of the step that ran one (forward_layer refuses
+// a sharing layer before any indexer layer of the step ran). The CPU numerics (the contract the
+// CUDA path approximates: different fp32 summation orders, so bf16 outputs agree within a few ulps
+// and selections within the near-tie rule of docs/spec.md section 4):
 //   x   = bf16(hidden + residual)                               (the new residual)
 //   h   = bf16(gemma_rmsnorm(x, input_norm))                     fp32 math
 //   qkv = bf16(h @ qkv_proj^T [* scale])                         fp32 accumulation, k in order
@@ -113,7 +113,7 @@ struct RuntimeConfig {
   // comparisons, refused here). The CPU backend exchanges through the communicator.
   CpTransport cp_transport = CpTransport::kPeer;
   std::chrono::microseconds cp_spin_budget = kDefaultCpSpinBudget;  // bound on device waits
-  int selection_share_period = 1;  // F of spec.md section 7 (1: every layer runs its indexer)
+  int selection_share_period = 1;  // F of docs/spec.md section 7 (1: every layer runs its indexer)
   TpAllReduce tp_allreduce = TpAllReduce::kAuto;  // CUDA backend at TP > 1
   float swiglu_limit = 7.0f;                      // clamping limit of the SwiGLU-OAI MLP
   // Rank-local: CPU threads one rank uses (0 = hardware concurrency). Not agreed.

@@ -1,4 +1,4 @@
-// The candidate sort key of spec.md section 4, shared bit for bit by every backend.
+// The candidate sort key of docs/spec.md section 4, shared bit for bit by every backend.
 //   bits 63..32  score image: ordered(S), 0xFFFFFFFF for a forced block, 0 for NaN
 //   bits 31..24  generation tag (0 except on the wire of the context-parallel exchange)
 //   bits 23..0   0xFFFFFF - block (equal scores prefer the lower block id)
@@ -54,7 +54,7 @@ M3MSA_HD uint32_t generation_tag(uint32_t generation) {
   return generation % 255u + 1u;
 }
 
-// Whether block b of a row with nb visible blocks is forced (spec.md section 4).
+// Whether block b of a row with nb visible blocks is forced (docs/spec.md section 4).
 M3MSA_HD bool is_forced_block(int64_t block, int64_t nb, int init_blocks, int local_blocks) {
   return block < init_blocks || block >= nb - local_blocks;
 }

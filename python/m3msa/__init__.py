@@ -17,9 +17,9 @@ plan=m3msa.CudaPlan(...) for calls that allocate nothing and never synchronize t
 torch.cuda.graph can capture.
 """
 
-__version__ = "0.1.0"
-
 from . import _m3msa
+
+__version__ = _m3msa.__version__  # the CMake project version, compiled into the module
 from ._errors import (Error, InternalError, InvalidArgumentError, TimeoutError, UnsupportedError,
                       make_error)
 

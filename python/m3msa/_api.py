@@ -194,7 +194,7 @@ def _check_batch(batch):
 
 def select_topk(config, index_q, index_cache, batch, out=None, *, threads=0, stream=None,
                 plan=None):
-    """Index scoring + exact top-k block selection (spec.md section 4).
+    """Index scoring + exact top-k block selection (docs/spec.md section 4).
 
     index_q:      [rows, H, D] bf16
     index_cache:  [pages, block_size, D] bf16 | fp8 e4m3, read through batch.index_block_table
@@ -215,7 +215,7 @@ def select_topk(config, index_q, index_cache, batch, out=None, *, threads=0, str
 
 def sparse_attention(config, q, kv_cache, batch, topk_idx, out=None, *, k_scale=1.0, v_scale=1.0,
                      threads=0, stream=None, plan=None):
-    """Block-sparse GQA attention over the selected blocks (spec.md section 5).
+    """Block-sparse GQA attention over the selected blocks (docs/spec.md section 5).
 
     q:         [rows, QH, HD] bf16
     kv_cache:  [pages, kv_heads, 2, block_size, HD] bf16 | fp8 e4m3 (read = stored * k/v_scale),
@@ -247,8 +247,8 @@ def dense_attention(config, q, kv_cache, batch, out=None, *, k_scale=1.0, v_scal
 def preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, positions, batch,
                kv_cache, index_cache, q_out=None, index_q_out=None, *, k_scale=1.0, v_scale=1.0,
                threads=0, stream=None, plan=None):
-    """Per-token preprocessing (spec.md section 2): Gemma RMSNorm of every head of q, k, index_q
-    and index_k, partial NeoX RoPE at `positions`, and the cache inserts.
+    """Per-token preprocessing (docs/spec.md section 2): Gemma RMSNorm of every head of q, k,
+    index_q and index_k, partial NeoX RoPE at `positions`, and the cache inserts.
 
     qkv:           [rows, qkv_width] bf16, [q | k | v | index_q | index_k]
     q_norm, k_norm: [HD] bf16; index_q_norm, index_k_norm: [D] bf16
@@ -275,7 +275,7 @@ def preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, position
 
 
 def score_blocks(config, index_q, index_cache, batch, out=None, *, max_blocks=None, threads=0):
-    """Block scores S(t, h, b) (spec.md section 4), CPU reference only: [rows, H, max_blocks]
+    """Block scores S(t, h, b) (docs/spec.md section 4), CPU reference only: [rows, H, max_blocks]
     float32; blocks a row cannot see and dead rows hold -inf. max_blocks defaults to the index
     table's width. Returns out."""
     _check_config(config)
@@ -293,7 +293,7 @@ def score_blocks(config, index_q, index_cache, batch, out=None, *, max_blocks=No
 
 
 def nominate(config, index_q, index_cache, batch, shard=0, num_shards=1, out=None, *, threads=0):
-    """The top-k sort keys (spec.md section 4) of one round-robin shard of the blocks, CPU
+    """The top-k sort keys (docs/spec.md section 4) of one round-robin shard of the blocks, CPU
     reference only: [rows, H, k] uint64, descending, 0-padded. Returns out."""
     _check_config(config)
     _check_batch(batch)

@@ -1,4 +1,4 @@
-"""Per-step batch metadata (spec.md section 3): the Python side of m3msa::BatchMeta."""
+"""Per-step batch metadata (docs/spec.md section 3): the Python side of m3msa::BatchMeta."""
 
 import numpy as np
 

@@ -65,8 +65,8 @@ def cp_consumers(world_size, index_heads, head):
 
 
 class CudaCpIndexer:
-    """One rank of the context-parallel indexer on the GPU (include/m3msa/cp_cuda.h, docs/cp.md):
-    this rank scores every index head over its round-robin shard of the blocks, the ranks exchange
+    """One rank of the context-parallel indexer on the GPU (include/m3msa/cp_cuda.h,
+    docs/context_parallel.md): this rank scores every index head over its round-robin shard of the blocks, the ranks exchange
     their nominations and this rank merges the exact top-k of the heads it attends
     (merged_heads), bit-identical to select_topk on one GPU.
 

@@ -1,4 +1,4 @@
-"""The fused decode runtime ("mono", include/m3msa/runtime.h, docs/mono.md) from Python: the
+"""The fused decode runtime (include/m3msa/runtime.h, docs/runtime.md) from Python: the
 lifecycle calls of one rank, over a Communicator. A thin layer: semantics, shapes and errors are
 the C++ runtime's. Every call releases the GIL, so one Python thread per rank can drive a
 ThreadGroup (ranks as threads); ranks as processes use Communicator.nccl_from_env()."""

@@ -25,6 +25,7 @@
 #include "m3msa/error.h"
 #include "m3msa/ops.h"
 #include "m3msa/synthetic.h"
+#include "m3msa/version.h"
 #include "runtime_binding.h"
 #if M3MSA_PY_WITH_CP
 #include "m3msa/cp_model.h"
@@ -506,7 +507,7 @@ void bind_configs(py::module_& m) {
   py::class_<SparseConfig> sparse(
       m, "SparseConfig",
       "What one sparse layer's kernels need, with head counts local to one "
-      "rank. Defaults: MiniMax-M3 at TP=1 (spec.md section 1).");
+      "rank. Defaults: MiniMax-M3 at TP=1 (docs/spec.md section 1).");
   sparse
       .def(py::init([](int q_heads, int kv_heads, int head_dim, int index_heads, int index_dim,
                        int block_size, int topk, int init_blocks, int local_blocks, int rope_dim,
@@ -572,6 +573,7 @@ PYBIND11_MODULE(_m3msa, m) {
   namespace py = pybind11;
   using namespace m3msa::python;
   m.doc() = "m3msa compiled bindings; use the m3msa package, which wraps this module.";
+  m.attr("__version__") = M3MSA_VERSION_STRING;
 
   py::register_exception_translator([](std::exception_ptr pointer) {
     try {

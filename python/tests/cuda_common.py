@@ -1,7 +1,7 @@
 """Shared set-up of the CUDA suites (test_cuda_*.py): the skip rule, host <-> torch conversions,
 and the two comparisons the C++ GPU tests use (tests/cuda/indexer_test_util.h and
-attention_test_util.h): the near-tie rule of method.md for selections and the bf16 tolerance for
-attention. Everything is compared with the CPU reference backend of the same build."""
+attention_test_util.h): the near-tie rule of docs/spec.md section 4 for selections and the bf16
+tolerance for attention. Everything is compared with the CPU reference backend of the same build."""
 
 import os
 import unittest

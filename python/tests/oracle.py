@@ -1,4 +1,4 @@
-"""A tiny NumPy oracle of spec.md, independent of the C++ library: brute-force block scores and
+"""A tiny NumPy oracle of docs/spec.md, independent of the C++ library: brute-force block scores and
 top-k selection (section 4), attention in float64 (section 5), preprocessing (section 2), and a
 builder of small random cases with shuffled page tables and NaN garbage wherever nothing may be
 read (after each context, in unused pages), so a read out of bounds shows as a wrong answer."""
@@ -62,7 +62,7 @@ class Case:
 
 
 def row_positions(batch):
-    """[(req, pos)] per row; pos = -1 for a dead row (spec.md section 3)."""
+    """[(req, pos)] per row; pos = -1 for a dead row (docs/spec.md section 3)."""
     rows = []
     if batch.kind == "decode":
         for req, seq_len in enumerate(np.asarray(batch.seq_lens)):

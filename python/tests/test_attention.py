@@ -1,4 +1,4 @@
-"""sparse_attention and dense_attention against a float64 NumPy oracle (spec.md section 5)."""
+"""sparse_attention and dense_attention against a float64 NumPy oracle (docs/spec.md section 5)."""
 
 import unittest
 

@@ -142,8 +142,8 @@ class CudaCpTwoProcessTest(CudaTestCase):
             self.skipTest("needs two GPUs")
 
     def test_two_processes_equal_one_gpu(self):
-        # The peer transport across processes (CUDA IPC) is left out: it is known to stall
-        # (issue 4); nccl and replicated cover the process-per-rank bootstrap from Python.
+        # The peer transport across processes (CUDA IPC) is left out: it is known to stall;
+        # nccl and replicated cover the process-per-rank bootstrap from Python.
         for transport in ("nccl", "replicated"):
             with self.subTest(transport=transport):
                 port = str(free_port())

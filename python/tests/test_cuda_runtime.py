@@ -1,4 +1,4 @@
-"""The runtime on the GPU from Python (the CUDA backend of runtime.h, issue 5): forward_layer on
+"""The runtime on the GPU from Python (the CUDA backend of runtime.h): forward_layer on
 torch tensors equals the CPU runtime within a few bf16 ulps, and a torch.cuda.CUDAGraph of the
 layers captured on the runtime's stream replays new steps bit-identically to eager calls. Skips
 without torch or a GPU. A failure here is in the runtime's GPU path or in this binding."""

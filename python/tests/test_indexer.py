@@ -1,4 +1,4 @@
-"""select_topk, score_blocks and nominate against the NumPy oracle of spec.md section 4."""
+"""select_topk, score_blocks and nominate against the NumPy oracle of docs/spec.md section 4."""
 
 import unittest
 

@@ -1,6 +1,6 @@
-"""preprocess against the NumPy oracle (spec.md section 2): head norms, partial NeoX RoPE and the
-cache inserts, written in place into the caller's caches (which also proves the inputs are not
-copies)."""
+"""preprocess against the NumPy oracle (docs/spec.md section 2): head norms, partial NeoX RoPE and
+the cache inserts, written in place into the caller's caches (which also proves the inputs are
+not copies)."""
 
 import unittest
 

@@ -1,4 +1,4 @@
-// The CPU reference of block-sparse GQA attention and of dense causal attention (spec.md
+// The CPU reference of block-sparse GQA attention and of dense causal attention (docs/spec.md
 // section 5).
 //
 // Both paths share one routine that attends over an ascending list of key positions, so sparse

@@ -1,5 +1,5 @@
 // The CPU reference of the lightning indexer: block scores, per-shard nominations and the exact
-// top-k block selection of spec.md section 4.
+// top-k block selection of docs/spec.md section 4.
 //
 // Block score rule (the GPU kernels must follow the same one):
 //  - s(p) = sum over d = 0..D-1, in that order, of index_q[d] * index_k[p][d], accumulated in fp32
@@ -7,10 +7,10 @@
 //    in fp32, so fused and unfused multiply-adds give the same sum; only the order matters.
 //  - S(b) = max of s(p) over the visible tokens of b, taken in ascending p, with NaN propagating: a
 //    block any of whose visible dot products is NaN scores NaN (and so ranks below every number,
-//    spec.md section 4). A plain fmaxf would instead drop the NaN and let the block compete on its
-//    other tokens, which would make the answer depend on which tokens a kernel happened to pair.
-//    Among equal maxima the first one is kept, so -0.0 vs +0.0 can differ in the raw score but
-//    never in the sort key (ordered() maps both to the same image).
+//    docs/spec.md section 4). A plain fmaxf would instead drop the NaN and let the block compete on
+//    its other tokens, which would make the answer depend on which tokens a kernel happened to
+//    pair. Among equal maxima the first one is kept, so -0.0 vs +0.0 can differ in the raw score
+//    but never in the sort key (ordered() maps both to the same image).
 #include <algorithm>
 #include <cmath>
 #include <limits>

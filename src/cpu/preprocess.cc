@@ -1,5 +1,5 @@
-// The CPU reference of per-token preprocessing (spec.md section 2): per-head Gemma RMSNorm, partial
-// NeoX RoPE, and the insert of k, v and index_k into the paged caches.
+// The CPU reference of per-token preprocessing (docs/spec.md section 2): per-head Gemma RMSNorm,
+// partial NeoX RoPE, and the insert of k, v and index_k into the paged caches.
 //
 // Numerics:
 //  - RMSNorm in fp32: sum of x^2 in dimension order, mean = sum / n, r = 1 / sqrtf(mean + eps),

@@ -1,5 +1,5 @@
 // Host launcher of the activation family: the SwiGLU-OAI activation of the fused decode runtime's
-// MLP (src/runtime/gpu_layer.cc). Validates on the host, allocates nothing, never synchronizes,
+// MLP (src/runtime/gpu_engine.cc). Validates on the host, allocates nothing, never synchronizes,
 // CUDA-graph capturable; deterministic run to run.
 #pragma once
 

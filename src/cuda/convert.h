@@ -1,5 +1,5 @@
 // Host launcher of the convert family: f32 -> bf16 (round to nearest even) for the fused decode
-// runtime (src/runtime/gpu_layer.cc). Validates on the host, allocates nothing, never
+// runtime (src/runtime/gpu_engine.cc). Validates on the host, allocates nothing, never
 // synchronizes, CUDA-graph capturable.
 #pragma once
 

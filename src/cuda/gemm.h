@@ -1,5 +1,5 @@
 // Host launcher of the gemm family: the skinny projection GEMM of the fused decode runtime
-// (src/runtime/gpu_layer.cc), out[r, n] = sum_k x[r, k] * w[n, k] (* scale[n]) for 1..16 token
+// (src/runtime/gpu_engine.cc), out[r, n] = sum_k x[r, k] * w[n, k] (* scale[n]) for 1..16 token
 // rows. The launcher validates on the host (kUnsupported for rows > 16 or k % 64 != 0),
 // allocates nothing, never synchronizes and is CUDA-graph capturable (the grid depends only on
 // host shapes).

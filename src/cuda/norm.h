@@ -1,5 +1,5 @@
 // Host launcher of the norm family: the residual add fused with the Gemma RMSNorm of the fused
-// decode runtime (src/runtime/gpu_layer.cc). The launcher validates on the host, allocates
+// decode runtime (src/runtime/gpu_engine.cc). The launcher validates on the host, allocates
 // nothing, never synchronizes and is CUDA-graph capturable (the grid depends only on host shapes).
 //
 // Numerics (the contract of runtime.h, approximated; the CPU runtime is the oracle):

@@ -132,7 +132,7 @@ CheckResult check_selections_vs_scores(const SparseConfig& config, const Indexer
   CheckResult result;
   result.name = tie_tolerance == 0
                     ? "selections are exactly the top-k of the recomputed block scores "
-                      "(cpu::score_blocks, spec.md section 4 keys)"
+                      "(cpu::score_blocks, docs/spec.md section 4 keys)"
                     : "selections match the top-k of the CPU reference scores (up to swaps of "
                       "near-tied blocks)";
   const std::vector<RowPosition> rows = row_positions(args.batch);

@@ -14,6 +14,7 @@
 
 #include "m3msa/backend.h"
 #include "m3msa/npy.h"
+#include "m3msa/version.h"
 
 namespace m3msa {
 namespace {
@@ -114,6 +115,23 @@ TEST_F(CliTest, HelpListsSubcommandsAndEveryFlagWithItsDefault) {
   r = run("--version");
   EXPECT_EQ(r.code, 0);
   EXPECT_TRUE(contains(r.out, "m3msa ")) << r.out;
+}
+
+// The version comes from project(m3msa VERSION ...) through the generated m3msa/version.h.
+TEST_F(CliTest, VersionIsTheCMakeProjectVersion) {
+  const std::string version = std::to_string(M3MSA_VERSION_MAJOR) + "." +
+                              std::to_string(M3MSA_VERSION_MINOR) + "." +
+                              std::to_string(M3MSA_VERSION_PATCH);
+  EXPECT_EQ(version, M3MSA_VERSION_STRING);
+  Result r = run("--version");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_EQ(r.out, "m3msa " + version + "\n");
+  r = run("info");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "m3msa " + version + "\n")) << r.out;
+  r = run("info --json");
+  EXPECT_EQ(r.code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "\"version\": \"" + version + "\"")) << r.out;
 }
 
 TEST_F(CliTest, Info) {

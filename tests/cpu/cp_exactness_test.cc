@@ -1,5 +1,6 @@
-// The CP model must select exactly what one GPU selects (docs/cp.md "Exactness"), for every world
-// size that can place the heads, on every kind of batch, and across many calls with no barrier.
+// The CP model must select exactly what one GPU selects (docs/context_parallel.md "Exactness"), for
+// every world size that can place the heads, on every kind of batch, and across many calls with no
+// barrier.
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -1,5 +1,6 @@
-// When ranks break the one hard rule of docs/cp.md (same calls, same shapes, same order), the CP
-// model must fail fast with an error that names the culprit: never hang, never return garbage.
+// When ranks break the one hard rule of docs/context_parallel.md (same calls, same shapes, same
+// order), the CP model must fail fast with an error that names the culprit: never hang, never
+// return garbage.
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -1,4 +1,4 @@
-// Numerical hostility for the CPU reference attention (spec.md sections 5 and 6).
+// Numerical hostility for the CPU reference attention (docs/spec.md sections 5 and 6).
 //
 // What the tests pin down:
 //  - NaN / inf anywhere the selection does not reach (unselected blocks, the tail of the last

@@ -1,4 +1,4 @@
-// fp8 e4m3 saturation (spec.md section 3): a value beyond +-448 (after dividing by the cache
+// fp8 e4m3 saturation (docs/spec.md section 3): a value beyond +-448 (after dividing by the cache
 // scale) is stored as +-448, never as NaN or a wrapped code; NaN stays NaN. Checked on the scalar
 // conversion, on both cache inserts (with scales), through preprocessing with norm weights that
 // push keys far past the range, and in selection, where saturated keys tie.

@@ -1,8 +1,8 @@
-// Numerical hostility for the CPU reference selection (spec.md sections 4 and 6): NaN and inf in
-// index queries and index keys (bf16 and fp8 caches), ties everywhere, and contexts of exactly 1,
-// 127, 128 and 129 tokens at the M3 block size. The rule under test: whatever the values, every
+// Numerical hostility for the CPU reference selection (docs/spec.md sections 4 and 6): NaN and inf
+// in index queries and index keys (bf16 and fp8 caches), ties everywhere, and contexts of exactly
+// 1, 127, 128 and 129 tokens at the M3 block size. The rule under test: whatever the values, every
 // (row, head) holds min(k, nb) distinct visible blocks as a prefix, forced blocks first, then the
-// order of spec.md section 4 (bigger score first, NaN after -inf, lower id on ties), then -1.
+// order of docs/spec.md section 4 (bigger score first, NaN after -inf, lower id on ties), then -1.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -42,7 +42,7 @@ std::vector<int32_t> row_of(const Case& c, const HostTensor& topk, int64_t row, 
   return {p, p + c.config.topk};
 }
 
-// The contract of spec.md section 4 that holds for any values: a valid prefix of min(k, nb)
+// The contract of docs/spec.md section 4 that holds for any values: a valid prefix of min(k, nb)
 // distinct visible ids, forced blocks first in ascending id order, -1 after.
 void expect_valid_prefix(const Case& c, const HostTensor& topk) {
   const int k = c.config.topk;

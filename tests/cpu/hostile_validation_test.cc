@@ -1,5 +1,6 @@
 // Hostile inputs to the host validators: each test pins one input the fuzzers (fuzz/) found or
-// the reliability review (docs/reliability.md) listed, and the block-id limit of spec.md section
+// the reliability review (docs/reliability.md) listed, and the block-id limit of docs/spec.md
+// section
 // 4. Every case must end in an m3msa::Error whose message names the argument, never in a crash,
 // UB (the sanitizer build runs these) or a silently accepted value.
 #include <gtest/gtest.h>
@@ -197,7 +198,7 @@ TEST(HostileBatch, SlotBoundDoesNotOverflowForHugePageCounts) {
   EXPECT_NO_THROW(validate_batch_contents(p.batch, tiny_config(4), 1, 3));
 }
 
-// ---- The block-id limit (spec.md section 4): ids up to 2^24 - 2, so a request may hold
+// ---- The block-id limit (docs/spec.md section 4): ids up to 2^24 - 2, so a request may hold
 // 2^24 - 1 blocks. Validation only: nothing is scored at this size. ----
 
 struct LimitCase {

@@ -1,5 +1,5 @@
 // CPU reference indexer: block scores and top-k selection against brute-force oracles, and every
-// selection edge case of spec.md section 6.
+// selection edge case of docs/spec.md section 6.
 #include <gtest/gtest.h>
 
 #include <cmath>

@@ -1,6 +1,6 @@
 // Small hand-built cases and plain brute-force oracles for the CPU reference tests. The oracles
-// are written straight from spec.md (sorting candidates with std::sort and a comparator, softmax in
-// double) and share no code with src/cpu, so a bug in the reference cannot hide in both.
+// are written straight from docs/spec.md (sorting candidates with std::sort and a comparator,
+// softmax in double) and share no code with src/cpu, so a bug in the reference cannot hide in both.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -253,7 +253,7 @@ inline Case make_case(const CaseSpec& spec) {
   return c;
 }
 
-// ---- Oracles written from spec.md ----
+// ---- Oracles written from docs/spec.md ----
 
 // S(row, h, b): fp32 dot products in dimension order, max over the visible tokens; any NaN token
 // makes the block NaN.
@@ -273,8 +273,9 @@ inline float oracle_score(const Case& c, int64_t row, int h, int64_t b) {
   return any_nan ? NAN : best;
 }
 
-// The selection of spec.md section 4 by sorting every visible block with a comparator that spells
-// the ranking out: forced first, then numbers (bigger first), then NaN; ties to the lower id.
+// The selection of docs/spec.md section 4 by sorting every visible block with a comparator that
+// spells the ranking out: forced first, then numbers (bigger first), then NaN; ties to the lower
+// id.
 inline std::vector<int32_t> oracle_selection(const Case& c, int64_t row, int h) {
   const int k = c.config.topk;
   std::vector<int32_t> out(static_cast<std::size_t>(k), -1);

@@ -160,7 +160,7 @@ Reference make_reference(const MasterModel& master) {
   return ref;
 }
 
-// shared_topk: the layer shares this selection (spec.md section 7: no index_q, no index_k
+// shared_topk: the layer shares this selection (docs/spec.md section 7: no index_q, no index_k
 // insert, no indexer); otherwise it selects and, when select_out is given, returns its selection.
 void reference_layer(const Scenario& s, Reference& ref, std::size_t li, const StepMeta& meta,
                      std::vector<uint16_t>& hidden, std::vector<uint16_t>& residual,
@@ -305,9 +305,10 @@ TEST(RuntimeForward, Fp8ProjectionMatchesDequantizedReference) {
   }
 }
 
-// CP on vs CP off (cp.md "Exactness"): every layer's selection of every rank is bit-identical,
-// and since nothing else differs (the q, k, v columns of the projection are computed the same
-// way), so is every output. P = 1, 2 (= index heads) and 4 (> index heads: replicated KV heads).
+// CP on vs CP off (docs/context_parallel.md "Exactness"): every layer's selection of every rank is
+// bit-identical, and since nothing else differs (the q, k, v columns of the projection are computed
+// the same way), so is every output. P = 1, 2 (= index heads) and 4 (> index heads: replicated KV
+// heads).
 TEST(RuntimeForward, ContextParallelEqualsCpOffBitForBit) {
   const Scenario s = make_scenario(/*intermediate=*/128, /*seed=*/31);
   for (int world : {1, 2, 4}) {
@@ -364,12 +365,12 @@ TEST(RuntimeForward, ContextParallelNeedsEveryIndexQHeadInTheProjection) {
   }
 }
 
-// Cross-layer selection sharing (spec.md section 7) with period 2 over the two sparse layers (no
-// MLP: how it amplifies one-ulp differences is not what this test is about):
-// layer 2 (ordinal 1) computes no index_q and inserts no index_k, runs no indexer and attends
-// with layer 1's selection of the same step. Oracle: the reference composition with layer 1's
-// selection handed to layer 2; TP = 2 equals TP = 1 within the TP tolerance; CP + sharing equals
-// sharing alone bit for bit.
+// Cross-layer selection sharing (docs/spec.md section 7) with period 2 over the two sparse layers
+// (no MLP: how it amplifies one-ulp differences is not what this test is about): layer 2 (ordinal
+// 1) computes no index_q and inserts no index_k, runs no indexer and attends with layer 1's
+// selection of the same step. Oracle: the reference composition with layer 1's selection handed to
+// layer 2; TP = 2 equals TP = 1 within the TP tolerance; CP + sharing equals sharing alone bit for
+// bit.
 TEST(RuntimeForward, SelectionSharingReusesTheLastIndexerLayersSelection) {
   const Scenario s = make_scenario(/*intermediate=*/0, /*seed=*/41);
   const int64_t H = s.config.model.hidden;

@@ -1,7 +1,7 @@
-// The runtime's collective lifecycle (mono.md) with ranks as threads: unanimous fallback, mixed
-// failures raising one error everywhere, readiness retries, capture and metadata rules, weight
-// refusals, begin_step refusals counted by reason, detach and close. Every wait is bounded by the
-// group's timeout, so a broken rule fails the test instead of hanging it.
+// The runtime's collective lifecycle (docs/runtime.md) with ranks as threads: unanimous fallback,
+// mixed failures raising one error everywhere, readiness retries, capture and metadata rules,
+// weight refusals, begin_step refusals counted by reason, detach and close. Every wait is bounded
+// by the group's timeout, so a broken rule fails the test instead of hanging it.
 #include <gtest/gtest.h>
 
 #include <chrono>

@@ -1,8 +1,8 @@
-// The CUDA block-sparse attention against the CPU reference (spec.md section 5): randomized decode
-// shapes (batch 1..64, q_len 1..8, contexts 1..256K, padding requests, partly filled own blocks,
-// bf16 and fp8 KV with scales != 1), prefill rows, dense causal attention, nb <= k == dense, rows
-// without keys, graph capture + replay with new metadata == eager, and run-to-run bit identity.
-// Every output is poisoned first. Every test skips without a GPU.
+// The CUDA block-sparse attention against the CPU reference (docs/spec.md section 5): randomized
+// decode shapes (batch 1..64, q_len 1..8, contexts 1..256K, padding requests, partly filled own
+// blocks, bf16 and fp8 KV with scales != 1), prefill rows, dense causal attention, nb <= k ==
+// dense, rows without keys, graph capture + replay with new metadata == eager, and run-to-run bit
+// identity. Every output is poisoned first. Every test skips without a GPU.
 //
 // M3MSA_TEST_ATTENTION_TUNING (e.g. "splitp=1,cluster=0,pdl=1") runs the suite with other launcher
 // knobs (attention.h); unset, the default tuning of launch_attention is tested.

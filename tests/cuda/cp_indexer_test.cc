@@ -1,10 +1,10 @@
 // The CUDA CP indexer (cp_cuda.h) against the one-GPU indexer: selections must be bit-identical
-// for every transport (cp.md "Exactness"), also under CUDA-graph replay with changing metadata;
-// a rank that skips a call makes its peer report kTimeout naming it within the spin budget; a
-// mismatched configuration is caught by the host agreement at setup; a rank that passes another
-// shape or layer for the same call makes its peers report kInvalidArgument naming it, without
-// waiting and without merging its nominations. Ranks are threads, one GPU each; tests that need
-// two GPUs skip (with the reason) on fewer. Ranks as processes: cp_multiprocess_test.cc.
+// for every transport (docs/context_parallel.md "Exactness"), also under CUDA-graph replay with
+// changing metadata; a rank that skips a call makes its peer report kTimeout naming it within the
+// spin budget; a mismatched configuration is caught by the host agreement at setup; a rank that
+// passes another shape or layer for the same call makes its peers report kInvalidArgument naming
+// it, without waiting and without merging its nominations. Ranks are threads, one GPU each; tests
+// that need two GPUs skip (with the reason) on fewer. Ranks as processes: cp_multiprocess_test.cc.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-// Numerical hostility on the GPU (issue 6), through the public CUDA backend, every result compared
+// Numerical hostility on the GPU, through the public CUDA backend, every result compared
 // with the CPU reference (which docs/reliability.md pins down: NaN ranks below -inf, ties go to
 // the lower block id, IEEE arithmetic inside selected blocks, fp8 saturates at +-448). What the
 // other GPU suites already cover is not repeated: NaN in some index keys (CudaIndexer.

@@ -1,5 +1,5 @@
 // Helpers of the CUDA indexer tests: running the CPU oracle, running the GPU indexer through the
-// low-level plan/run API, and the near-tie comparison of method.md.
+// low-level plan/run API, and the near-tie comparison of docs/spec.md section 4.
 //
 // Near-tie rule. The GPU sums each token's 128 products in tensor-core order, the CPU in dimension
 // order, so two blocks whose scores differ by a few fp32 roundings may swap across the k-th place.

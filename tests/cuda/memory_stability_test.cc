@@ -1,4 +1,4 @@
-// Device memory must not leak over repeated plan / run / destroy cycles (issue 6: cudaMemGetInfo
+// Device memory must not leak over repeated plan / run / destroy cycles (cudaMemGetInfo
 // stable over 1000 cycles). Two objects own device memory across calls: the CUDA backend
 // (workspaces sized by plan(), its stream) and the CUDA CP indexer (the peer buffer set, shard
 // tables, its communicator state). Each test runs one cycle to let the driver and the library

@@ -1,7 +1,7 @@
-// The CUDA preprocessing kernel against cpu::preprocess (spec.md section 2): q_out, index_q_out
-// and both caches compared element by element (cache bytes everywhere, so a stray write shows),
-// for bf16 and fp8 caches with scales != 1, positions up to ~2M (large RoPE angles), dead rows
-// (whose slots point at real pages: nothing may be written there), negative slots, and a small
+// The CUDA preprocessing kernel against cpu::preprocess (docs/spec.md section 2): q_out,
+// index_q_out and both caches compared element by element (cache bytes everywhere, so a stray write
+// shows), for bf16 and fp8 caches with scales != 1, positions up to ~2M (large RoPE angles), dead
+// rows (whose slots point at real pages: nothing may be written there), negative slots, and a small
 // non-M3 configuration. The kernel is meant to be bit-exact; a difference of one bf16 ulp (one fp8
 // code) is tolerated on at most 1e-4 of the elements, because cos/sin of the double angle come
 // from CUDA's libm on one side and the host's on the other. Skips without a GPU.

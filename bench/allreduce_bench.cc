@@ -18,7 +18,7 @@
 //
 // Floor (nvlink): the fp32 payload one rank must receive, (P - 1) * rows * hidden * 4 bytes,
 // over the measured 397 GB/s NVLink peer copy, plus the measured 0.63 us one-way peer store
-// latency (../shared/docs/method.md). The one-shot moves twice those bytes (8-byte tagged words).
+// latency (docs/benchmarks.md). The one-shot moves twice those bytes (8-byte tagged words).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <nccl.h>
@@ -49,8 +49,8 @@
 namespace m3msa::bench {
 namespace {
 
-constexpr double kNvlinkGBs = 397.0;       // NVLink peer copy (method.md)
-constexpr double kOneWayLatencyUs = 0.63;  // NVLink peer store, one way (method.md)
+constexpr double kNvlinkGBs = 397.0;       // NVLink peer copy (docs/benchmarks.md)
+constexpr double kOneWayLatencyUs = 0.63;  // NVLink peer store, one way (docs/benchmarks.md)
 
 struct Options {
   std::vector<int> rows = {1, 2, 4, 8, 16};

@@ -1,7 +1,7 @@
 // m3msa bench cp: the context-parallel indexer (cp_cuda.h) on 1 or 2 GPUs of this host, ranks as
 // threads, every transport side by side, under CUDA-graph replay.
 //
-// Grid (issue 4): P {1, 2} x transport {replicated, peer, nccl, allreduce-max} x batch
+// Grid: P {1, 2} x transport {replicated, peer, nccl, allreduce-max} x batch
 // {1, 4, 32, 128} x context {4K, 32K, 128K, 1M} x index cache {fp8, bf16} x q_len {1, 4};
 // `--quick`: batch {1, 32} x context {4K, 32K, 128K} x fp8 x q_len 1. A configuration whose inputs
 // do not fit the free memory is skipped with a note (in the table, the JSON and on stderr).

@@ -1,4 +1,4 @@
-// Device-side random fills for the benchmarks (inputs are never zeros; method.md).
+// Device-side random fills for the benchmarks (inputs are never zeros; docs/benchmarks.md).
 #pragma once
 
 #include <cuda_runtime.h>

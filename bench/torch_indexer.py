@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch eager baseline of the decode indexer (spec.md section 4) for `m3msa bench indexer`.
+"""PyTorch eager baseline of the decode indexer (docs/spec.md section 4) for `m3msa bench indexer`.
 
 The same maths as the CUDA kernels, written the natural PyTorch way: gather each request's
 index-K pages through its block table, one batched matmul of the (row, head) queries against every

@@ -1,8 +1,8 @@
-// Context parallelism (CP) of the indexer (docs/cp.md): the facts every implementation shares.
+// Context parallelism (CP) of the indexer (docs/context_parallel.md): the facts every implementation shares.
 // Under CP the P ranks of a tensor-parallel group split each request's index blocks round-robin
 // (block b belongs to rank b % P), every rank scores all H index heads over its shard and
 // nominates its top k per (row, head), and the ranks that merge a head keep the exact top k of
-// the P * k nominations, bit-identical to the one-GPU selection (cp.md "Exactness"). This header
+// the P * k nominations, bit-identical to the one-GPU selection (docs/context_parallel.md "Exactness"). This header
 // holds what both implementations agree on: the head placement (who merges what), the identity
 // and size of a buffer set, the bound on every wait and the record of a wait that ran out. The
 // CUDA indexer is cp_cuda.h; the executable CPU model of the same protocol is cp_model.h.
@@ -24,7 +24,7 @@ namespace m3msa {
 // fail fast.
 inline constexpr std::chrono::microseconds kDefaultCpSpinBudget{500000};
 
-// ---- Head placement (cp.md "Who merges what") ----
+// ---- Head placement (docs/context_parallel.md "Who merges what") ----
 
 // Throws Error(kInvalidArgument) naming the world size and the head count unless P divides H
 // (one merger per head) or is a multiple of it (P/H consumers per head, each merging for itself).

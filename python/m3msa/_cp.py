@@ -1,5 +1,5 @@
 """The context-parallel indexer: the CPU model of its exchange (include/m3msa/cp_model.h,
-docs/cp.md; P ranks as threads of this process) and one rank of the CUDA one (cp_cuda.h), both
+docs/context_parallel.md; P ranks as threads of this process) and one rank of the CUDA one (cp_cuda.h), both
 bit-identical to select_topk."""
 
 import sys

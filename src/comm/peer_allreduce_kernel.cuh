@@ -4,7 +4,7 @@
 //
 // Purpose: data[0..count) <- the fp32 sum over the P ranks, in rank order, in place, for
 // decode-sized messages (count <= a few hundred thousand floats), in one kernel and without a
-// barrier (the exchange of docs/cp.md "The exchange without a barrier", applied to a sum).
+// barrier (the exchange of docs/context_parallel.md "The exchange without a barrier", applied to a sum).
 //
 // Algorithm (one launch per call, on every rank):
 //  - Every CTA reads the rank's generation counter g (calls completed) at its start; the call uses
@@ -29,7 +29,7 @@
 //    call writes nothing.
 //  - The last CTA to finish advances the counter (g + 1): exactly once per call.
 //
-// Why two parities suffice (the argument of cp.md): a rank's call g+2 stores into parity p
+// Why two parities suffice (the argument of docs/context_parallel.md): a rank's call g+2 stores into parity p
 // slots that its peers read during their call g. The rank started call g+2 after its call g+1
 // completed (stream order), which needed every peer's call word of g+1 (every CTA waits for them,
 // whatever count), which each peer stored after its call g had completed. So every peer's reads of

@@ -1,5 +1,5 @@
 // Device memory that every rank of a communicator can store into: the transport under the
-// barrier-free exchanges (the CP peer transport of docs/cp.md, the one-shot TP all-reduce of
+// barrier-free exchanges (the CP peer transport of docs/context_parallel.md, the one-shot TP all-reduce of
 // peer_allreduce.h). Internal to the library; implementation in peer_memory.cu (a build
 // without CUDA has a stub whose constructor throws kUnsupported).
 //

@@ -1,4 +1,4 @@
-// Kernels of the context-parallel indexer exchange (docs/cp.md, include/m3msa/cp_cuda.h).
+// Kernels of the context-parallel indexer exchange (docs/context_parallel.md, include/m3msa/cp_cuda.h).
 // Framework-free: raw pointers and one params struct (cp_exchange_params.h), launched by
 // cp_exchange.cu.
 //
@@ -26,7 +26,7 @@
 #include <cstdint>
 
 #include "cp/cp_exchange_params.h"
-#include "cuda/indexer.cuh"
+#include "cuda/indexer_kernel.cuh"
 #include "m3msa/sort_key.h"
 
 namespace m3msa::cuda::cp_exchange {
@@ -72,12 +72,12 @@ __global__ void __launch_bounds__(kThreads)
   int seq = 0;
   if (req < p.num_reqs) {
     seq = p.seq_lens[req];
-    const int nb = seq > 0 ? (seq - 1) / idx::kBlockTokens + 1 : 0;
+    const int nb = seq > 0 ? (seq - 1) / indexer::kBlockTokens + 1 : 0;
     cnt = shard_count(nb, p.rank, p.world);
     if (nb > p.table_cols) cnt = 0;  // unreadable request: the scoring guard would flag it
   }
   if (threadIdx.x == 0) {
-    p.local_seq_lens[req] = cnt > 0 ? idx::kBlockTokens * cnt + p.q_len - 1 : 0;
+    p.local_seq_lens[req] = cnt > 0 ? indexer::kBlockTokens * cnt + p.q_len - 1 : 0;
   }
   if (cnt == 0) return;
   const int32_t* row = p.block_table + static_cast<int64_t>(req) * p.table_cols;
@@ -107,7 +107,7 @@ __device__ __forceinline__ void nominate_item(const CpExchangeParams& p, int ite
   const int parity = static_cast<int>(generation & 1u);
 
   const int pos = row_pos(p, row);
-  const int nb = pos >= 0 ? pos / idx::kBlockTokens + 1 : 0;
+  const int nb = pos >= 0 ? pos / indexer::kBlockTokens + 1 : 0;
   int cnt = shard_count(nb, p.rank, p.world);
   if (nb > p.table_cols) cnt = 0;
   const float* scores = p.scores + (static_cast<int64_t>(row) * p.heads + head) * p.local_cols;
@@ -116,7 +116,7 @@ __device__ __forceinline__ void nominate_item(const CpExchangeParams& p, int ite
     return is_forced_block(block, nb, p.init_blocks, p.local_blocks) ? forced_key(block)
                                                                      : scored_key(scores[l], block);
   };
-  const uint64_t key = cnt > 0 ? idx::warp_top_keys(get, cnt, k, scratch) : 0;
+  const uint64_t key = cnt > 0 ? indexer::warp_top_keys(get, cnt, k, scratch) : 0;
   if (lane >= k) return;
   const uint64_t wire = with_tag(key, tag);
   const uint64_t word = with_tag(p.call_word, tag);
@@ -152,7 +152,7 @@ __device__ __forceinline__ uint32_t next_generation(const CpExchangeParams& p) {
 
 __global__ void __launch_bounds__(kThreads)
     cp_exchange_nominate_kernel(const __grid_constant__ CpExchangeParams p) {
-  __shared__ __align__(16) uint64_t s_scratch[kWarps][idx::kScratch];
+  __shared__ __align__(16) uint64_t s_scratch[kWarps][indexer::kScratch];
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   nominate_item(p, blockIdx.x * kWarps + warp, next_generation(p), &s_scratch[warp][0]);
 }
@@ -161,7 +161,7 @@ __global__ void __launch_bounds__(kThreads)
 // Merge. Purpose: for each (row, merged head) of the buffer's max_rows, wait until every source's
 // k slots and call word carry this call's tag, check the word against this rank's (a different
 // one is a rank that passed another shape: recorded, nothing merged), strip the tags and select
-// the exact top k of the P * k candidates (cp.md "Exactness"); live rows write topk_idx. Every
+// the exact top k of the P * k candidates (docs/context_parallel.md "Exactness"); live rows write topk_idx. Every
 // wait is bounded: the timer is read only after a first miss, then every 32 polls; on expiry (or
 // when another warp already gave up) the warp records (layer, row, head, source, expected tag,
 // seen tag) once and leaves. The last CTA to finish bumps the generation counter for the next
@@ -258,8 +258,8 @@ __device__ __forceinline__ void merge_item(const CpExchangeParams& p, int item, 
     if (!failed && row < p.live_rows) {
       const uint64_t* cand = s_cand_warp;
       const uint64_t top =
-          idx::warp_top_keys([&](int i) { return cand[i]; }, p.world * k, k, scratch);
-      idx::write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * p.merged + local_head) * k, top,
+          indexer::warp_top_keys([&](int i) { return cand[i]; }, p.world * k, k, scratch);
+      indexer::write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * p.merged + local_head) * k, top,
                           k);
     }
   }
@@ -282,7 +282,7 @@ __device__ __forceinline__ void finish_call(const CpExchangeParams& p, uint32_t 
 __global__ void __launch_bounds__(kThreads)
     cp_exchange_merge_kernel(const __grid_constant__ CpExchangeParams p) {
   __shared__ __align__(16) uint64_t s_cand[kWarps][kMaxCand];
-  __shared__ __align__(16) uint64_t s_scratch[kWarps][idx::kScratch];
+  __shared__ __align__(16) uint64_t s_scratch[kWarps][indexer::kScratch];
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const uint32_t generation = next_generation(p);
   merge_item(p, blockIdx.x * kWarps + warp, generation, &s_cand[warp][0], &s_scratch[warp][0]);
@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads)
     cp_exchange_fused_kernel(const __grid_constant__ CpExchangeParams p, int nominate_ctas) {
   __shared__ __align__(16) uint64_t s_cand[kWarps][kMaxCand];
-  __shared__ __align__(16) uint64_t s_scratch[kWarps][idx::kScratch];
+  __shared__ __align__(16) uint64_t s_scratch[kWarps][indexer::kScratch];
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const uint32_t generation = next_generation(p);
   if (static_cast<int>(blockIdx.x) < nominate_ctas) {
@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (b >= p.full_cols) return;
   const int pos = row_pos(p, row);
-  const int nb = pos >= 0 ? pos / idx::kBlockTokens + 1 : 0;
+  const int nb = pos >= 0 ? pos / indexer::kBlockTokens + 1 : 0;
   float value = neg_inf;
   if (b < nb && nb <= p.table_cols && b % p.world == p.rank) {
     value = p.scores[(static_cast<int64_t>(row) * p.heads + head) * p.local_cols + b / p.world];
@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kThreads)
 // Grid: ceil(max_rows * merged / 8) CTAs, one warp per (row, merged head); live rows only write.
 __global__ void __launch_bounds__(kThreads)
     cp_exchange_select_full_kernel(const __grid_constant__ CpExchangeParams p) {
-  __shared__ __align__(16) uint64_t s_scratch[kWarps][idx::kScratch];
+  __shared__ __align__(16) uint64_t s_scratch[kWarps][indexer::kScratch];
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(threadIdx.x) & 31;
   const int item = blockIdx.x * kWarps + warp;
@@ -410,7 +410,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   if (row >= p.live_rows) return;
   const int pos = row_pos(p, row);
-  int nb = pos >= 0 ? pos / idx::kBlockTokens + 1 : 0;
+  int nb = pos >= 0 ? pos / indexer::kBlockTokens + 1 : 0;
   if (nb > p.table_cols) nb = 0;
   const float* scores =
       p.full_scores + (static_cast<int64_t>(row) * p.heads + p.head0 + local_head) * p.full_cols;
@@ -419,8 +419,8 @@ __global__ void __launch_bounds__(kThreads)
     return is_forced_block(b, nb, p.init_blocks, p.local_blocks) ? forced_key(block)
                                                                  : scored_key(scores[b], block);
   };
-  const uint64_t top = idx::warp_top_keys(get, nb, p.topk, &s_scratch[warp][0]);
-  idx::write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * p.merged + local_head) * p.topk,
+  const uint64_t top = indexer::warp_top_keys(get, nb, p.topk, &s_scratch[warp][0]);
+  indexer::write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * p.merged + local_head) * p.topk,
                       top, p.topk);
 }
 

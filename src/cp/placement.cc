@@ -1,4 +1,4 @@
-// Head placement and buffer keys of the CP indexer (docs/cp.md "Who merges what"). Shared by the
+// Head placement and buffer keys of the CP indexer (docs/context_parallel.md "Who merges what"). Shared by the
 // CPU model and, later, the CUDA transports, so both place heads identically.
 #include <sstream>
 

@@ -1,26 +1,27 @@
-// Host launchers of the indexer kernels (indexer.cuh): planning, validation and dispatch.
+// Host launchers of the indexer kernels (indexer_kernel.cuh): planning, validation and dispatch.
 #include "cuda/indexer.h"
 
 #include <algorithm>
+#include <cub/block/block_scan.cuh>
 #include <map>
 #include <mutex>
 #include <string>
 #include <utility>
 
 #include "cuda/common.cuh"
-#include "cuda/indexer.cuh"
-#include "cuda/params.h"
+#include "cuda/indexer_kernel.cuh"
+#include "cuda/indexer_params.h"
 #include "m3msa/error.h"
 
 namespace m3msa::cuda {
 
-namespace idx {
+namespace indexer {
 
 // ---------------------------------------------------------------------------------------------
 // Unfused baseline, second kernel: one warp per (row, head) selects from the score tensor.
 // Grid: ceil(rows * H / 8) CTAs of 256 threads. Decode only.
 __global__ void __launch_bounds__(kThreads)
-    topk_from_scores_kernel(const __grid_constant__ IndexerParams p) {
+    indexer_topk_kernel(const __grid_constant__ IndexerParams p) {
   __shared__ __align__(16) uint64_t s_scratch[kWarps][kScratch];
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int64_t item = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
@@ -46,11 +47,9 @@ __global__ void __launch_bounds__(kThreads)
 // Prefill preparation: split each request's rows into units of <= kPrefillUnitRows.
 // Grid: 1 CTA of 1024 threads.
 __global__ void __launch_bounds__(1024)
-    prefill_units_kernel(const __grid_constant__ IndexerParams p) {
-  __shared__ int s_warp_sum[32];
+    indexer_prefill_units_kernel(const __grid_constant__ IndexerParams p) {
+  __shared__ typename cub::BlockScan<int, 1024>::TempStorage s_scan;
   const int tid = static_cast<int>(threadIdx.x);
-  const int lane = tid & 31;
-  const int warp = tid >> 5;
   const int per = (p.num_reqs + 1023) / 1024;
   const int r_begin = min(p.num_reqs, tid * per);
   const int r_end = min(p.num_reqs, r_begin + per);
@@ -60,16 +59,8 @@ __global__ void __launch_bounds__(1024)
   };
   int local = 0;
   for (int r = r_begin; r < r_end; ++r) local += groups(r);
-  int inclusive = local;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, off);
-    if (lane >= off) inclusive += v;
-  }
-  if (lane == 31) s_warp_sum[warp] = inclusive;
-  __syncthreads();
-  int unit = inclusive - local;
-  for (int w = 0; w < warp; ++w) unit += s_warp_sum[w];
+  int unit = 0;
+  cub::BlockScan<int, 1024>(s_scan).ExclusiveSum(local, unit);
   for (int r = r_begin; r < r_end; ++r) {
     const int first = p.cu_seqlens_q[r];
     const int len = max(0, p.cu_seqlens_q[r + 1] - first);
@@ -86,7 +77,7 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
-}  // namespace idx
+}  // namespace indexer
 
 namespace {
 
@@ -95,26 +86,26 @@ using KernelFn = void (*)(const IndexerParams);
 template <int kMode>
 KernelFn scoring_kernel(bool fp8, int n_tiles) {
   switch (n_tiles) {
-    case 1: return fp8 ? idx::indexer_kernel<true, 1, kMode> : idx::indexer_kernel<false, 1, kMode>;
-    case 2: return fp8 ? idx::indexer_kernel<true, 2, kMode> : idx::indexer_kernel<false, 2, kMode>;
-    case 4: return fp8 ? idx::indexer_kernel<true, 4, kMode> : idx::indexer_kernel<false, 4, kMode>;
+    case 1: return fp8 ? indexer::indexer_span_kernel<true, 1, kMode> : indexer::indexer_span_kernel<false, 1, kMode>;
+    case 2: return fp8 ? indexer::indexer_span_kernel<true, 2, kMode> : indexer::indexer_span_kernel<false, 2, kMode>;
+    case 4: return fp8 ? indexer::indexer_span_kernel<true, 4, kMode> : indexer::indexer_span_kernel<false, 4, kMode>;
     default: M3MSA_THROW(ErrorCode::kInternal, "indexer: no kernel for ", n_tiles, " n-tiles");
   }
 }
 
 KernelFn split_kernel(bool fp8, int n_tiles) {
   switch (n_tiles) {
-    case 1: return fp8 ? idx::indexer_split_kernel<true, 1> : idx::indexer_split_kernel<false, 1>;
-    case 2: return fp8 ? idx::indexer_split_kernel<true, 2> : idx::indexer_split_kernel<false, 2>;
-    case 4: return fp8 ? idx::indexer_split_kernel<true, 4> : idx::indexer_split_kernel<false, 4>;
+    case 1: return fp8 ? indexer::indexer_split_kernel<true, 1> : indexer::indexer_split_kernel<false, 1>;
+    case 2: return fp8 ? indexer::indexer_split_kernel<true, 2> : indexer::indexer_split_kernel<false, 2>;
+    case 4: return fp8 ? indexer::indexer_split_kernel<true, 4> : indexer::indexer_split_kernel<false, 4>;
     default:
       M3MSA_THROW(ErrorCode::kInternal, "indexer: no split kernel for ", n_tiles, " n-tiles");
   }
 }
 
 KernelFn pick_scoring_kernel(bool fp8, int n_tiles, bool scores_only) {
-  return scores_only ? scoring_kernel<idx::kModeScores>(fp8, n_tiles)
-                     : scoring_kernel<idx::kModeTopk>(fp8, n_tiles);
+  return scores_only ? scoring_kernel<indexer::kModeScores>(fp8, n_tiles)
+                     : scoring_kernel<indexer::kModeTopk>(fp8, n_tiles);
 }
 
 // n8 tiles for `vectors` query vectors (1, 2 or 4).
@@ -151,7 +142,7 @@ void raise_scoring_smem_limit(int device, std::size_t smem) {
       if (limit == 0) {  // the split kernel's ring is fixed: set once per device
         CUDA_CHECK(cudaFuncSetAttribute(split_kernel(fp8, tiles),
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        idx::kSplitRingBytes));
+                                        indexer::kSplitRingBytes));
       }
     }
   }
@@ -161,16 +152,16 @@ void raise_scoring_smem_limit(int device, std::size_t smem) {
 }  // namespace
 
 void check_indexer_supported(const SparseConfig& config) {
-  M3MSA_CHECK_SUPPORTED(config.index_dim == idx::kDim, "CUDA indexer: config.index_dim must be ",
-                        idx::kDim, ", got ", config.index_dim);
-  M3MSA_CHECK_SUPPORTED(config.block_size == idx::kBlockTokens,
-                        "CUDA indexer: config.block_size must be ", idx::kBlockTokens, ", got ",
+  M3MSA_CHECK_SUPPORTED(config.index_dim == indexer::kDim, "CUDA indexer: config.index_dim must be ",
+                        indexer::kDim, ", got ", config.index_dim);
+  M3MSA_CHECK_SUPPORTED(config.block_size == indexer::kBlockTokens,
+                        "CUDA indexer: config.block_size must be ", indexer::kBlockTokens, ", got ",
                         config.block_size);
-  M3MSA_CHECK_SUPPORTED(config.topk <= idx::kMaxTopk,
-                        "CUDA indexer: config.topk must be <= ", idx::kMaxTopk, ", got ",
+  M3MSA_CHECK_SUPPORTED(config.topk <= indexer::kMaxTopk,
+                        "CUDA indexer: config.topk must be <= ", indexer::kMaxTopk, ", got ",
                         config.topk);
-  M3MSA_CHECK_SUPPORTED(config.index_heads <= idx::kMaxVectors,
-                        "CUDA indexer: config.index_heads must be <= ", idx::kMaxVectors, ", got ",
+  M3MSA_CHECK_SUPPORTED(config.index_heads <= indexer::kMaxVectors,
+                        "CUDA indexer: config.index_heads must be <= ", indexer::kMaxVectors, ", got ",
                         config.index_heads);
 }
 
@@ -184,9 +175,9 @@ IndexerPlan plan_indexer(const SparseConfig& config, const PlanLimits& limits, i
   M3MSA_CHECK_ARG(limits.max_context >= 0, "limits.max_context must be >= 0, got ",
                   limits.max_context);
   const int H = config.index_heads;
-  M3MSA_CHECK_SUPPORTED(limits.max_q_len * H <= idx::kMaxVectors,
+  M3MSA_CHECK_SUPPORTED(limits.max_q_len * H <= indexer::kMaxVectors,
                         "CUDA indexer: limits.max_q_len (", limits.max_q_len, ") * index_heads (",
-                        H, ") must be <= ", idx::kMaxVectors);
+                        H, ") must be <= ", indexer::kMaxVectors);
 
   IndexerPlan plan;
   plan.config = config;
@@ -195,14 +186,14 @@ IndexerPlan plan_indexer(const SparseConfig& config, const PlanLimits& limits, i
   const int64_t decode_max_rows = int64_t{limits.max_reqs} * limits.max_q_len;
   if (plan.limits.max_rows == 0) plan.limits.max_rows = decode_max_rows;
   // Prefill capacity (row groups of 8) costs little, so every plan has it where supported.
-  const bool prefill = H * idx::kPrefillUnitRows <= idx::kMaxVectors;
+  const bool prefill = H * indexer::kPrefillUnitRows <= indexer::kMaxVectors;
   const int64_t max_units =
       int64_t{limits.max_reqs} +
-      (plan.limits.max_rows + idx::kPrefillUnitRows - 1) / idx::kPrefillUnitRows;
+      (plan.limits.max_rows + indexer::kPrefillUnitRows - 1) / indexer::kPrefillUnitRows;
   plan.max_units = narrow_int(max_units, "indexer plan: units (max_reqs + max_rows / 8)");
   plan.unit_vectors =
-      H * (prefill ? std::max(limits.max_q_len, idx::kPrefillUnitRows) : limits.max_q_len);
-  plan.unit_vectors = std::min(plan.unit_vectors, idx::kMaxVectors);
+      H * (prefill ? std::max(limits.max_q_len, indexer::kPrefillUnitRows) : limits.max_q_len);
+  plan.unit_vectors = std::min(plan.unit_vectors, indexer::kMaxVectors);
 
   DeviceGuard guard(device);
   int sm_count = 0;
@@ -275,7 +266,7 @@ bool indexer_fits_plan(const IndexerPlan& plan, const SparseConfig& config, cons
                   " > limits.max_q_len = " + std::to_string(plan.limits.max_q_len));
     }
   } else {
-    if (config.index_heads * idx::kPrefillUnitRows > plan.unit_vectors ||
+    if (config.index_heads * indexer::kPrefillUnitRows > plan.unit_vectors ||
         plan.off_cand == plan.off_units) {
       return fail("prefill needs index_heads <= 4 (row groups of 8 rows)");
     }
@@ -298,13 +289,13 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
   const BatchMeta& batch = args.batch;
   M3MSA_CHECK_ARG(batch.index_block_table.defined(), "batch.index_block_table is required");
   if (batch.kind == BatchKind::kDecode) {
-    M3MSA_CHECK_SUPPORTED(batch.q_len * config.index_heads <= idx::kMaxVectors,
+    M3MSA_CHECK_SUPPORTED(batch.q_len * config.index_heads <= indexer::kMaxVectors,
                           "CUDA indexer: batch.q_len (", batch.q_len, ") * index_heads (",
-                          config.index_heads, ") must be <= ", idx::kMaxVectors);
+                          config.index_heads, ") must be <= ", indexer::kMaxVectors);
   } else {
-    M3MSA_CHECK_SUPPORTED(config.index_heads * idx::kPrefillUnitRows <= idx::kMaxVectors,
+    M3MSA_CHECK_SUPPORTED(config.index_heads * indexer::kPrefillUnitRows <= indexer::kMaxVectors,
                           "CUDA prefill indexer: index_heads must be <= ",
-                          idx::kMaxVectors / idx::kPrefillUnitRows, ", got ", config.index_heads);
+                          indexer::kMaxVectors / indexer::kPrefillUnitRows, ", got ", config.index_heads);
   }
   // 16-byte vector loads and cp.async need 16-byte aligned rows.
   for (const auto& [view, name] :
@@ -361,27 +352,27 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
       // splits * num_reqs <= grid + max_units CTAs' candidates.
       const int splits = std::max(1, plan.grid / batch.num_reqs);
       const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(batch.num_reqs));
-      split_kernel(fp8, tiles)<<<grid, idx::kThreads, idx::kSplitRingBytes, stream>>>(p);
+      split_kernel(fp8, tiles)<<<grid, indexer::kThreads, indexer::kSplitRingBytes, stream>>>(p);
       CUDA_CHECK_LAUNCH();
       return;
     }
-    pick_scoring_kernel(fp8, tiles, unfused)<<<plan.grid, idx::kThreads, smem, stream>>>(p);
+    pick_scoring_kernel(fp8, tiles, unfused)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
     if (unfused) {
       const int64_t items = rows * config.index_heads;
-      const int64_t ctas = (items + idx::kWarps - 1) / idx::kWarps;
-      idx::topk_from_scores_kernel<<<narrow_int(ctas, "unfused top-k CTAs"), idx::kThreads, 0,
+      const int64_t ctas = (items + indexer::kWarps - 1) / indexer::kWarps;
+      indexer::indexer_topk_kernel<<<narrow_int(ctas, "unfused top-k CTAs"), indexer::kThreads, 0,
                                      stream>>>(p);
       CUDA_CHECK_LAUNCH();
     }
   } else {
     p.cu_seqlens_q = batch.cu_seqlens_q.ptr<const int32_t>();
     p.context_lens = batch.context_lens.ptr<const int32_t>();
-    p.unit_vectors = idx::kPrefillUnitRows * config.index_heads;
-    idx::prefill_units_kernel<<<1, 1024, 0, stream>>>(p);
+    p.unit_vectors = indexer::kPrefillUnitRows * config.index_heads;
+    indexer::indexer_prefill_units_kernel<<<1, 1024, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH();
     const int tiles = n_tiles_for(p.unit_vectors);
-    pick_scoring_kernel(fp8, tiles, false)<<<plan.grid, idx::kThreads, smem, stream>>>(p);
+    pick_scoring_kernel(fp8, tiles, false)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
   }
 }

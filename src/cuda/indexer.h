@@ -66,7 +66,7 @@ bool indexer_fits_plan(const IndexerPlan& plan, const SparseConfig& config, cons
 void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const IndexerArgs& args,
                     IndexerVariant variant, void* workspace, cudaStream_t stream);
 
-// The sticky kStatus* bits (params.h) of the device-side guards; synchronizes `stream`.
+// The sticky kStatus* bits (indexer_params.h) of the device-side guards; synchronizes `stream`.
 uint32_t read_indexer_status(const IndexerPlan& plan, const void* workspace, cudaStream_t stream,
                              bool clear);
 

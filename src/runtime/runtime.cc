@@ -1,4 +1,4 @@
-// The runtime's lifecycle (mono.md): the staged, collectively agreed prepare, begin_step into
+// The runtime's lifecycle (docs/runtime.md): the staged, collectively agreed prepare, begin_step into
 // fixed metadata buffers, forward_layer (its checks and bookkeeping; the layer itself runs on the
 // engine prepare built: cpu_engine.cc for host tensors, gpu_engine.cc for tensors on a GPU),
 // detach and close. Everything a step needs is allocated in prepare; the step path allocates
@@ -350,10 +350,10 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
   Impl& s = *impl_;
   M3MSA_CHECK_ARG(!step.capturing,
                   "prepare: called while a stream is capturing; prepare runs only in an eager "
-                  "step (mono.md lifecycle 1)");
+                  "step (docs/runtime.md lifecycle 1)");
   M3MSA_CHECK_ARG(!runtime_detail::stream_is_capturing(config.cuda_stream),
                   "prepare: config.cuda_stream is capturing a graph; prepare runs only in an "
-                  "eager step (mono.md lifecycle 1)");
+                  "eager step (docs/runtime.md lifecycle 1)");
   if (s.state == RuntimeState::kFallback) return PrepareResult::kFallback;  // final
   if (s.state == RuntimeState::kActive) return PrepareResult::kActive;
   if (!step.has_metadata) {
@@ -566,7 +566,7 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
     check_device(view, name, s.device);
     M3MSA_CHECK_ARG(view.is_contiguous(), name, " must be contiguous, got ", describe(view));
   }
-  // Cross-layer selection sharing (spec.md section 7): ordinals that are not multiples of the
+  // Cross-layer selection sharing (docs/spec.md section 7): ordinals that are not multiples of the
   // period attend with the selection of the step's last layer that ran its indexer.
   const int period = s.config.selection_share_period;
   const bool run_indexer = (layer - m.first_sparse_layer) % period == 0;

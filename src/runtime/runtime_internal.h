@@ -100,7 +100,7 @@ class GpuEngine {
   virtual BatchMeta stage_step(const BatchMeta& batch, int padded_reqs) = 0;
   // One sparse layer on the stream (tensors on the engine's device; shapes checked by the caller).
   // run_indexer false: the layer shares the selection left in the engine's top-k buffer by the
-  // last layer that ran its indexer (spec.md section 7).
+  // last layer that ran its indexer (docs/spec.md section 7).
   virtual void forward_layer(const LayerWeights& w, const BatchMeta& step, const TensorView& hidden,
                              const TensorView& residual, const TensorView& positions,
                              bool run_indexer) = 0;

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
-#include "cuda/indexer.cuh"
+#include "cuda/indexer_kernel.cuh"
 #include "indexer_test_util.h"
 #include "m3msa/dtype.h"
 
@@ -19,14 +19,14 @@ namespace m3msa::idxtest {
 namespace {
 
 __global__ void warp_top_keys_kernel(const uint64_t* keys, int count, int k, uint64_t* out) {
-  __shared__ uint64_t scratch[cuda::idx::kScratch];
-  const uint64_t top = cuda::idx::warp_top_keys([&](int i) { return keys[i]; }, count, k, scratch);
+  __shared__ uint64_t scratch[cuda::indexer::kScratch];
+  const uint64_t top = cuda::indexer::warp_top_keys([&](int i) { return keys[i]; }, count, k, scratch);
   out[threadIdx.x] = top;
 }
 
 __global__ void widen_fp8_kernel(uint32_t* out) {
   const uint32_t v = threadIdx.x;  // 0..255 in the low byte, v ^ 0x55 in the high byte
-  out[v] = cuda::idx::e4m3x2_to_bf16x2(v | ((v ^ 0x55u) << 8));
+  out[v] = cuda::indexer::e4m3x2_to_bf16x2(v | ((v ^ 0x55u) << 8));
 }
 
 std::vector<uint64_t> reference_top(std::vector<uint64_t> keys, int k) {

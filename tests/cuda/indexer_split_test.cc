@@ -10,7 +10,7 @@
 #include <numeric>
 #include <vector>
 
-#include "cuda/params.h"
+#include "cuda/indexer_params.h"
 #include "indexer_test_util.h"
 
 namespace m3msa::idxtest {

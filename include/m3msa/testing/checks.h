@@ -15,7 +15,7 @@
 
 namespace m3msa::testkit {
 
-// Tolerances, in units of the output dtype (style.md 7).
+// Tolerances, in units of the output dtype.
 // CPU reference vs itself in another summation order (sparse vs dense attention): fp32 sums in a
 // different order flip at most the last bf16 bit, rarely two.
 inline constexpr double kSameBackendUlps = 2.0;
@@ -25,7 +25,7 @@ inline constexpr double kCrossBackendUlps = 4.0;
 // output near zero comes from cancellation of terms of the tensor's typical size, and its error
 // scales with those terms, not with the result (a relative measure there would mean nothing).
 inline constexpr float kUlpFloor = 1.0f / 1024.0f;
-// Near-tie rule for selections of another backend (method.md, oracle 4): a block may be swapped
+// Near-tie rule for selections of another backend (docs/spec.md section 4): a block may be swapped
 // with another only when both reference scores are within this (relative to max(1, |S_k|)) of
 // the k-th selected score.
 inline constexpr double kSelectionTieTolerance = 1e-3;
@@ -55,7 +55,7 @@ CheckResult check_selections_wellformed(const SparseConfig& config, const BatchM
                                         const TensorView& topk_idx);
 
 // Recomputes the block scores (cpu::score_blocks) and checks every list of args.topk_idx against
-// the top-k of the sort keys of spec.md section 4, or against `want` ([rows, H, k] i32) when
+// the top-k of the sort keys of docs/spec.md section 4, or against `want` ([rows, H, k] i32) when
 // given. tie_tolerance 0: the exact list; > 0: the same set up to swaps of blocks whose reference
 // scores are within the tolerance of the k-th score (kSelectionTieTolerance).
 CheckResult check_selections_vs_scores(const SparseConfig& config, const IndexerArgs& args,

@@ -30,7 +30,7 @@ struct ReferenceLayer {
 struct ReferenceOptions {
   double swiglu_limit = 7.0;
   int threads = 1;
-  // The layer shares this selection ([rows, index_heads, k] i32; spec.md section 7: no index_q,
+  // The layer shares this selection ([rows, index_heads, k] i32; docs/spec.md section 7: no index_q,
   // no index_k insert, no indexer); otherwise it selects.
   const HostTensor* shared_topk = nullptr;
   HostTensor* select_out = nullptr;  // the layer's own selection, when it selects

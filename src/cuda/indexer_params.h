@@ -1,6 +1,6 @@
-// Kernel parameter structs of the indexer kernels (the attention and preprocessing kernels keep
-// theirs in attention_params.h). Plain data, passed by value as __grid_constant__; every pointer
-// carries its shape; derived scalars are computed on the host by the launcher (indexer.cu).
+// Kernel parameter structs of the indexer family (every family keeps its own in
+// <family>_params.h). Plain data, passed by value as __grid_constant__; every pointer carries its
+// shape; derived scalars are computed on the host by the launcher (indexer.cu).
 #pragma once
 
 #include <vector_types.h>

@@ -1,4 +1,4 @@
-// Decode / prefill indexer kernels (spec.md section 4): block scores of the index-K cache against
+// Decode / prefill indexer kernels (docs/spec.md section 4): block scores of the index-K cache against
 // the index queries, and the exact top-k block selection. Framework-free: raw pointers, one params
 // struct (params.h), launched by indexer.cu.
 //
@@ -16,7 +16,7 @@
 //
 // Selection (fused). After each block the 8 warps' partial maxima meet in shared memory; the owner
 // lane of each query vector turns the block score into its sort key (forced blocks, NaN, -0.0 per
-// spec.md) and appends it to a per-vector buffer if it beats the vector's current k-th key; a full
+// docs/spec.md) and appends it to a per-vector buffer if it beats the vector's current k-th key; a full
 // buffer is cut back to its top k. When a unit's segment ends, a unit covered by one CTA writes
 // its answer directly; otherwise each CTA writes its best min(k, blocks) keys per vector to the
 // workspace, and the last CTA to arrive (atomic counter, reset by that CTA for the next launch or
@@ -24,15 +24,16 @@
 #pragma once
 
 #include <cuda_fp16.h>
+#include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
 
 #include <climits>
 #include <cstdint>
 
-#include "cuda/params.h"
+#include "cuda/indexer_params.h"
 #include "m3msa/sort_key.h"
 
-namespace m3msa::cuda::idx {
+namespace m3msa::cuda::indexer {
 
 inline constexpr int kDim = 128;          // index_dim
 inline constexpr int kBlockTokens = 128;  // block_size
@@ -389,10 +390,10 @@ struct Tile {
 // Grid: any number of CTAs (the plan uses 2 per SM); 256 threads; dynamic shared memory holds the
 // units' block prefix sums ((max_units + 1) ints).
 // Requires: index_dim = block_size = 128, unit_vectors <= 8 * kNT, topk <= 32, counters zero
-// before the launch (left zero after it), prefill units prepared by prefill_units_kernel.
+// before the launch (left zero after it), prefill units prepared by indexer_prefill_units_kernel.
 template <bool kFp8, int kNT, int kMode>
 __global__ void __launch_bounds__(kThreads, 2)
-    indexer_kernel(const __grid_constant__ IndexerParams p) {
+    indexer_span_kernel(const __grid_constant__ IndexerParams p) {
   using TileT = Tile<kFp8>;
   constexpr int kDepth = TileT::kDepth;
   // Dynamic: [units + 1] first block of each unit and the total.
@@ -400,7 +401,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ uint2 s_bfrag[kNT][8][32];  // B fragments of the unit's query vectors
   __shared__ __align__(16) float s_red[2][kWarps][kNT * 8];    // per-warp partial block maxima
   __shared__ __align__(16) uint64_t s_keys[kWarps][kScratch];  // per-vector buffers / scratch
-  __shared__ int s_warp_sum[kWarps];
+  __shared__ typename cub::BlockScan<int, kThreads>::TempStorage s_scan;
   __shared__ int s_last;
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -420,16 +421,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int u_end = min(num_units, u_begin + per);
     int local = 0;
     for (int u = u_begin; u < u_end; ++u) local += load_unit(p, u).blocks;
-    int inclusive = local;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int v = __shfl_up_sync(0xFFFFFFFFu, inclusive, off);
-      if (lane >= off) inclusive += v;
-    }
-    if (lane == 31) s_warp_sum[warp] = inclusive;
-    __syncthreads();
-    int running = inclusive - local;
-    for (int w = 0; w < warp; ++w) running += s_warp_sum[w];
+    int running = 0;
+    cub::BlockScan<int, kThreads>(s_scan).ExclusiveSum(local, running);
     for (int u = u_begin; u < u_end; ++u) {
       s_prefix[u] = running;
       running += load_unit(p, u).blocks;
@@ -1085,4 +1078,4 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
 }
 
-}  // namespace m3msa::cuda::idx
+}  // namespace m3msa::cuda::indexer

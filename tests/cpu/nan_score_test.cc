@@ -4,7 +4,7 @@
 // but above "no candidate"; a NaN after a row's position changes nothing; dead rows are all -1.
 #include <gtest/gtest.h>
 
-#include "m3msa/cp.h"
+#include "m3msa/cp_model.h"
 #include "m3msa/cpu_reference.h"
 #include "nan_score_case.h"
 

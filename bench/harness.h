@@ -26,7 +26,8 @@
 
 namespace m3msa::bench {
 
-inline constexpr double kReadCeilingTBs = 4.57;  // measured HBM read-only ceiling (docs/benchmarks.md)
+inline constexpr double kReadCeilingTBs =
+    4.57;  // measured HBM read-only ceiling (docs/benchmarks.md)
 inline constexpr int64_t kL2Bytes = 60ll << 20;
 
 // "a,b,c" -> {"a", "b", "c"} (the comma lists of the bench flags; "" -> {}).

@@ -14,9 +14,9 @@
 //               reference ops with double-precision projections and norms).
 //     Outputs must agree within |got - want| <= abs + rel |want| (the tolerances of
 //     tests/cpu/runtime_forward_test.cc and tests/cuda/runtime_gpu_fixture.h, the TP terms added
-//     when TP > 1); selections equal, or differing only by swaps of near-tied blocks (docs/spec.md section 4,
-//     1e-3 of the k-th score; such rows are left out of the value check, at most a quarter of
-//     them); every rank's outputs bit-identical to rank 0's.
+//     when TP > 1); selections equal, or differing only by swaps of near-tied blocks (docs/spec.md
+//     section 4, 1e-3 of the k-th score; such rows are left out of the value check, at most a
+//     quarter of them); every rank's outputs bit-identical to rank 0's.
 #include "demo_runtime.h"
 
 #include <fmt/format.h>

@@ -1,11 +1,12 @@
-// Context parallelism (CP) of the indexer (docs/context_parallel.md): the facts every implementation shares.
-// Under CP the P ranks of a tensor-parallel group split each request's index blocks round-robin
-// (block b belongs to rank b % P), every rank scores all H index heads over its shard and
-// nominates its top k per (row, head), and the ranks that merge a head keep the exact top k of
-// the P * k nominations, bit-identical to the one-GPU selection (docs/context_parallel.md "Exactness"). This header
-// holds what both implementations agree on: the head placement (who merges what), the identity
-// and size of a buffer set, the bound on every wait and the record of a wait that ran out. The
-// CUDA indexer is cp_cuda.h; the executable CPU model of the same protocol is cp_model.h.
+// Context parallelism (CP) of the indexer (docs/context_parallel.md): the facts every
+// implementation shares. Under CP the P ranks of a tensor-parallel group split each request's index
+// blocks round-robin (block b belongs to rank b % P), every rank scores all H index heads over its
+// shard and nominates its top k per (row, head), and the ranks that merge a head keep the exact top
+// k of the P * k nominations, bit-identical to the one-GPU selection (docs/context_parallel.md
+// "Exactness"). This header holds what both implementations agree on: the head placement (who
+// merges what), the identity and size of a buffer set, the bound on every wait and the record of a
+// wait that ran out. The CUDA indexer is cp_cuda.h; the executable CPU model of the same protocol
+// is cp_model.h.
 //
 // Configuration convention: the SparseConfig given to a CP indexer is the indexer's view of one
 // rank under CP, i.e. it has all H index heads (every rank projects and scores all of them); it is

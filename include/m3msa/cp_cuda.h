@@ -1,5 +1,5 @@
-// The context-parallel (CP) indexer on several GPUs (docs/context_parallel.md). The CPU model of the same
-// protocol is cp_model.h; this is its CUDA counterpart, with the same head placement
+// The context-parallel (CP) indexer on several GPUs (docs/context_parallel.md). The CPU model of
+// the same protocol is cp_model.h; this is its CUDA counterpart, with the same head placement
 // (cp_merged_heads / cp_consumers of cp.h), buffer key, tags, parities and bounded spin. The NCCL
 // transports run on the NcclCommunicator of comm.h.
 //

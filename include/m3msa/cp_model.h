@@ -1,6 +1,7 @@
-// An executable CPU model of the context-parallel (CP) indexer exchange of docs/context_parallel.md: P ranks are
-// threads of one process, each rank's device buffer is host memory of std::atomic<uint64_t>, and
-// the protocol is the one the GPU "peer" transport runs, step for step:
+// An executable CPU model of the context-parallel (CP) indexer exchange of
+// docs/context_parallel.md: P ranks are threads of one process, each rank's device buffer is host
+// memory of std::atomic<uint64_t>, and the protocol is the one the GPU "peer" transport runs, step
+// for step:
 //  - rank r scores its round-robin shard (block b belongs to b % P) for all H index heads and
 //    nominates its full top-k per (row, head), tagged with its generation tag;
 //  - it stores the nominations straight into the candidate buffer of every rank that merges that
@@ -8,9 +9,10 @@
 //  - each consumer spins (bounded by a clock budget) on every slot until the expected tag shows,
 //    strips it and keeps the exact top-k of the P*k candidates.
 // There is no barrier anywhere: the payload is its own arrival flag and the two parities keep
-// consecutive calls apart. The result is bit-identical to cpu::select_topk (docs/context_parallel.md "Exactness"),
-// which is what the tests check. The model exists to pin down the protocol (tags, parities, the
-// host agreement, the bounded wait and its error) before and beside the CUDA transport.
+// consecutive calls apart. The result is bit-identical to cpu::select_topk
+// (docs/context_parallel.md "Exactness"), which is what the tests check. The model exists to pin
+// down the protocol (tags, parities, the host agreement, the bounded wait and its error) before and
+// beside the CUDA transport.
 //
 // The SparseConfig given here follows the convention of cp.h (all H index heads).
 //
@@ -63,8 +65,8 @@ class CpuCpWorld {
 // buffer set and one generation counter, so one thread must drive all of a rank's objects (as one
 // stream orders a GPU rank's launches); different ranks run on different threads.
 //
-// The one hard rule (docs/context_parallel.md): every rank makes the same calls with the same shapes in the same
-// order. What the model does when the rule is broken:
+// The one hard rule (docs/context_parallel.md): every rank makes the same calls with the same
+// shapes in the same order. What the model does when the rule is broken:
 //  - the first select() of each CpuCpRank is a collective setup step in which every rank posts its
 //    shape; a rank that sees a different shape throws kInvalidArgument naming both, a rank that
 //    never posts makes the others throw kTimeout naming it;

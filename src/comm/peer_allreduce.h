@@ -6,15 +6,16 @@
 //
 // One kernel per call: every rank stores its values, tagged with its call generation, straight
 // into every peer's receive buffer (PeerMemory: peer access, the same device, or CUDA IPC) and
-// sums what the peers stored into its own, in rank order. Like the CP exchange of docs/context_parallel.md ("The
-// exchange without a barrier") the payload is its own arrival flag and two parities keep
-// consecutive calls apart, so there is no barrier, no flag word and no clear.
+// sums what the peers stored into its own, in rank order. Like the CP exchange of
+// docs/context_parallel.md ("The exchange without a barrier") the payload is its own arrival flag
+// and two parities keep consecutive calls apart, so there is no barrier, no flag word and no clear.
 //
 // Determinism: data[i] = ((x_0[i] + x_1[i]) + x_2[i]) + ... + x_{P-1}[i] in fp32 (x_r: rank r's
 // input), the same bits on every rank and every run, for any P, count and grid.
 //
-// The rule of docs/context_parallel.md holds: every rank makes the same calls, with the same count, in the same order,
-// each rank on one stream. When it is broken (docs/context_parallel.md "No silent hang"):
+// The rule of docs/context_parallel.md holds: every rank makes the same calls, with the same count,
+// in the same order, each rank on one stream. When it is broken (docs/context_parallel.md "No
+// silent hang"):
 //  - a rank that skips a call (or died) makes the others' check() throw kTimeout naming it within
 //    about spin_budget (the device wait is bounded; check()'s host wait by host_timeout);
 //  - a rank that passes another count or call id for the same call makes the others' check() throw

@@ -4,7 +4,8 @@
 //
 // Purpose: data[0..count) <- the fp32 sum over the P ranks, in rank order, in place, for
 // decode-sized messages (count <= a few hundred thousand floats), in one kernel and without a
-// barrier (the exchange of docs/context_parallel.md "The exchange without a barrier", applied to a sum).
+// barrier (the exchange of docs/context_parallel.md "The exchange without a barrier", applied to a
+// sum).
 //
 // Algorithm (one launch per call, on every rank):
 //  - Every CTA reads the rank's generation counter g (calls completed) at its start; the call uses
@@ -29,17 +30,16 @@
 //    call writes nothing.
 //  - The last CTA to finish advances the counter (g + 1): exactly once per call.
 //
-// Why two parities suffice (the argument of docs/context_parallel.md): a rank's call g+2 stores into parity p
-// slots that its peers read during their call g. The rank started call g+2 after its call g+1
-// completed (stream order), which needed every peer's call word of g+1 (every CTA waits for them,
-// whatever count), which each peer stored after its call g had completed. So every peer's reads of
-// call g are finished before the first store of call g+2 into the same parity. On both sides the
-// two accesses are separated by a kernel boundary (which orders all memory operations of a grid
-// before those of the next grid of the stream), so a load of call g cannot observe a store of
-// g+2. Within a parity, tags of calls g and g+2k differ for every 0 < 2k < 2^32 - 1 (the
-// counter wraps at 2^32, the tag period is 2^32 - 1, and the wrap only repeats a tag on
-// consecutive calls, which have different parities), and the zeroed buffer holds tag 0, which
-// is never expected.
+// Why two parities suffice (the argument of docs/context_parallel.md): a rank's call g+2 stores
+// into parity p slots that its peers read during their call g. The rank started call g+2 after its
+// call g+1 completed (stream order), which needed every peer's call word of g+1 (every CTA waits
+// for them, whatever count), which each peer stored after its call g had completed. So every peer's
+// reads of call g are finished before the first store of call g+2 into the same parity. On both
+// sides the two accesses are separated by a kernel boundary (which orders all memory operations of
+// a grid before those of the next grid of the stream), so a load of call g cannot observe a store
+// of g+2. Within a parity, tags of calls g and g+2k differ for every 0 < 2k < 2^32 - 1 (the counter
+// wraps at 2^32, the tag period is 2^32 - 1, and the wrap only repeats a tag on consecutive calls,
+// which have different parities), and the zeroed buffer holds tag 0, which is never expected.
 //
 // Stale slots: a call stores only the pairs below its count, so a slot above the counts in use
 // keeps an old word for as long as the counts stay small; after 2^32 - 1 calls its tag would come

@@ -1,7 +1,7 @@
 // Device memory that every rank of a communicator can store into: the transport under the
-// barrier-free exchanges (the CP peer transport of docs/context_parallel.md, the one-shot TP all-reduce of
-// peer_allreduce.h). Internal to the library; implementation in peer_memory.cu (a build
-// without CUDA has a stub whose constructor throws kUnsupported).
+// barrier-free exchanges (the CP peer transport of docs/context_parallel.md, the one-shot TP
+// all-reduce of peer_allreduce.h). Internal to the library; implementation in peer_memory.cu (a
+// build without CUDA has a stub whose constructor throws kUnsupported).
 //
 // Construction is a collective step over the communicator (every rank, same order, same size):
 //  1. allocate `bytes` on this rank's device and zero them (synchronously, on a private stream);

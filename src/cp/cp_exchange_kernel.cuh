@@ -1,6 +1,6 @@
-// Kernels of the context-parallel indexer exchange (docs/context_parallel.md, include/m3msa/cp_cuda.h).
-// Framework-free: raw pointers and one params struct (cp_exchange_params.h), launched by
-// cp_exchange.cu.
+// Kernels of the context-parallel indexer exchange (docs/context_parallel.md,
+// include/m3msa/cp_cuda.h). Framework-free: raw pointers and one params struct
+// (cp_exchange_params.h), launched by cp_exchange.cu.
 //
 // Scoring of a rank's round-robin shard reuses the one-GPU scoring kernel (indexer.cuh) in its
 // scores-only mode over a *shard table*: local block l of shard r is global block l*P + r. The
@@ -161,11 +161,12 @@ __global__ void __launch_bounds__(kThreads)
 // Merge. Purpose: for each (row, merged head) of the buffer's max_rows, wait until every source's
 // k slots and call word carry this call's tag, check the word against this rank's (a different
 // one is a rank that passed another shape: recorded, nothing merged), strip the tags and select
-// the exact top k of the P * k candidates (docs/context_parallel.md "Exactness"); live rows write topk_idx. Every
-// wait is bounded: the timer is read only after a first miss, then every 32 polls; on expiry (or
-// when another warp already gave up) the warp records (layer, row, head, source, expected tag,
-// seen tag) once and leaves. The last CTA to finish bumps the generation counter for the next
-// call. Grid: ceil(max_rows * merged / 8) CTAs of 8 warps, one warp per (row, merged head).
+// the exact top k of the P * k candidates (docs/context_parallel.md "Exactness"); live rows write
+// topk_idx. Every wait is bounded: the timer is read only after a first miss, then every 32 polls;
+// on expiry (or when another warp already gave up) the warp records (layer, row, head, source,
+// expected tag, seen tag) once and leaves. The last CTA to finish bumps the generation counter for
+// the next call. Grid: ceil(max_rows * merged / 8) CTAs of 8 warps, one warp per (row, merged
+// head).
 
 // Records the first fault of the call (the first writer wins); one lane calls it.
 __device__ __forceinline__ void record_fault(const CpExchangeParams& p, uint32_t kind, int row,
@@ -259,8 +260,8 @@ __device__ __forceinline__ void merge_item(const CpExchangeParams& p, int item, 
       const uint64_t* cand = s_cand_warp;
       const uint64_t top =
           indexer::warp_top_keys([&](int i) { return cand[i]; }, p.world * k, k, scratch);
-      indexer::write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * p.merged + local_head) * k, top,
-                          k);
+      indexer::write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * p.merged + local_head) * k,
+                              top, k);
     }
   }
 }
@@ -421,7 +422,7 @@ __global__ void __launch_bounds__(kThreads)
   };
   const uint64_t top = indexer::warp_top_keys(get, nb, p.topk, &s_scratch[warp][0]);
   indexer::write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * p.merged + local_head) * p.topk,
-                      top, p.topk);
+                          top, p.topk);
 }
 
 // replicated: the merged heads' rows of a full [live_rows, H, k] selection.

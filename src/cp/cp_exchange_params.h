@@ -15,7 +15,8 @@ inline constexpr int kMaxCand = kMaxWorld * 32;  // P * k candidates of one (row
 inline constexpr uint32_t kFaultTimeout = 1;        // a source never delivered within the budget
 inline constexpr uint32_t kFaultShapeMismatch = 2;  // a source's call word differs from ours
 
-// Device error record of a failed wait (docs/context_parallel.md "No silent hang"); the first writer wins.
+// Device error record of a failed wait (docs/context_parallel.md "No silent hang"); the first
+// writer wins.
 struct CpExchangeError {
   uint32_t flag;  // 0: none
   int32_t layer;

@@ -3,13 +3,13 @@
 // sequence of each transport and the turning of a device error record into Error(kTimeout)
 // naming the rank.
 //
-// Buffer sets (docs/context_parallel.md): one per (communicator, device, transport, key), created on first use by a
-// collective step and shared by every indexer (layer) with that key. A peer set owns this rank's
-// candidate buffer [2][P][merged][max_rows][k] u64 (zeroed once, never cleared) and the addresses
-// of every peer's: one PeerMemory allocation (src/comm/peer_memory.h: peer access when all ranks
-// are threads of one process, CUDA IPC handles otherwise). Addresses stay fixed for the set's
-// life, so captured graphs keep addressing the same slots. Each rank's buffer also holds the
-// tagged call words [2][P][merged][max_rows] after the candidates (cp_exchange_kernel.cuh "Call
+// Buffer sets (docs/context_parallel.md): one per (communicator, device, transport, key), created
+// on first use by a collective step and shared by every indexer (layer) with that key. A peer set
+// owns this rank's candidate buffer [2][P][merged][max_rows][k] u64 (zeroed once, never cleared)
+// and the addresses of every peer's: one PeerMemory allocation (src/comm/peer_memory.h: peer access
+// when all ranks are threads of one process, CUDA IPC handles otherwise). Addresses stay fixed for
+// the set's life, so captured graphs keep addressing the same slots. Each rank's buffer also holds
+// the tagged call words [2][P][merged][max_rows] after the candidates (cp_exchange_kernel.cuh "Call
 // words").
 //
 // Lifetime across processes: an exporter must not free a buffer another process still maps, so
@@ -38,8 +38,8 @@
 #include "cp/cp_exchange.h"
 #include "cp/cp_exchange_params.h"
 #include "cuda/common.cuh"
-#include "cuda/indexer_kernel.cuh"
 #include "cuda/indexer.h"
+#include "cuda/indexer_kernel.cuh"
 #include "cuda/indexer_params.h"
 #include "m3msa/cp_cuda.h"
 #include "m3msa/error.h"
@@ -245,9 +245,12 @@ ScoreKernel score_kernel(bool fp8, int tiles) {
   using cuda::indexer::indexer_span_kernel;
   constexpr int kScores = cuda::indexer::kModeScores;
   switch (tiles) {
-    case 1: return fp8 ? indexer_span_kernel<true, 1, kScores> : indexer_span_kernel<false, 1, kScores>;
-    case 2: return fp8 ? indexer_span_kernel<true, 2, kScores> : indexer_span_kernel<false, 2, kScores>;
-    default: return fp8 ? indexer_span_kernel<true, 4, kScores> : indexer_span_kernel<false, 4, kScores>;
+    case 1:
+      return fp8 ? indexer_span_kernel<true, 1, kScores> : indexer_span_kernel<false, 1, kScores>;
+    case 2:
+      return fp8 ? indexer_span_kernel<true, 2, kScores> : indexer_span_kernel<false, 2, kScores>;
+    default:
+      return fp8 ? indexer_span_kernel<true, 4, kScores> : indexer_span_kernel<false, 4, kScores>;
   }
 }
 
@@ -495,8 +498,9 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
                     cp.max_context);
     M3MSA_CHECK_ARG(cp.spin_budget.count() > 0, "CudaCpConfig.spin_budget must be > 0 us");
     M3MSA_CHECK_ARG(cp.host_timeout.count() > 0, "CudaCpConfig.host_timeout must be > 0 ms");
-    M3MSA_CHECK_SUPPORTED(cp.max_q_len * config.index_heads <= cuda::indexer::kMaxVectors,
-                          "CUDA CP: max_q_len * index_heads must be <= ", cuda::indexer::kMaxVectors);
+    M3MSA_CHECK_SUPPORTED(
+        cp.max_q_len * config.index_heads <= cuda::indexer::kMaxVectors,
+        "CUDA CP: max_q_len * index_heads must be <= ", cuda::indexer::kMaxVectors);
     // The shard tables rely on every scored block being fully visible (cp_exchange_kernel.cuh).
     M3MSA_CHECK_SUPPORTED(cp.transport == CpTransport::kReplicated || config.local_blocks >= 1,
                           "CUDA CP: local_blocks must be >= 1 for the sharded transports, got ",

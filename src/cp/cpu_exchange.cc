@@ -1,7 +1,7 @@
-// The CPU model of the CP "peer" exchange (docs/context_parallel.md, include/m3msa/cp_model.h). Ranks are
-// threads; what a GPU keeps in peer-mapped device memory lives here in a buffer set of atomics that
-// every rank's thread can store into. The order of operations mirrors the CUDA transport on
-// purpose: nominate, tag, store (release), spin (acquire, bounded), strip, select.
+// The CPU model of the CP "peer" exchange (docs/context_parallel.md, include/m3msa/cp_model.h).
+// Ranks are threads; what a GPU keeps in peer-mapped device memory lives here in a buffer set of
+// atomics that every rank's thread can store into. The order of operations mirrors the CUDA
+// transport on purpose: nominate, tag, store (release), spin (acquire, bounded), strip, select.
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>

@@ -1,5 +1,5 @@
-// Head placement and buffer keys of the CP indexer (docs/context_parallel.md "Who merges what"). Shared by the
-// CPU model and, later, the CUDA transports, so both place heads identically.
+// Head placement and buffer keys of the CP indexer (docs/context_parallel.md "Who merges what").
+// Shared by the CPU model and, later, the CUDA transports, so both place heads identically.
 #include <sstream>
 
 #include "m3msa/cp.h"

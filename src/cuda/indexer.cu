@@ -86,18 +86,27 @@ using KernelFn = void (*)(const IndexerParams);
 template <int kMode>
 KernelFn scoring_kernel(bool fp8, int n_tiles) {
   switch (n_tiles) {
-    case 1: return fp8 ? indexer::indexer_span_kernel<true, 1, kMode> : indexer::indexer_span_kernel<false, 1, kMode>;
-    case 2: return fp8 ? indexer::indexer_span_kernel<true, 2, kMode> : indexer::indexer_span_kernel<false, 2, kMode>;
-    case 4: return fp8 ? indexer::indexer_span_kernel<true, 4, kMode> : indexer::indexer_span_kernel<false, 4, kMode>;
+    case 1:
+      return fp8 ? indexer::indexer_span_kernel<true, 1, kMode>
+                 : indexer::indexer_span_kernel<false, 1, kMode>;
+    case 2:
+      return fp8 ? indexer::indexer_span_kernel<true, 2, kMode>
+                 : indexer::indexer_span_kernel<false, 2, kMode>;
+    case 4:
+      return fp8 ? indexer::indexer_span_kernel<true, 4, kMode>
+                 : indexer::indexer_span_kernel<false, 4, kMode>;
     default: M3MSA_THROW(ErrorCode::kInternal, "indexer: no kernel for ", n_tiles, " n-tiles");
   }
 }
 
 KernelFn split_kernel(bool fp8, int n_tiles) {
   switch (n_tiles) {
-    case 1: return fp8 ? indexer::indexer_split_kernel<true, 1> : indexer::indexer_split_kernel<false, 1>;
-    case 2: return fp8 ? indexer::indexer_split_kernel<true, 2> : indexer::indexer_split_kernel<false, 2>;
-    case 4: return fp8 ? indexer::indexer_split_kernel<true, 4> : indexer::indexer_split_kernel<false, 4>;
+    case 1:
+      return fp8 ? indexer::indexer_split_kernel<true, 1> : indexer::indexer_split_kernel<false, 1>;
+    case 2:
+      return fp8 ? indexer::indexer_split_kernel<true, 2> : indexer::indexer_split_kernel<false, 2>;
+    case 4:
+      return fp8 ? indexer::indexer_split_kernel<true, 4> : indexer::indexer_split_kernel<false, 4>;
     default:
       M3MSA_THROW(ErrorCode::kInternal, "indexer: no split kernel for ", n_tiles, " n-tiles");
   }
@@ -152,8 +161,9 @@ void raise_scoring_smem_limit(int device, std::size_t smem) {
 }  // namespace
 
 void check_indexer_supported(const SparseConfig& config) {
-  M3MSA_CHECK_SUPPORTED(config.index_dim == indexer::kDim, "CUDA indexer: config.index_dim must be ",
-                        indexer::kDim, ", got ", config.index_dim);
+  M3MSA_CHECK_SUPPORTED(config.index_dim == indexer::kDim,
+                        "CUDA indexer: config.index_dim must be ", indexer::kDim, ", got ",
+                        config.index_dim);
   M3MSA_CHECK_SUPPORTED(config.block_size == indexer::kBlockTokens,
                         "CUDA indexer: config.block_size must be ", indexer::kBlockTokens, ", got ",
                         config.block_size);
@@ -161,8 +171,8 @@ void check_indexer_supported(const SparseConfig& config) {
                         "CUDA indexer: config.topk must be <= ", indexer::kMaxTopk, ", got ",
                         config.topk);
   M3MSA_CHECK_SUPPORTED(config.index_heads <= indexer::kMaxVectors,
-                        "CUDA indexer: config.index_heads must be <= ", indexer::kMaxVectors, ", got ",
-                        config.index_heads);
+                        "CUDA indexer: config.index_heads must be <= ", indexer::kMaxVectors,
+                        ", got ", config.index_heads);
 }
 
 IndexerPlan plan_indexer(const SparseConfig& config, const PlanLimits& limits, int device) {
@@ -295,7 +305,8 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
   } else {
     M3MSA_CHECK_SUPPORTED(config.index_heads * indexer::kPrefillUnitRows <= indexer::kMaxVectors,
                           "CUDA prefill indexer: index_heads must be <= ",
-                          indexer::kMaxVectors / indexer::kPrefillUnitRows, ", got ", config.index_heads);
+                          indexer::kMaxVectors / indexer::kPrefillUnitRows, ", got ",
+                          config.index_heads);
   }
   // 16-byte vector loads and cp.async need 16-byte aligned rows.
   for (const auto& [view, name] :

@@ -1,6 +1,6 @@
-// Decode / prefill indexer kernels (docs/spec.md section 4): block scores of the index-K cache against
-// the index queries, and the exact top-k block selection. Framework-free: raw pointers, one params
-// struct (params.h), launched by indexer.cu.
+// Decode / prefill indexer kernels (docs/spec.md section 4): block scores of the index-K cache
+// against the index queries, and the exact top-k block selection. Framework-free: raw pointers, one
+// params struct (params.h), launched by indexer.cu.
 //
 // Scoring. A CTA of 8 warps walks a contiguous span of the batch's blocks (all units' blocks laid
 // end to end, split evenly over the grid, so the grid depends only on the plan). Each warp owns 16
@@ -16,16 +16,16 @@
 //
 // Selection (fused). After each block the 8 warps' partial maxima meet in shared memory; the owner
 // lane of each query vector turns the block score into its sort key (forced blocks, NaN, -0.0 per
-// docs/spec.md) and appends it to a per-vector buffer if it beats the vector's current k-th key; a full
-// buffer is cut back to its top k. When a unit's segment ends, a unit covered by one CTA writes
-// its answer directly; otherwise each CTA writes its best min(k, blocks) keys per vector to the
-// workspace, and the last CTA to arrive (atomic counter, reset by that CTA for the next launch or
-// graph replay) selects the exact top k from them. Keys are unique, so the answer is unique.
+// docs/spec.md) and appends it to a per-vector buffer if it beats the vector's current k-th key; a
+// full buffer is cut back to its top k. When a unit's segment ends, a unit covered by one CTA
+// writes its answer directly; otherwise each CTA writes its best min(k, blocks) keys per vector to
+// the workspace, and the last CTA to arrive (atomic counter, reset by that CTA for the next launch
+// or graph replay) selects the exact top k from them. Keys are unique, so the answer is unique.
 #pragma once
 
 #include <cuda_fp16.h>
-#include <cub/block/block_scan.cuh>
 #include <cuda_runtime.h>
+#include <cub/block/block_scan.cuh>
 
 #include <climits>
 #include <cstdint>

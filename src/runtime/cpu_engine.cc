@@ -229,11 +229,11 @@ void CpuEngine::forward_layer(int layer, const LayerWeights& w, const BatchMeta&
   ++stats.layers_run;
 }
 
-// The CPU backend's CP indexer (docs/context_parallel.md on the host): this rank scores its round-robin shard of
-// the blocks for every index head and nominates its top-k keys, the nominations of every rank
-// travel through the communicator's all-gather, and the rank keeps the exact top-k of the P*k
-// candidates of each head it attends. Bit-identical to cpu::select_topk (docs/context_parallel.md "Exactness").
-// idx.topk_idx: [rows, KV heads of this rank, k].
+// The CPU backend's CP indexer (docs/context_parallel.md on the host): this rank scores its
+// round-robin shard of the blocks for every index head and nominates its top-k keys, the
+// nominations of every rank travel through the communicator's all-gather, and the rank keeps the
+// exact top-k of the P*k candidates of each head it attends. Bit-identical to cpu::select_topk
+// (docs/context_parallel.md "Exactness"). idx.topk_idx: [rows, KV heads of this rank, k].
 void CpuEngine::cp_select(int layer, const IndexerArgs& idx) {
   const SparseConfig& sc = sparse_;
   const int P = layout_.tp_size;

@@ -1,6 +1,6 @@
-// The runtime's lifecycle (docs/runtime.md): the staged, collectively agreed prepare, begin_step into
-// fixed metadata buffers, forward_layer (its checks and bookkeeping; the layer itself runs on the
-// engine prepare built: cpu_engine.cc for host tensors, gpu_engine.cc for tensors on a GPU),
+// The runtime's lifecycle (docs/runtime.md): the staged, collectively agreed prepare, begin_step
+// into fixed metadata buffers, forward_layer (its checks and bookkeeping; the layer itself runs on
+// the engine prepare built: cpu_engine.cc for host tensors, gpu_engine.cc for tensors on a GPU),
 // detach and close. Everything a step needs is allocated in prepare; the step path allocates
 // nothing.
 #include <algorithm>

@@ -20,7 +20,8 @@ namespace {
 
 __global__ void warp_top_keys_kernel(const uint64_t* keys, int count, int k, uint64_t* out) {
   __shared__ uint64_t scratch[cuda::indexer::kScratch];
-  const uint64_t top = cuda::indexer::warp_top_keys([&](int i) { return keys[i]; }, count, k, scratch);
+  const uint64_t top =
+      cuda::indexer::warp_top_keys([&](int i) { return keys[i]; }, count, k, scratch);
   out[threadIdx.x] = top;
 }
 

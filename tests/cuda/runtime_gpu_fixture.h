@@ -14,10 +14,10 @@
 //    norms' block tree, the attention's split merge), so any bf16 rounding along the chain
 //    (normed -> qkv -> q/k -> attention -> o -> x2 -> h2 -> MLP) can flip: kRelTol = 2^-5,
 //    kAbsTol = 2^-6 (those of the CPU runtime's own double-precision check). Selections follow
-//    the near-tie rule of docs/spec.md section 4 (testkit::compare_selection_near_tie: tolerance 1e-3 of the
-//    k-th score, scores from the CPU's index_q); a row whose selection swapped near-tied blocks is
-//    excluded from the output check (counted; at most a quarter of the rows may swap), any other
-//    difference fails.
+//    the near-tie rule of docs/spec.md section 4 (testkit::compare_selection_near_tie: tolerance
+//    1e-3 of the k-th score, scores from the CPU's index_q); a row whose selection swapped
+//    near-tied blocks is excluded from the output check (counted; at most a quarter of the rows may
+//    swap), any other difference fails.
 //  - TP = 2 vs TP = 1: the projections of q/k/v/index are computed per output column in the same
 //    order whatever the column count, so selections must be identical; only the o_proj /
 //    mlp_down sums are split across ranks: kRelTol = 2^-6, kAbsTol = 2^-8 (the CPU runtime's TP

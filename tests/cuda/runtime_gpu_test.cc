@@ -680,7 +680,8 @@ void expect_tp2_matches_tp1(const Scenario& s, const std::vector<std::vector<Lay
               static_cast<long long>(tp.stats[0].launches_per_layer));
 }
 
-// CP on vs CP off at the same TP: selections and outputs bit-identical (docs/context_parallel.md "Exactness").
+// CP on vs CP off at the same TP: selections and outputs bit-identical (docs/context_parallel.md
+// "Exactness").
 void expect_cp_equals_no_cp(const TpRun& cp, const TpRun& no_cp, const std::string& name) {
   for (std::size_t r = 0; r < 2; ++r) {
     EXPECT_TRUE(cp.stats[r].context_parallel) << name;

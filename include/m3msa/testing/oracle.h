@@ -30,8 +30,8 @@ struct ReferenceLayer {
 struct ReferenceOptions {
   double swiglu_limit = 7.0;
   int threads = 1;
-  // The layer shares this selection ([rows, index_heads, k] i32; docs/spec.md section 7: no index_q,
-  // no index_k insert, no indexer); otherwise it selects.
+  // The layer shares this selection ([rows, index_heads, k] i32; docs/spec.md section 7: no
+  // index_q, no index_k insert, no indexer); otherwise it selects.
   const HostTensor* shared_topk = nullptr;
   HostTensor* select_out = nullptr;  // the layer's own selection, when it selects
   TensorView scores_out;  // [rows, index_heads, >= max blocks] f32: block scores of its index_q

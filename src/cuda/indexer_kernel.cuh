@@ -384,6 +384,133 @@ struct Tile {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Steps both scoring kernels share (one copy, so their scores and keys stay bit-identical)
+
+// The unit's query vectors ([rows, H, 128], contiguous) staged with coalesced 16-byte loads (every
+// CTA of a unit reads them, so fewer, wider requests matter at small batch), then scattered into
+// the B fragments of the token x vector MMAs. `staging` (>= 32 x 128 bf16) is free scratch; the
+// caller's next barrier publishes the fragments.
+template <bool kFp8, int kNT>
+__device__ __forceinline__ void stage_query_fragments(const IndexerParams& p, const Unit& unit,
+                                                      int nvec, uint4* staging,
+                                                      uint2 (&bfrag)[kNT][8][32]) {
+  const int tid = static_cast<int>(threadIdx.x);
+  const uint4* src =
+      reinterpret_cast<const uint4*>(p.index_q + static_cast<int64_t>(unit.row0) * p.heads * kDim);
+  for (int i = tid; i < nvec * (kDim / 8); i += kThreads) staging[i] = src[i];
+  __syncthreads();
+  const uint16_t* q_all = reinterpret_cast<const uint16_t*>(staging);
+  for (int i = tid; i < kNT * 8 * 32; i += kThreads) {
+    const int nt = i >> 8;
+    const int s = (i >> 5) & 7;
+    const int ln = i & 31;
+    const int n = nt * 8 + (ln >> 2);
+    uint2 frag = make_uint2(0u, 0u);
+    if (n < nvec) {
+      frag = *reinterpret_cast<const uint2*>(q_all + n * kDim + dim_base<kFp8>(s, ln & 3));
+    }
+    bfrag[nt][s][ln] = frag;
+  }
+}
+
+// Accumulator column e of n-tile nt is vector nt*8 + 2t + e; token row g (and g + 8) of the warp
+// is visible to it while block_first + g <= pos, i.e. block_first <= limit = pos - 16 * warp - g.
+template <int kNT>
+__device__ __forceinline__ void vector_limits(int (&limit)[kNT][2], const Unit& unit, int nvec,
+                                              int H, int warp, int g, int t) {
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int n = nt * 8 + 2 * t + e;
+      limit[nt][e] = n < nvec ? unit.pos0 + n / H - kTokensPerWarp * warp - g : INT_MIN;
+    }
+  }
+}
+
+// Scores of the warp's 16 tokens against every query vector (fp32 accumulators).
+template <bool kFp8, int kNT>
+__device__ __forceinline__ void score_tile(const Tile<kFp8>& tile, const uint2 (&bfrag)[kNT][8][32],
+                                           float (&acc)[kNT][4]) {
+  const int lane = static_cast<int>(lane_id());
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+#pragma unroll
+  for (int s = 0; s < 8; ++s) {
+    uint32_t a[4];
+    tile.fragment(s, a);
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const uint2 b = bfrag[nt][s][lane];
+      mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
+    }
+  }
+}
+
+// Masks the tokens after each vector's position, takes the max over the warp's 16 tokens (NaN
+// propagates) and posts it to `red` ([kNT * 8] floats of this warp).
+template <int kNT>
+__device__ __forceinline__ void post_warp_maxima(const float (&acc)[kNT][4],
+                                                 const int (&limit)[kNT][2], int block_first,
+                                                 float* red, int g, int t) {
+#pragma unroll
+  for (int nt = 0; nt < kNT; ++nt) {
+    const float neg_inf = -__int_as_float(0x7F800000);
+    const int l0 = limit[nt][0];
+    const int l1 = limit[nt][1];
+    float v0 = nan_max(l0 >= block_first ? acc[nt][0] : neg_inf,
+                       l0 >= block_first + 8 ? acc[nt][2] : neg_inf);
+    float v1 = nan_max(l1 >= block_first ? acc[nt][1] : neg_inf,
+                       l1 >= block_first + 8 ? acc[nt][3] : neg_inf);
+#pragma unroll
+    for (int off = 4; off < 32; off <<= 1) {
+      v0 = nan_max(v0, __shfl_xor_sync(0xFFFFFFFFu, v0, off));
+      v1 = nan_max(v1, __shfl_xor_sync(0xFFFFFFFFu, v1, off));
+    }
+    if (g == 0) *reinterpret_cast<float2*>(&red[nt * 8 + 2 * t]) = make_float2(v0, v1);
+  }
+}
+
+// The block's score for vector `n`: the max of the warps' posted maxima.
+template <int kNT>
+__device__ __forceinline__ float block_score(const float (&red)[kWarps][kNT * 8], int n) {
+  float score = red[0][n];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) score = nan_max(score, red[w][n]);
+  return score;
+}
+
+// Block lb's sort key for a row with `blocks` visible blocks (docs/spec.md section 4).
+__device__ __forceinline__ uint64_t block_key(const IndexerParams& p, float score, int lb,
+                                              int blocks) {
+  const uint32_t block = static_cast<uint32_t>(lb);
+  return is_forced_block(lb, blocks, p.init_blocks, p.local_blocks) ? forced_key(block)
+                                                                    : scored_key(score, block);
+}
+
+// Cuts every full owner buffer of the warp (kCap keys) back to its top k and raises its floor.
+__device__ __forceinline__ void cut_full_buffers(uint64_t* warp_keys, bool owner, int& count,
+                                                 uint64_t& kth, int k) {
+  const int lane = static_cast<int>(lane_id());
+  __syncwarp();  // the owners' appends are read by the whole warp below
+  unsigned full = __ballot_sync(0xFFFFFFFFu, owner && count == kCap);
+  while (full) {
+    const int slot = __ffs(full) - 1;
+    full &= full - 1;
+    uint64_t* keys = warp_keys + slot * kCap;
+    const uint64_t top = warp_top64([&](int j) { return keys[j]; }, kCap);
+    __syncwarp();
+    if (lane < k) keys[lane] = top;
+    const uint64_t new_kth = __shfl_sync(0xFFFFFFFFu, top, k - 1);
+    if (lane == slot) {
+      count = k;
+      kth = new_kth;
+    }
+    __syncwarp();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // The scoring / fused-selection kernel
 //
 // Purpose: decode or prefill indexer; kMode selects fused top-k or scores-only (unfused baseline).
@@ -496,38 +623,11 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int src = ((i >> 5) & 1) ? window1 : window0;
       return __shfl_sync(0xFFFFFFFFu, src, i & 31);
     };
-    // The unit's queries are contiguous ([rows, H, 128]); stage them with coalesced 16-byte loads
-    // (every CTA of a unit reads them, so fewer, wider requests matter at small batch), then
-    // scatter them into B fragments. s_keys is free here and only used after the next barrier.
-    {
-      uint4* staged = reinterpret_cast<uint4*>(&s_keys[0][0]);
-      const uint4* src =
-          reinterpret_cast<const uint4*>(p.index_q + static_cast<int64_t>(unit.row0) * H * kDim);
-      for (int i = tid; i < nvec * (kDim / 8); i += kThreads) staged[i] = src[i];
-      __syncthreads();
-      const uint16_t* q_all = reinterpret_cast<const uint16_t*>(staged);
-      for (int i = tid; i < kNT * 8 * 32; i += kThreads) {
-        const int nt = i >> 8;
-        const int s = (i >> 5) & 7;
-        const int ln = i & 31;
-        const int n = nt * 8 + (ln >> 2);
-        uint2 frag = make_uint2(0u, 0u);
-        if (n < nvec) {
-          frag = *reinterpret_cast<const uint2*>(q_all + n * kDim + dim_base<kFp8>(s, ln & 3));
-        }
-        s_bfrag[nt][s][ln] = frag;
-      }
-    }
-    // Accumulator column e of n-tile nt is vector nt*8 + 2t + e; token row g (and g + 8).
+    // s_keys is free here and only used after the next barrier.
+    stage_query_fragments<kFp8, kNT>(p, unit, nvec, reinterpret_cast<uint4*>(&s_keys[0][0]),
+                                     s_bfrag);
     int limit[kNT][2];
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int n = nt * 8 + 2 * t + e;
-        limit[nt][e] = n < nvec ? unit.pos0 + n / H - kTokensPerWarp * warp - g : INT_MIN;
-      }
-    }
+    vector_limits<kNT>(limit, unit, nvec, H, warp, g, t);
     // Owner lane `lane` (< 4) of warp `warp` keeps vector warp + 8 * lane.
     const int own_n = warp + kWarps * lane;
     const bool owner = lane < kSlotsPerWarp && own_n < nvec;
@@ -561,20 +661,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (i >= nblk) break;  // uniform across the CTA
         const int lb = lb_begin + i;
 
-        // Scores of the warp's 16 tokens against every query vector.
         float acc[kNT][4];
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-#pragma unroll
-        for (int s = 0; s < 8; ++s) {
-          uint32_t a[4];
-          pipe[d].fragment(s, a);
-#pragma unroll
-          for (int nt = 0; nt < kNT; ++nt) {
-            const uint2 b = s_bfrag[nt][s][lane];
-            mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
-          }
-        }
+        score_tile<kFp8, kNT>(pipe[d], s_bfrag, acc);
         // The slot is consumed: refill it with block i + kDepth (before the barrier below, so the
         // loads fly while the CTA reduces and selects).
         const int ahead = i + kDepth;
@@ -593,35 +681,13 @@ __global__ void __launch_bounds__(kThreads, 2)
           }
           pipe[d].load(cache, page_of(ahead), warp, g, t);
         }
-        // Mask tokens after each vector's position, then max over the warp's 16 tokens.
         const int parity = i & 1;
-        const int block_first = kBlockTokens * lb;
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          const float neg_inf = -__int_as_float(0x7F800000);
-          // Token row g is visible when block_first + g <= pos (limit = pos - 16 * warp - g).
-          const int l0 = limit[nt][0];
-          const int l1 = limit[nt][1];
-          float v0 = nan_max(l0 >= block_first ? acc[nt][0] : neg_inf,
-                             l0 >= block_first + 8 ? acc[nt][2] : neg_inf);
-          float v1 = nan_max(l1 >= block_first ? acc[nt][1] : neg_inf,
-                             l1 >= block_first + 8 ? acc[nt][3] : neg_inf);
-#pragma unroll
-          for (int off = 4; off < 32; off <<= 1) {
-            v0 = nan_max(v0, __shfl_xor_sync(0xFFFFFFFFu, v0, off));
-            v1 = nan_max(v1, __shfl_xor_sync(0xFFFFFFFFu, v1, off));
-          }
-          if (g == 0) {
-            *reinterpret_cast<float2*>(&s_red[parity][warp][nt * 8 + 2 * t]) = make_float2(v0, v1);
-          }
-        }
+        post_warp_maxima<kNT>(acc, limit, kBlockTokens * lb, &s_red[parity][warp][0], g, t);
         __syncthreads();
 
         // Owners: block score -> sort key -> buffer (or -> score tensor).
         if (owner && lb < own_blocks) {
-          float score = s_red[parity][0][own_n];
-#pragma unroll
-          for (int w = 1; w < kWarps; ++w) score = nan_max(score, s_red[parity][w][own_n]);
+          const float score = block_score<kNT>(s_red[parity], own_n);
           if constexpr (kMode == kModeScores) {
             if (lb < p.score_cols) {
               p.scores[(static_cast<int64_t>(own_row) * H + own_head) * p.score_cols + lb] = score;
@@ -629,31 +695,11 @@ __global__ void __launch_bounds__(kThreads, 2)
               atomicOr(p.status, kStatusBadLength);
             }
           } else {
-            const uint32_t block = static_cast<uint32_t>(lb);
-            const uint64_t key = is_forced_block(lb, own_blocks, p.init_blocks, p.local_blocks)
-                                     ? forced_key(block)
-                                     : scored_key(score, block);
+            const uint64_t key = block_key(p, score, lb, own_blocks);
             if (key > kth) my_keys[count++] = key;
           }
         }
-        if constexpr (kMode == kModeTopk) {
-          __syncwarp();  // the owners' appends are read by the whole warp below
-          unsigned full = __ballot_sync(0xFFFFFFFFu, owner && count == kCap);
-          while (full) {
-            const int slot = __ffs(full) - 1;
-            full &= full - 1;
-            uint64_t* keys = &s_keys[warp][slot * kCap];
-            const uint64_t top = warp_top64([&](int j) { return keys[j]; }, kCap);
-            __syncwarp();
-            if (lane < k) keys[lane] = top;
-            const uint64_t new_kth = __shfl_sync(0xFFFFFFFFu, top, k - 1);
-            if (lane == slot) {
-              count = k;
-              kth = new_kth;
-            }
-            __syncwarp();
-          }
-        }
+        if constexpr (kMode == kModeTopk) cut_full_buffers(&s_keys[warp][0], owner, count, kth, k);
       }
     }
 
@@ -848,34 +894,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   // Query vectors -> B fragments (staged through s_keys, free until the first block).
-  {
-    uint4* staged = reinterpret_cast<uint4*>(&s_keys[0][0]);
-    const uint4* src =
-        reinterpret_cast<const uint4*>(p.index_q + static_cast<int64_t>(unit.row0) * H * kDim);
-    for (int i = tid; i < nvec * (kDim / 8); i += kThreads) staged[i] = src[i];
-    __syncthreads();
-    const uint16_t* q_all = reinterpret_cast<const uint16_t*>(staged);
-    for (int i = tid; i < kNT * 8 * 32; i += kThreads) {
-      const int nt = i >> 8;
-      const int s = (i >> 5) & 7;
-      const int ln = i & 31;
-      const int n = nt * 8 + (ln >> 2);
-      uint2 frag = make_uint2(0u, 0u);
-      if (n < nvec) {
-        frag = *reinterpret_cast<const uint2*>(q_all + n * kDim + dim_base<kFp8>(s, ln & 3));
-      }
-      s_bfrag[nt][s][ln] = frag;
-    }
-  }
+  stage_query_fragments<kFp8, kNT>(p, unit, nvec, reinterpret_cast<uint4*>(&s_keys[0][0]), s_bfrag);
   int limit[kNT][2];
-#pragma unroll
-  for (int nt = 0; nt < kNT; ++nt) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int n = nt * 8 + 2 * t + e;
-      limit[nt][e] = n < nvec ? unit.pos0 + n / H - kTokensPerWarp * warp - g : INT_MIN;
-    }
-  }
+  vector_limits<kNT>(limit, unit, nvec, H, warp, g, t);
   const int own_n = warp + kWarps * lane;
   const bool owner = lane < kSlotsPerWarp && own_n < nvec;
   const int own_blocks = owner ? row_blocks(unit.pos0 + own_n / H) : 0;
@@ -894,39 +915,10 @@ __global__ void __launch_bounds__(kThreads, 2)
     TileT tile;
     tile.load_shared(s_ring + slot * kPageBytes, warp, g, t);
     float acc[kNT][4];
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-#pragma unroll
-    for (int s = 0; s < 8; ++s) {
-      uint32_t a[4];
-      tile.fragment(s, a);
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        const uint2 b = s_bfrag[nt][s][lane];
-        mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
-      }
-    }
+    score_tile<kFp8, kNT>(tile, s_bfrag, acc);
     const int lb = lb_begin + i;
     const int parity = i & 1;
-    const int block_first = kBlockTokens * lb;
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      const float neg_inf = -__int_as_float(0x7F800000);
-      const int l0 = limit[nt][0];
-      const int l1 = limit[nt][1];
-      float v0 = nan_max(l0 >= block_first ? acc[nt][0] : neg_inf,
-                         l0 >= block_first + 8 ? acc[nt][2] : neg_inf);
-      float v1 = nan_max(l1 >= block_first ? acc[nt][1] : neg_inf,
-                         l1 >= block_first + 8 ? acc[nt][3] : neg_inf);
-#pragma unroll
-      for (int off = 4; off < 32; off <<= 1) {
-        v0 = nan_max(v0, __shfl_xor_sync(0xFFFFFFFFu, v0, off));
-        v1 = nan_max(v1, __shfl_xor_sync(0xFFFFFFFFu, v1, off));
-      }
-      if (g == 0) {
-        *reinterpret_cast<float2*>(&s_red[parity][warp][nt * 8 + 2 * t]) = make_float2(v0, v1);
-      }
-    }
+    post_warp_maxima<kNT>(acc, limit, kBlockTokens * lb, &s_red[parity][warp][0], g, t);
     __syncthreads();  // every warp is done with the slot and has posted its maxima
     if (refill) {
       const int page = checked_page(next_page);
@@ -936,31 +928,10 @@ __global__ void __launch_bounds__(kThreads, 2)
                      kPageBytes, &s_full[slot]);
     }
     if (owner && lb < own_blocks) {
-      float score = s_red[parity][0][own_n];
-#pragma unroll
-      for (int w = 1; w < kWarps; ++w) score = nan_max(score, s_red[parity][w][own_n]);
-      const uint32_t block = static_cast<uint32_t>(lb);
-      const uint64_t key = is_forced_block(lb, own_blocks, p.init_blocks, p.local_blocks)
-                               ? forced_key(block)
-                               : scored_key(score, block);
+      const uint64_t key = block_key(p, block_score<kNT>(s_red[parity], own_n), lb, own_blocks);
       if (key > kth) my_keys[count++] = key;
     }
-    __syncwarp();
-    unsigned full = __ballot_sync(0xFFFFFFFFu, owner && count == kCap);
-    while (full) {
-      const int slot_full = __ffs(full) - 1;
-      full &= full - 1;
-      uint64_t* keys = &s_keys[warp][slot_full * kCap];
-      const uint64_t top = warp_top64([&](int j) { return keys[j]; }, kCap);
-      __syncwarp();
-      if (lane < k) keys[lane] = top;
-      const uint64_t new_kth = __shfl_sync(0xFFFFFFFFu, top, k - 1);
-      if (lane == slot_full) {
-        count = k;
-        kth = new_kth;
-      }
-      __syncwarp();
-    }
+    cut_full_buffers(&s_keys[warp][0], owner, count, kth, k);
   }
   __syncwarp();
 

@@ -247,16 +247,17 @@ TEST(CudaIndexer, ScoresDoNotDependOnTheBatch) {
 }
 
 // Capture with one batch's buffers, then replay after writing another batch's metadata and
-// queries into them: must equal an eager run of the second batch. The second shape spreads each
-// of its two long requests over half the grid, so a last CTA merges ~1000 candidates per query
-// vector (several round trips) and the arrival counters must be left at zero across replays.
+// queries into them: must equal an eager run of the second batch. The second and third shapes
+// spread each long request over half or all of the grid, so a last CTA merges ~1000 candidates
+// per query vector and the arrival counters must be left at zero across replays.
 TEST(CudaIndexer, GraphReplayWithNewMetadataEqualsEager) {
   M3MSA_INDEXER_REQUIRE_GPU();
   struct Shape {
     int reqs, q_len;
     int64_t min_ctx, max_ctx;
   };
-  for (const Shape& shape : {Shape{32, 4, 100, 50000}, Shape{2, 1, 100000, 140000}})
+  for (const Shape& shape :
+       {Shape{32, 4, 100, 50000}, Shape{2, 1, 100000, 140000}, Shape{1, 2, 200000, 200000}})
     for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
       const SyntheticCase a = make_synthetic_case(
           decode_spec(shape.reqs, shape.q_len, shape.min_ctx, shape.max_ctx, dtype, 0, 51));

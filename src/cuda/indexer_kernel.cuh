@@ -510,6 +510,58 @@ __device__ __forceinline__ void cut_full_buffers(uint64_t* warp_keys, bool owner
   }
 }
 
+// The warp's owner buffers when this CTA holds a unit's every block: each vector's top k is the
+// answer (write_topk_row).
+__device__ __forceinline__ void write_own_answers(const IndexerParams& p, const uint64_t* warp_keys,
+                                                  int count, const Unit& unit, int nvec) {
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int H = p.heads;
+  const int k = p.topk;
+  for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
+    const int n = warp + kWarps * slot;
+    if (n >= nvec) break;
+    const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
+    const uint64_t* keys = warp_keys + slot * kCap;
+    const uint64_t top = warp_top64([&](int j) { return keys[j]; }, cnt);
+    const int row = unit.row0 + n / H;
+    write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * H + n % H) * k, top, k);
+  }
+}
+
+// The warp's owner buffers as candidates for the unit's last CTA: `slots` keys per vector (its
+// best when it holds more, padded with "no candidate"), vector n's at vec0 + n * vec_stride.
+__device__ __forceinline__ void write_own_candidates(const uint64_t* warp_keys, int count, int nvec,
+                                                     int slots, uint64_t* vec0,
+                                                     int64_t vec_stride) {
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(lane_id());
+  for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
+    const int n = warp + kWarps * slot;
+    if (n >= nvec) break;
+    const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
+    const uint64_t* keys = warp_keys + slot * kCap;
+    const uint64_t value = cnt > slots ? warp_top64([&](int j) { return keys[j]; }, cnt)
+                                       : (lane < cnt ? keys[lane] : 0);
+    if (lane < slots) vec0[n * vec_stride + lane] = value;
+  }
+}
+
+// Publishes this CTA's candidates and counts its arrival on `counter`: true in the CTA that
+// arrives last (of `ctas`), which resets the counter for the next launch or graph replay.
+// Every thread calls it; `last` is CTA-shared scratch.
+__device__ __forceinline__ bool arrive_last(uint32_t* counter, int ctas, int& last) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t arrived = atomicAdd(counter, 1u);
+    last = arrived == static_cast<uint32_t>(ctas - 1);
+    if (last) *counter = 0;
+  }
+  __syncthreads();
+  if (last) __threadfence();  // the other CTAs' candidates are visible from here
+  return last != 0;
+}
+
 // ---------------------------------------------------------------------------------------------
 // The scoring / fused-selection kernel
 //
@@ -710,16 +762,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int c_hi = block_owner(unit_hi - 1, total, ctas);
       const int segs = c_hi - c_lo + 1;
       if (segs == 1) {
-        // The whole unit is in this CTA: answer directly.
-        for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
-          const int n = warp + kWarps * slot;
-          if (n >= nvec) break;
-          const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
-          const uint64_t* keys = &s_keys[warp][slot * kCap];
-          const uint64_t top = warp_top64([&](int j) { return keys[j]; }, cnt);
-          const int row = unit.row0 + n / H;
-          write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * H + n % H) * k, top, k);
-        }
+        write_own_answers(p, &s_keys[warp][0], count, unit, nvec);  // the whole unit is here
       } else {
         // Slots of every segment of the unit: min(k, its blocks); this CTA's offset and the total.
         int my_offset = 0;
@@ -739,30 +782,9 @@ __global__ void __launch_bounds__(kThreads, 2)
         }
         const int64_t region = (static_cast<int64_t>(c_lo) + u) * k * p.unit_vectors;
         const int64_t vec_stride = static_cast<int64_t>(segs) * k;
-        const int my_slots = min(k, nblk);
-        for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
-          const int n = warp + kWarps * slot;
-          if (n >= nvec) break;
-          const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
-          const uint64_t* keys = &s_keys[warp][slot * kCap];
-          uint64_t value;
-          if (cnt > my_slots) {
-            value = warp_top64([&](int j) { return keys[j]; }, cnt);
-          } else {
-            value = lane < cnt ? keys[lane] : 0;
-          }
-          if (lane < my_slots) p.cand[region + n * vec_stride + my_offset + lane] = value;
-        }
-        __syncthreads();
-        if (tid == 0) {
-          __threadfence();
-          const uint32_t arrived = atomicAdd(&p.counters[u], 1u);
-          s_last = arrived == static_cast<uint32_t>(segs - 1);
-          if (s_last) p.counters[u] = 0;  // everyone arrived: ready for the next launch
-        }
-        __syncthreads();
-        if (s_last) {
-          __threadfence();
+        write_own_candidates(&s_keys[warp][0], count, nvec, min(k, nblk),
+                             p.cand + region + my_offset, vec_stride);
+        if (arrive_last(&p.counters[u], segs, s_last)) {
           for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
             const int n = warp + kWarps * slot;
             if (n >= nvec) break;
@@ -937,44 +959,15 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   // ---- This CTA's best keys: the answer itself, or candidates for the request's last CTA ----
   if (active == 1) {
-    for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
-      const int n = warp + kWarps * slot;
-      if (n >= nvec) break;
-      const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
-      const uint64_t* keys = &s_keys[warp][slot * kCap];
-      const uint64_t top = warp_top64([&](int j) { return keys[j]; }, cnt);
-      const int row = unit.row0 + n / H;
-      write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * H + n % H) * k, top, k);
-    }
+    write_own_answers(p, &s_keys[warp][0], count, unit, nvec);
     return;
   }
   const int slots = min(k, per);  // keys per CTA and vector (padded with "no candidate")
   const int cand_count = active * slots;
   const int64_t vec_stride = static_cast<int64_t>(splits) * k;
   uint64_t* region = p.cand + static_cast<int64_t>(r) * p.unit_vectors * vec_stride;
-  for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
-    const int n = warp + kWarps * slot;
-    if (n >= nvec) break;
-    const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
-    const uint64_t* keys = &s_keys[warp][slot * kCap];
-    uint64_t value;
-    if (cnt > slots) {
-      value = warp_top64([&](int j) { return keys[j]; }, cnt);
-    } else {
-      value = lane < cnt ? keys[lane] : 0;
-    }
-    if (lane < slots) region[n * vec_stride + split * slots + lane] = value;
-  }
-  __syncthreads();
-  if (tid == 0) {
-    __threadfence();
-    const uint32_t arrived = atomicAdd(&p.counters[r], 1u);
-    s_last = arrived == static_cast<uint32_t>(active - 1);
-    if (s_last) p.counters[r] = 0;  // everyone arrived: ready for the next launch
-  }
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
+  write_own_candidates(&s_keys[warp][0], count, nvec, slots, region + split * slots, vec_stride);
+  if (!arrive_last(&p.counters[r], active, s_last)) return;
   // The request's merge, one L2 round trip deep. Jobs of (vector, slice of <= kSliceKeys keys)
   // go to the warps; a warp loads its slice with every load in flight, takes the k-th largest of
   // its 32 lane maxima as a floor (k distinct keys of the slice are >= it, so every key of the

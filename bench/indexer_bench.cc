@@ -44,6 +44,7 @@ struct Config {
   DType dtype;
   int q_len;
   int min_blocks;  // IndexerPlan::min_blocks_per_cta
+  int tp;          // tensor-parallel size whose per-rank shape is timed
 };
 
 std::string fmt_context(int64_t context) {
@@ -56,6 +57,7 @@ struct Options {
   std::vector<int64_t> contexts = {4096, 32768, 131072, 524288, 1048576};
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   std::vector<int> q_lens = {1, 4};
+  std::vector<int> tps = {1};
   std::vector<int> min_blocks = {1};
   bool quick = false;
   bool no_unfused = false;
@@ -74,6 +76,10 @@ int run_indexer_bench(int argc, char** argv) {
   app.add_option("--contexts", opt.contexts, "context lengths in tokens")->delimiter(',');
   app.add_option("--dtypes", opt.dtypes, "index-K cache dtypes: bf16, fp8")->delimiter(',');
   app.add_option("--q-lens", opt.q_lens, "query rows per request")->delimiter(',');
+  app.add_option("--tp", opt.tps,
+                 "tensor-parallel sizes: one rank's shape each (M3: 4 index heads at TP 1, one "
+                 "at TP 4 and 8)")
+      ->delimiter(',');
   app.add_flag("--quick", opt.quick, "batches 1,32 x contexts 4K,128K only");
   app.add_flag("--no-unfused", opt.no_unfused, "skip the unfused baseline");
   app.add_option("--min-blocks", opt.min_blocks,
@@ -99,19 +105,20 @@ int run_indexer_bench(int argc, char** argv) {
   const TorchBaseline torch =
       TorchBaseline::read(opt.torch_json, {"batch", "context", "dtype", "q_len"}, "bench indexer");
 
-  SparseConfig config;  // M3: 4 index heads, dim 128, block 128, top-16, forced own block
+  const ModelConfig model;  // M3: 4 index heads, dim 128, block 128, top-16, forced own block
   cuda::Stream stream;
   const std::string device = device_description();
   std::printf("m3msa bench indexer on %s\n", device.c_str());
   std::printf("bytes = index-K rows read once + queries + tables + output; roof = 4.57 TB/s\n\n");
 
+  for (int tp : opt.tps) (void)model.sparse(tp);  // refuses a size that does not split M3's heads
   for (int mb : opt.min_blocks) {
     if (mb < 1) {
       std::fprintf(stderr, "m3msa bench indexer: --min-blocks must be >= 1, got %d\n", mb);
       return 2;
     }
   }
-  Table table({"batch", "context", "dtype", "q", "min blk", "fused us", "noise", "MB", "TB/s",
+  Table table({"tp", "batch", "context", "dtype", "q", "min blk", "fused us", "noise", "MB", "TB/s",
                "% roof", "span us", "x span", "unfused us", "x unfused", "torch us", "x torch",
                "check"});
   std::vector<Config> configs;
@@ -120,7 +127,9 @@ int run_indexer_bench(int argc, char** argv) {
     for (int q : opt.q_lens) {
       for (int b : opt.batches) {
         for (int64_t ctx : opt.contexts) {
-          for (int mb : opt.min_blocks) configs.push_back({b, ctx, dtype, q, mb});
+          for (int mb : opt.min_blocks) {
+            for (int tp : opt.tps) configs.push_back({b, ctx, dtype, q, mb, tp});
+          }
         }
       }
     }
@@ -128,6 +137,7 @@ int run_indexer_bench(int argc, char** argv) {
 
   for (const Config& cfg : configs) {
     const bool fp8 = cfg.dtype == DType::kFP8E4M3;
+    const SparseConfig config = model.sparse(cfg.tp);
     const int H = config.index_heads;
     const int k = config.topk;
     const int64_t nb = (cfg.context + 127) / 128;
@@ -230,8 +240,11 @@ int run_indexer_bench(int argc, char** argv) {
     const double tbs = static_cast<double>(bytes_per_launch) / (fused.median_us * 1e-6) / 1e12;
     const double roof = 100.0 * tbs / kReadCeilingTBs;
     const double torch_us =
-        torch.median_us({cfg.batch, cfg.context, fp8 ? "fp8" : "bf16", cfg.q_len});
-    nlohmann::json rec = {{"batch", cfg.batch},
+        cfg.tp == 1 ? torch.median_us({cfg.batch, cfg.context, fp8 ? "fp8" : "bf16", cfg.q_len})
+                    : 0.0;
+    nlohmann::json rec = {{"tp", cfg.tp},
+                          {"index_heads", H},
+                          {"batch", cfg.batch},
                           {"context", cfg.context},
                           {"dtype", fp8 ? "fp8" : "bf16"},
                           {"q_len", cfg.q_len},
@@ -258,8 +271,8 @@ int run_indexer_bench(int argc, char** argv) {
       rec["speedup_vs_torch"] = torch_us / fused.median_us;
     }
     table.add(
-        {std::to_string(cfg.batch), fmt_context(cfg.context), fp8 ? "fp8" : "bf16",
-         std::to_string(cfg.q_len), std::to_string(cfg.min_blocks),
+        {std::to_string(cfg.tp), std::to_string(cfg.batch), fmt_context(cfg.context),
+         fp8 ? "fp8" : "bf16", std::to_string(cfg.q_len), std::to_string(cfg.min_blocks),
          fmt::format("{:.1f}", fused.median_us), fmt::format("{:.0f}%", 100.0 * fused.noise()),
          fmt::format("{:.1f}", bytes_per_launch / 1e6), fmt::format("{:.2f}", tbs),
          fmt::format("{:.0f}%", roof), fmt::format("{:.1f}", span.median_us),
@@ -271,9 +284,9 @@ int run_indexer_bench(int argc, char** argv) {
         rec);
     results.write(table.records(), false);
     std::printf(
-        "batch %4d context %5s %-4s q %d min blocks %d: fused %9.1f us (%3.0f%% roof), span"
+        "tp %d batch %4d context %5s %-4s q %d min blocks %d: fused %9.1f us (%3.0f%% roof), span"
         " %9.1f us, unfused %9.1f us [%s]\n",
-        cfg.batch, fmt_context(cfg.context).c_str(), fp8 ? "fp8" : "bf16", cfg.q_len,
+        cfg.tp, cfg.batch, fmt_context(cfg.context).c_str(), fp8 ? "fp8" : "bf16", cfg.q_len,
         cfg.min_blocks, fused.median_us, roof, span.median_us, unfused.median_us, check.c_str());
     std::fflush(stdout);
   }

@@ -865,7 +865,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ __align__(16) float s_red[2][kWarps][kNT * 8];
   __shared__ __align__(16) uint64_t s_keys[kWarps][kScratch];
   __shared__ int s_survivor_count[kMaxVectors];
-  __shared__ uint64_t s_floor[kMaxVectors];
   __shared__ int s_last;
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -970,42 +969,31 @@ __global__ void __launch_bounds__(kThreads, 2)
   write_own_candidates(&s_keys[warp][0], count, nvec, slots, region + split * slots, vec_stride);
   if (!arrive_last(&p.counters[r], active, s_last)) return;
   // The request's merge, one L2 round trip deep. Jobs of (vector, slice of <= kSliceKeys keys)
-  // go to the warps. Pass 1: a warp loads its slice with every load in flight and takes the k-th
-  // largest of its 32 lane maxima: k distinct keys of the slice are >= it, so every key of the
-  // vector's top k is too, and the vector's floor is the largest such bound over its slices.
-  // Pass 2: the keys at or above the floor are appended to the vector's survivor list in shared
-  // memory (one shared atomic per job). Then each survivor is ranked by counting against its
-  // list: survivor i with rank < k is the answer's entry at that rank. A list that overflows
-  // takes the exact streaming path instead.
+  // go to the warps; a warp loads its slice with every load in flight, takes the k-th largest of
+  // its 32 lane maxima as a floor (k distinct keys of the slice are >= it, so every key of the
+  // vector's top k is too) and appends the keys at or above it to the vector's survivor list in
+  // shared memory. Then each vector's survivors are ranked by counting: survivor i with rank
+  // < k is the answer's entry i. A list that overflows takes the exact streaming path instead.
   constexpr int kSliceLoads = 16;
   constexpr int kSliceKeys = 32 * kSliceLoads;
   constexpr int kSurvivorCap = 128;
-  constexpr int kRankKeys = kSurvivorCap / 32;  // survivors ranked per lane
   static_assert(kMaxVectors * kSurvivorCap * 8 <= kRingBytes, "survivor lists fit the ring");
   uint64_t* survivors = reinterpret_cast<uint64_t*>(s_ring);  // [nvec][kSurvivorCap]
-  if (tid < nvec) {
-    s_survivor_count[tid] = 0;
-    s_floor[tid] = 1;  // never keep "no candidate"
-  }
+  if (tid < nvec) s_survivor_count[tid] = 0;
   __syncthreads();
   const int slices = (cand_count + kSliceKeys - 1) / kSliceKeys;
-  const int jobs = nvec * slices;
-  const bool slice_in_registers = jobs <= kWarps;  // at most one job per warp: no second load
-  uint64_t x[kSliceLoads];
-  auto load_slice = [&](int job) {
+  for (int job = warp; job < nvec * slices; job += kWarps) {
     const int v = job / slices;
     const int lo = (job - v * slices) * kSliceKeys;
     const int n = min(kSliceKeys, cand_count - lo);
     const uint64_t* src = region + v * vec_stride + lo;
+    uint64_t x[kSliceLoads];
+    uint64_t lane_max = 0;
 #pragma unroll
     for (int e = 0; e < kSliceLoads; ++e) {
       const int i = e * 32 + lane;
       x[e] = i < n ? __ldcg(src + i) : 0;
     }
-  };
-  for (int job = warp; job < jobs; job += kWarps) {
-    load_slice(job);
-    uint64_t lane_max = 0;
 #pragma unroll
     for (int e = 0; e < kSliceLoads; ++e) lane_max = u64_max(lane_max, x[e]);
     // Rank of this lane's maximum among the 32 (equal maxima are only "no candidate" zeros).
@@ -1015,33 +1003,19 @@ __global__ void __launch_bounds__(kThreads, 2)
       const uint64_t other = __shfl_sync(0xFFFFFFFFu, lane_max, o);
       rank += other > lane_max || (other == lane_max && o < lane);
     }
-    // Fewer than k lanes holding keys give a zero bound, which raises nothing.
-    if (rank == k - 1 && lane_max != 0)
-      atomicMax(reinterpret_cast<unsigned long long*>(&s_floor[job / slices]),
-                static_cast<unsigned long long>(lane_max));
-  }
-  __syncthreads();
-  for (int job = warp; job < jobs; job += kWarps) {
-    if (!slice_in_registers) load_slice(job);
-    const int v = job / slices;
-    const uint64_t floor_key = s_floor[v];
-    unsigned mask[kSliceLoads];
-    int total = 0;
+    const unsigned at_k = __ballot_sync(0xFFFFFFFFu, rank == k - 1);
+    uint64_t floor_key = __shfl_sync(0xFFFFFFFFu, lane_max, __ffs(at_k) - 1);
+    if (floor_key == 0) floor_key = 1;  // fewer than k lanes hold keys: keep every key
 #pragma unroll
     for (int e = 0; e < kSliceLoads; ++e) {
-      mask[e] = __ballot_sync(0xFFFFFFFFu, x[e] >= floor_key);
-      total += __popc(mask[e]);
-    }
-    if (total == 0) continue;
-    int base = 0;
-    if (lane == 0) base = atomicAdd(&s_survivor_count[v], total);
-    base = __shfl_sync(0xFFFFFFFFu, base, 0);
-    const unsigned lanes_below = (1u << lane) - 1u;
-#pragma unroll
-    for (int e = 0; e < kSliceLoads; ++e) {
-      const int at = base + __popc(mask[e] & lanes_below);
-      if (x[e] >= floor_key && at < kSurvivorCap) survivors[v * kSurvivorCap + at] = x[e];
-      base += __popc(mask[e]);
+      const bool keep = x[e] >= floor_key;
+      const unsigned mask = __ballot_sync(0xFFFFFFFFu, keep);
+      if (mask == 0) continue;
+      int base = 0;
+      if (lane == 0) base = atomicAdd(&s_survivor_count[v], __popc(mask));
+      base = __shfl_sync(0xFFFFFFFFu, base, 0);
+      const int at = base + __popc(mask & ((1u << lane) - 1u));
+      if (keep && at < kSurvivorCap) survivors[v * kSurvivorCap + at] = x[e];
     }
   }
   __syncthreads();
@@ -1058,22 +1032,12 @@ __global__ void __launch_bounds__(kThreads, 2)
       continue;
     }
     const uint64_t* list = survivors + v * kSurvivorCap;
-    uint64_t mine[kRankKeys];
-    int above[kRankKeys];
-#pragma unroll
-    for (int q = 0; q < kRankKeys; ++q) {
-      mine[q] = lane + 32 * q < cnt ? list[lane + 32 * q] : ~0ull;
-      above[q] = 0;
+    for (int i = lane; i < cnt; i += 32) {
+      const uint64_t key = list[i];
+      int above = 0;
+      for (int j = 0; j < cnt; ++j) above += list[j] > key;
+      if (above < k) out[above] = key_block(key);
     }
-#pragma unroll 4
-    for (int j = 0; j < cnt; ++j) {
-      const uint64_t other = list[j];
-#pragma unroll
-      for (int q = 0; q < kRankKeys; ++q) above[q] += other > mine[q];
-    }
-#pragma unroll
-    for (int q = 0; q < kRankKeys; ++q)
-      if (lane + 32 * q < cnt && above[q] < k) out[above[q]] = key_block(mine[q]);
     for (int i = cnt + lane; i < k; i += 32) out[i] = -1;
   }
 }

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "c_api_common.h"
 #include "m3msa/comm.h"
 #include "m3msa/error.h"
 #include "m3msa/runtime.h"
@@ -28,67 +29,10 @@ struct m3msa_runtime {
 
 namespace {
 
-thread_local std::string last_error;
-
-m3msa_status status_of(m3msa::ErrorCode code) {
-  switch (code) {
-    case m3msa::ErrorCode::kInvalidArgument: return M3MSA_ERR_INVALID_ARGUMENT;
-    case m3msa::ErrorCode::kUnsupported: return M3MSA_ERR_UNSUPPORTED;
-    case m3msa::ErrorCode::kTimeout: return M3MSA_ERR_TIMEOUT;
-    case m3msa::ErrorCode::kInternal: return M3MSA_ERR_INTERNAL;
-  }
-  return M3MSA_ERR_INTERNAL;
-}
-
-template <typename Body>
-m3msa_status guarded(Body&& body) {
-  try {
-    body();
-    return M3MSA_OK;
-  } catch (const m3msa::Error& e) {
-    last_error = e.what();
-    return status_of(e.code());
-  } catch (const std::bad_alloc&) {
-    last_error = "m3msa: out of host memory";
-    return M3MSA_ERR_INTERNAL;
-  } catch (const std::exception& e) {
-    last_error = e.what();
-    return M3MSA_ERR_INTERNAL;
-  } catch (...) {
-    last_error = "m3msa: unknown exception";
-    return M3MSA_ERR_INTERNAL;
-  }
-}
-
-#define M3MSA_C_CHECK_NOT_NULL(ptr) M3MSA_CHECK_ARG((ptr) != nullptr, #ptr " must not be NULL")
-
-m3msa::DType to_dtype(int32_t dtype) {
-  M3MSA_CHECK_ARG(dtype >= M3MSA_F32 && dtype <= M3MSA_U8, "unknown m3msa_dtype ", dtype);
-  return static_cast<m3msa::DType>(dtype);
-}
-
-m3msa::TensorView to_view(const m3msa_tensor& t, const char* name) {
-  m3msa::TensorView view;
-  if (t.ndim == 0 && t.data == nullptr) return view;  // not given
-  M3MSA_CHECK_ARG(t.ndim >= 0 && t.ndim <= M3MSA_MAX_DIMS, name, ": ndim must be in [0, ",
-                  M3MSA_MAX_DIMS, "], got ", t.ndim);
-  M3MSA_CHECK_ARG(t.device_type == 0 || t.device_type == 1, name, ": unknown device_type ",
-                  t.device_type);
-  view.data = t.data;
-  view.dtype = to_dtype(t.dtype);
-  view.ndim = t.ndim;
-  view.device = {static_cast<m3msa::DeviceType>(t.device_type), t.device_index};
-  bool strides_given = false;
-  for (int d = 0; d < t.ndim; ++d) strides_given = strides_given || t.strides[d] != 0;
-  int64_t stride = 1;
-  for (int d = t.ndim - 1; d >= 0; --d) {
-    M3MSA_CHECK_ARG(t.shape[d] >= 0, name, ": negative extent ", t.shape[d], " in dimension ", d);
-    view.shape[d] = t.shape[d];
-    view.strides[d] = strides_given ? t.strides[d] : stride;
-    stride *= t.shape[d];
-  }
-  return view;
-}
+using m3msa::capi::guarded;
+using m3msa::capi::to_batch;
+using m3msa::capi::to_dtype;
+using m3msa::capi::to_view;
 
 m3msa::RuntimeConfig to_config(const m3msa_runtime_config& c) {
   m3msa::RuntimeConfig config;
@@ -151,30 +95,12 @@ m3msa::LayerWeights to_layer(const m3msa_layer_weights& w) {
   return out;
 }
 
-m3msa::BatchMeta to_batch(const m3msa_batch& b) {
-  M3MSA_CHECK_ARG(b.kind == 0 || b.kind == 1, "batch.kind must be 0 (decode) or 1 (prefill), got ",
-                  b.kind);
-  m3msa::BatchMeta batch;
-  batch.kind = static_cast<m3msa::BatchKind>(b.kind);
-  batch.num_reqs = b.num_reqs;
-  batch.q_len = b.q_len;
-  batch.num_tokens = b.num_tokens;
-  batch.seq_lens = to_view(b.seq_lens, "batch.seq_lens");
-  batch.cu_seqlens_q = to_view(b.cu_seqlens_q, "batch.cu_seqlens_q");
-  batch.context_lens = to_view(b.context_lens, "batch.context_lens");
-  batch.index_block_table = to_view(b.index_block_table, "batch.index_block_table");
-  batch.kv_block_table = to_view(b.kv_block_table, "batch.kv_block_table");
-  batch.slot_mapping = to_view(b.slot_mapping, "batch.slot_mapping");
-  batch.index_slot_mapping = to_view(b.index_slot_mapping, "batch.index_slot_mapping");
-  return batch;
-}
-
 }  // namespace
 
 extern "C" {
 
 const char* m3msa_last_error(void) {
-  return last_error.c_str();
+  return m3msa::capi::last_error().c_str();
 }
 
 m3msa_status m3msa_thread_group_create(int world_size, int64_t timeout_ms,

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "c_api_test_util.h"
 #include "m3msa/runtime.h"
 #include "m3msa/runtime_c.h"
 #include "m3msa/testing/runtime_model.h"
@@ -13,16 +14,8 @@
 namespace m3msa {
 namespace {
 
-m3msa_tensor c_tensor(const TensorView& v) {
-  m3msa_tensor t;
-  std::memset(&t, 0, sizeof(t));
-  if (!v.defined()) return t;
-  t.data = v.data;
-  t.dtype = static_cast<int32_t>(v.dtype);
-  t.ndim = v.ndim;
-  for (int d = 0; d < v.ndim; ++d) t.shape[d] = v.shape[d];  // strides 0: contiguous
-  return t;
-}
+using capitest::c_batch;
+using capitest::c_tensor;
 
 m3msa_layer_weights c_layer(const LayerWeights& w) {
   m3msa_layer_weights c;
@@ -185,16 +178,7 @@ TEST(RuntimeCApi, OneStepEqualsTheCppApi) {
             M3MSA_OK)
       << m3msa_last_error();
   ASSERT_EQ(result, M3MSA_PREPARE_ACTIVE);
-  m3msa_batch batch;
-  std::memset(&batch, 0, sizeof(batch));
-  batch.kind = 0;
-  batch.num_reqs = step.batch.num_reqs;
-  batch.q_len = step.batch.q_len;
-  batch.seq_lens = c_tensor(step.batch.seq_lens);
-  batch.index_block_table = c_tensor(step.batch.index_block_table);
-  batch.kv_block_table = c_tensor(step.batch.kv_block_table);
-  batch.slot_mapping = c_tensor(step.batch.slot_mapping);
-  batch.index_slot_mapping = c_tensor(step.batch.index_slot_mapping);
+  const m3msa_batch batch = c_batch(step.batch);
   int accepted = 0;
   ASSERT_EQ(m3msa_runtime_begin_step(rt, &batch, &accepted), M3MSA_OK) << m3msa_last_error();
   ASSERT_EQ(accepted, 1);

@@ -101,8 +101,8 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                   "], got ", p.rows);
   M3MSA_CHECK_ARG(p.topk > 0 && p.topk <= kMoeMaxTopk && p.topk <= p.num_experts,
                   "moe: experts_per_token must be in [1, ", kMoeMaxTopk, "], got ", p.topk);
-  M3MSA_CHECK_ARG(p.num_experts > 0 && p.num_experts <= 4096,
-                  "moe: num_experts must be in [1, 4096], got ", p.num_experts);
+  M3MSA_CHECK_ARG(p.num_experts > 0 && p.num_experts <= kMoeMaxExperts,
+                  "moe: num_experts must be in [1, ", kMoeMaxExperts, "], got ", p.num_experts);
   M3MSA_CHECK_ARG(p.hidden > 0 && p.hidden % 8 == 0, "moe: hidden must be a multiple of 8, got ",
                   p.hidden);
   M3MSA_CHECK_ARG(p.experts.inter > 0 && p.experts.inter % 8 == 0 && p.shared.inter % 8 == 0,
@@ -122,7 +122,8 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
   const std::size_t route_smem = 2 * sizeof(float) * static_cast<std::size_t>(p.num_experts);
   moe::moe_route_kernel<<<static_cast<unsigned>(p.rows), moe::kThreads, route_smem, stream>>>(p);
   CUDA_CHECK_LAUNCH();
-  const int sets = p.num_experts + (p.shared.inter > 0 ? 1 : 0);
+  // One slot per distinct expert the step can pick, plus the shared expert's.
+  const int sets = std::min(p.num_experts, p.rows * p.topk) + (p.shared.inter > 0 ? 1 : 0);
   const int inter = std::max(p.experts.inter, p.shared.inter);
   const dim3 gate_up_grid((inter + moe::kGateUpTile - 1) / moe::kGateUpTile, sets);
   moe::moe_gate_up_kernel<<<gate_up_grid, moe::kThreads, 0, stream>>>(p);

@@ -1,9 +1,9 @@
 // Host launchers of the moe family: the mixture of experts of one rank (docs/spec.md section 8)
 // for decode steps of 1..16 token rows. Three launches: the router with its top-k (one CTA per
-// row), the gate/up projections with the activation and the down projection (one CTA per expert
-// and tile of outputs, so each selected expert's weights are read once per step whatever the
-// number of tokens routed to it; CTAs of experts no token picked return at once), and the
-// weighted sum in pick order. MXFP8 weights are decoded in registers; fp32 FMA accumulation.
+// row), the gate/up projections with the activation and the down projection (one CTA per
+// distinct picked expert, plus the shared expert, and tile of outputs, so each selected expert's
+// weights are read once per step whatever the number of tokens routed to it), and the weighted
+// sum in pick order. MXFP8 weights are decoded in registers; fp32 FMA accumulation.
 // Validates on the host, allocates nothing, never synchronizes, CUDA-graph capturable;
 // deterministic run to run.
 #pragma once

@@ -5,19 +5,20 @@
 //  - moe_route_kernel: one CTA per row; a warp per expert computes the fp32 logit (lanes over K,
 //    then a butterfly sum), s = sigmoid, key = s + bias; one thread picks the top-k keys (NaN
 //    last, the lower id on ties) and writes ids and weights routed_scaling * s_i / sum s.
-//  - moe_gate_up_kernel: one CTA per (tile of 32 intermediate rows j, expert); the routed experts
-//    are blockIdx.y < E, the shared expert is blockIdx.y == E. The CTA lists the rows that picked
-//    its expert (all rows for the shared one) and returns when there are none; each warp takes
+//  - moe_gate_up_kernel: one CTA per (tile of 16 intermediate rows j, expert slot); slot y is the
+//    y-th smallest distinct expert the step picked (min(E, rows * k) slots: a slot past the count
+//    returns at once), the last slot the shared expert. The CTA lists the rows that picked its
+//    expert (all rows for the shared one); each warp takes
 //    rows j of the tile and reads the gate row j and the up row I + j once, for every listed token
 //    (x from global memory, L1/L2 resident), accumulating in fp32; then g and u are rounded to
 //    bf16 and the SwiGLU-OAI activation is stored as bf16.
-//  - moe_down_kernel: the same grid over (tile of 64 hidden rows n, expert): y[row, slot, n] =
+//  - moe_down_kernel: the same grid over (tile of 32 hidden rows n, expert slot): y[row, slot, n] =
 //    act[row, slot] . w2[e, n] in fp32.
 //  - moe_combine_kernel: out[row, n] = sum_i w_i y[row, i, n] + y[row, k, n] in pick order with
 //    unfused fp32 operations, the CPU reference's order.
 // MXFP8 weights are decoded in registers: code -> fp32 (exact) times 2^(scale - 127) (exact).
 // Requirements (checked by the launcher): hidden and I multiples of 8 (16-byte rows), 16-byte
-// aligned tensors, rows <= kMoeMaxRows, topk <= kMoeMaxTopk.
+// aligned tensors, rows <= kMoeMaxRows, topk <= kMoeMaxTopk, num_experts <= kMoeMaxExperts.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -31,8 +32,8 @@
 namespace m3msa::cuda::moe {
 
 inline constexpr int kThreads = kMoeWarps * 32;
-inline constexpr int kGateUpTile = 32;  // intermediate rows j per CTA
-inline constexpr int kDownTile = 64;    // hidden rows n per CTA
+inline constexpr int kGateUpTile = 16;  // intermediate rows j per CTA
+inline constexpr int kDownTile = 32;    // hidden rows n per CTA
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -121,31 +122,72 @@ __global__ void __launch_bounds__(kThreads) moe_route_kernel(const __grid_consta
   }
 }
 
-// The rows (and their pick slot) that use expert `ex` (E: the shared expert, every row, slot k).
-// Returns the count; every thread of the CTA gets it.
-__device__ __forceinline__ int list_tokens(const MoeParams& p, int ex, int* tok_row,
-                                           int* tok_slot) {
+// The expert CTA row `y` of the expert grid serves and the rows (and pick slots) that use it.
+// Rows y < grid.y - 1 (all rows without a shared expert) take the y-th smallest distinct expert
+// the step picked (none past their count: the CTA has nothing to do); the last row with a shared
+// expert takes the shared expert (id E, every row, slot k). Returns the token count (0: return);
+// every thread of the CTA gets it and `ex`.
+__device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int* tok_slot,
+                                           int& ex) {
+  __shared__ uint32_t used[kMoeMaxExperts / 32];
   __shared__ int count;
+  __shared__ int expert;
+  const int y = blockIdx.y;
+  const bool shared = p.shared.inter > 0 && y == static_cast<int>(gridDim.y) - 1;
+  const int words = (p.num_experts + 31) / 32;
+  if (!shared) {
+    for (int w = threadIdx.x; w < words; w += blockDim.x) used[w] = 0u;
+    __syncthreads();
+    for (int i = threadIdx.x; i < p.rows * p.topk; i += blockDim.x) {
+      const int id = p.topk_ids[i];
+      atomicOr(&used[id / 32], 1u << (id % 32));
+    }
+    __syncthreads();
+  }
   if (threadIdx.x == 0) {
+    int e = -1;
+    if (shared) {
+      e = p.num_experts;
+    } else {
+      int seen = 0;
+      for (int w = 0; w < words && e < 0; ++w) {
+        uint32_t bits = used[w];
+        const int here = __popc(bits);
+        if (seen + here <= y) {
+          seen += here;
+          continue;
+        }
+        for (; bits != 0u; bits &= bits - 1u, ++seen) {
+          if (seen == y) {
+            e = w * 32 + __ffs(bits) - 1;
+            break;
+          }
+        }
+      }
+    }
     int n = 0;
-    for (int r = 0; r < p.rows; ++r) {
-      if (ex == p.num_experts) {
+    if (e == p.num_experts) {
+      for (int r = 0; r < p.rows; ++r) {
         tok_row[n] = r;
         tok_slot[n] = p.topk;
         ++n;
-        continue;
       }
-      for (int i = 0; i < p.topk; ++i) {
-        if (p.topk_ids[r * p.topk + i] == ex) {
-          tok_row[n] = r;
-          tok_slot[n] = i;
-          ++n;
+    } else if (e >= 0) {
+      for (int r = 0; r < p.rows; ++r) {
+        for (int i = 0; i < p.topk; ++i) {
+          if (p.topk_ids[r * p.topk + i] == e) {
+            tok_row[n] = r;
+            tok_slot[n] = i;
+            ++n;
+          }
         }
       }
     }
     count = n;
+    expert = e;
   }
   __syncthreads();
+  ex = expert;
   return count;
 }
 
@@ -153,14 +195,14 @@ __global__ void __launch_bounds__(kThreads)
     moe_gate_up_kernel(const __grid_constant__ MoeParams p) {
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
-  const int ex = blockIdx.y;
+  int ex = -1;
+  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
   const MoeExpertSet& set = shared ? p.shared : p.experts;
   const int I = set.inter;
   const int j0 = blockIdx.x * kGateUpTile;
-  if (I == 0 || j0 >= I) return;
-  const int ntok = list_tokens(p, ex, tok_row, tok_slot);
-  if (ntok == 0) return;
+  if (j0 >= I) return;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int H = p.hidden;
@@ -170,6 +212,7 @@ __global__ void __launch_bounds__(kThreads)
     float au[kMoeMaxRows];
 #pragma unroll
     for (int t = 0; t < kMoeMaxRows; ++t) ag[t] = au[t] = 0.0f;
+#pragma unroll 4
     for (int k0 = lane * 8; k0 < H; k0 += 32 * 8) {
       float wg[8];
       float wu[8];
@@ -216,15 +259,15 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads) moe_down_kernel(const __grid_constant__ MoeParams p) {
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
-  const int ex = blockIdx.y;
+  int ex = -1;
+  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
   const MoeExpertSet& set = shared ? p.shared : p.experts;
   const int I = set.inter;
   const int H = p.hidden;
   const int n0 = blockIdx.x * kDownTile;
-  if (I == 0 || n0 >= H) return;
-  const int ntok = list_tokens(p, ex, tok_row, tok_slot);
-  if (ntok == 0) return;
+  if (n0 >= H) return;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const int64_t e = shared ? 0 : ex;
@@ -232,6 +275,7 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(const __grid_constan
     float acc[kMoeMaxRows];
 #pragma unroll
     for (int t = 0; t < kMoeMaxRows; ++t) acc[t] = 0.0f;
+#pragma unroll 4
     for (int k0 = lane * 8; k0 < I; k0 += 32 * 8) {
       float w[8];
       load_weights8(set.w2, set.w2_scale, p.fp8, e * H + n, I, k0, w);

@@ -7,10 +7,11 @@
 
 namespace m3msa::cuda {
 
-inline constexpr int kMoeMaxRows = 16;     // token rows of one step
-inline constexpr int kMoeMaxTopk = 8;      // experts_per_token the kernels take
-inline constexpr int kMoeWarps = 8;        // warps per CTA of every moe kernel
-inline constexpr int kMoeRowsPerWarp = 2;  // output rows (j or n) per warp and pass
+inline constexpr int kMoeMaxRows = 16;       // token rows of one step
+inline constexpr int kMoeMaxTopk = 8;        // experts_per_token the kernels take
+inline constexpr int kMoeMaxExperts = 4096;  // routed experts the kernels take
+inline constexpr int kMoeWarps = 8;          // warps per CTA of every moe kernel
+inline constexpr int kMoeRowsPerWarp = 2;    // output rows (j or n) per warp and pass
 
 // One expert set's weights: bf16, or MXFP8 (e4m3 codes + e8m0 scales per 32 elements along K).
 // Routed: [E, 2 I, hidden] and [E, hidden, I]; shared: the same with E = 1.

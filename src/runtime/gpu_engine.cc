@@ -839,7 +839,8 @@ void check_gpu_support(const RuntimeConfig& config, int tp_size, Communicator& c
     need(mc.experts_per_token <= cuda::kMoeMaxTopk,
          "experts_per_token must be <= " + std::to_string(cuda::kMoeMaxTopk) + ", got " +
              std::to_string(mc.experts_per_token));
-    need(mc.num_experts <= 4096, "num_experts must be <= 4096");
+    need(mc.num_experts <= cuda::kMoeMaxExperts,
+         "num_experts must be <= " + std::to_string(cuda::kMoeMaxExperts));
     need(mc.intermediate % 8 == 0 && mc.shared_intermediate % 8 == 0 && mc.hidden % 8 == 0,
          "the expert intermediate per rank must be a multiple of 8, got " +
              std::to_string(mc.intermediate));

@@ -1,6 +1,7 @@
 #include "m3msa/config.h"
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "m3msa/error.h"
@@ -136,7 +137,12 @@ MoeConfig ModelConfig::moe(int tp_size) const {
   c.num_experts = num_experts;
   c.experts_per_token = experts_per_token;
   c.intermediate = moe_intermediate / tp_size;
-  c.shared_intermediate = shared_experts * (moe_intermediate / tp_size);
+  // In 64 bits: hostile counts must not overflow before a validate() refuses them.
+  const int64_t shared = int64_t{shared_experts} * (moe_intermediate / tp_size);
+  M3MSA_CHECK_ARG(shared >= 0 && shared <= std::numeric_limits<int>::max(),
+                  "model.shared_experts (", shared_experts, ") x model.moe_intermediate / tp (",
+                  moe_intermediate / tp_size, ") must be in [0, 2^31)");
+  c.shared_intermediate = static_cast<int>(shared);
   c.routed_scaling = routed_scaling;
   c.activation_limit = activation_limit;
   return c;

@@ -15,8 +15,14 @@
 // index-K cache of every visible block of every request (1/P of them per rank with CP on) and,
 // per request and KV head of the rank, min(topk, blocks) selected K and V blocks (rows of one
 // request are assumed to share them: a lower bound). With --share-period F > 1 the floor counts
-// the index columns and the index-K read of one layer in F. ratio = median / floor; the issue's
-// target is <= 1.5x at <= 4 requests.
+// the index columns and the index-K read of one layer in F. ratio = median / floor.
+//
+// With --moe bf16 / mxfp8 every layer also runs M3's mixture of experts (128 experts of width
+// 3072 / P, top-4, one shared expert; docs/spec.md section 8) and the floor adds the bytes of the
+// experts the step reads: the router, the shared expert and, for t token rows under uniform
+// routing, E (1 - (1 - k / E)^t) distinct routed experts (their w13, w2 and MXFP8 scales), plus
+// one more all-reduce. --rank-of P runs one rank's shapes of TP P on one GPU (q heads / P, KV and
+// index heads max(1, 4 / P), expert intermediate / P; no all-reduce).
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -45,7 +51,9 @@
 #include "m3msa/comm.h"
 #include "m3msa/cp_cuda.h"
 #include "m3msa/error.h"
+#include "m3msa/moe.h"
 #include "m3msa/runtime.h"
+#include "m3msa/testing/splitmix.h"
 
 namespace m3msa::bench {
 namespace {
@@ -62,6 +70,8 @@ struct Config {
   int q_len = 1;
   int64_t context = 0;
   int layers = 4;
+  std::string moe = "off";  // off | bf16 | mxfp8
+  int rank_of = 1;          // > 1: one rank's shapes of TP rank_of, on one GPU
 };
 
 struct Result {
@@ -74,13 +84,31 @@ struct Result {
   double peer_allreduce_us = 0;
   std::string allreduce_used;  // what the runtime ran ("none", "nccl", "peer")
   double floor_us = 0;
+  double moe_bytes = 0;  // the experts' share of weight_bytes
 };
 
-ModelConfig m3_model(int layers) {
+ModelConfig m3_model(const Config& c) {
   ModelConfig m;  // M3 defaults
-  m.num_layers = m.first_sparse_layer + layers;
+  m.num_layers = m.first_sparse_layer + c.layers;
   m.intermediate = 0;
+  if (c.rank_of > 1) {
+    m.q_heads /= c.rank_of;
+    m.kv_heads = std::max(1, m.kv_heads / c.rank_of);
+    m.index_heads = m.kv_heads;
+    m.moe_intermediate /= c.rank_of;
+  }
   return m;
+}
+
+// The MoE bytes one rank reads per layer for `tokens` rows under uniform routing.
+double moe_step_bytes(const ModelConfig& m, int tp, bool fp8, int tokens) {
+  const MoeConfig mc = m.moe(tp);
+  const double H = mc.hidden;
+  const double per_elem = fp8 ? 1.0 + 1.0 / kMxfp8Block : 2.0;
+  const double E = mc.num_experts;
+  const double distinct = E * (1.0 - std::pow(1.0 - mc.experts_per_token / E, tokens));
+  return distinct * 3.0 * H * mc.intermediate * per_elem +
+         3.0 * H * mc.shared_intermediate * per_elem + 4.0 * E * (H + 1);
 }
 
 // One rank's bound model: random weights and caches in device memory it owns.
@@ -91,6 +119,51 @@ struct RankModel {
 
 TensorView device_view(void* data, DType dtype, std::vector<int64_t> shape, int device) {
   return TensorView::contiguous(data, dtype, shape, Device::cuda(device));
+}
+
+// Random experts of one layer: the router spreads the rows over the experts; MXFP8 scales of
+// 2^-5 keep unit-variance codes' sums O(1).
+void bind_moe(const Config& c, const ModelConfig& m, LayerWeights& w, RankModel& r, int device,
+              uint64_t seed) {
+  const MoeConfig mc = m.moe(c.tp);
+  const bool fp8 = c.moe == "mxfp8";
+  const DType wd = fp8 ? DType::kFP8E4M3 : DType::kBF16;
+  const int64_t E = mc.num_experts, H = mc.hidden;
+  auto host_f32 = [&](std::vector<int64_t> shape, float scale) {
+    int64_t n = 1;
+    for (int64_t e : shape) n *= e;
+    testkit::SplitMix64 rng(seed++);
+    std::vector<float> host(static_cast<std::size_t>(n));
+    for (float& v : host) v = rng.signed_unit() * scale;
+    r.buffers.emplace_back(host.size() * sizeof(float));
+    CUDA_CHECK(cudaMemcpy(r.buffers.back().data(), host.data(), host.size() * sizeof(float),
+                          cudaMemcpyHostToDevice));
+    return device_view(r.buffers.back().data(), DType::kF32, shape, device);
+  };
+  auto weights = [&](std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t e : shape) n *= e;
+    r.buffers.emplace_back(static_cast<std::size_t>(n) * dtype_size(wd));
+    fill_random(r.buffers.back().data(), n, fp8, seed++, nullptr);
+    return device_view(r.buffers.back().data(), wd, shape, device);
+  };
+  auto scales = [&](std::vector<int64_t> shape) {
+    if (!fp8) return TensorView{};
+    shape.back() /= kMxfp8Block;
+    int64_t n = 1;
+    for (int64_t e : shape) n *= e;
+    r.buffers.emplace_back(static_cast<std::size_t>(n));
+    CUDA_CHECK(cudaMemset(r.buffers.back().data(), 127 - 5, static_cast<std::size_t>(n)));
+    return device_view(r.buffers.back().data(), DType::kU8, shape, device);
+  };
+  w.router_weight = host_f32({E, H}, 2.0f / std::sqrt(static_cast<float>(H)));
+  w.router_bias = host_f32({E}, 0.01f);
+  const int64_t I = mc.intermediate, S = mc.shared_intermediate;
+  w.experts = {weights({E, 2 * I, H}), scales({E, 2 * I, H}), weights({E, H, I}),
+               scales({E, H, I})};
+  if (S > 0) {
+    w.shared_expert = {weights({2 * S, H}), scales({2 * S, H}), weights({H, S}), scales({H, S})};
+  }
 }
 
 RankModel build_rank(const Config& c, const ModelConfig& m, int device, int64_t pages,
@@ -134,6 +207,7 @@ RankModel build_rank(const Config& c, const ModelConfig& m, int device, int64_t 
     w.kv_cache.k_scale = c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
     w.kv_cache.v_scale = c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
     w.index_cache.data = random(DType::kBF16, {pages, sc.block_size, sc.index_dim});
+    if (c.moe != "off") bind_moe(c, m, w, r, device, seed++);
     r.weights.layers.push_back(w);
   }
   // The fills ran on `stream`, the scale copies on the legacy stream: wait for both.
@@ -229,7 +303,7 @@ double measure_allreduce(std::vector<std::unique_ptr<NcclCommunicator>>& comms, 
 
 Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>>& comms, int reps,
                   uint64_t seed) {
-  const ModelConfig m = m3_model(c.layers);
+  const ModelConfig m = m3_model(c);
   const int reqs = c.tokens / c.q_len;
   const int64_t nb = (c.context + m.block_size - 1) / m.block_size;
   const int64_t pages = int64_t{reqs} * nb + 1;
@@ -324,11 +398,16 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
                           std::min<double>(sc.topk, static_cast<double>(nb)) * 2.0 * block_tokens *
                           sc.head_dim * kv_elem;
   res.cache_bytes = index_bytes + kv_bytes;
+  if (c.moe != "off") {
+    res.moe_bytes = moe_step_bytes(m, c.tp, c.moe == "mxfp8", c.tokens);
+    res.weight_bytes += res.moe_bytes;
+  }
   if (c.tp > 1) {
     const int64_t count = int64_t{c.tokens} * m.hidden;
     res.nccl_allreduce_us = measure_allreduce(comms, count, /*peer=*/false);
     res.peer_allreduce_us = measure_allreduce(comms, count, /*peer=*/true);
     res.allreduce_us = std::min(res.nccl_allreduce_us, res.peer_allreduce_us);
+    if (c.moe != "off") res.allreduce_us *= 2;  // the MoE's all-reduce: the same size
   }
   res.floor_us =
       (res.weight_bytes + res.cache_bytes) / (kReadCeilingTBs * 1e12) * 1e6 + res.allreduce_us;
@@ -367,6 +446,8 @@ int run_layer_bench(int argc, char** argv) {
   std::string overlap = "auto";
   std::string weights = "bf16,fp8";
   std::string kv = "bf16";
+  std::string moe = "off";
+  std::string rank_of = "1";
   int layers = 4;
   int reps = 30;
   uint64_t seed = 1;
@@ -386,6 +467,11 @@ int run_layer_bench(int argc, char** argv) {
                  "indexer beside the q/k/v projection; with --cp on the runtime is serial)");
   app.add_option("--weights", weights, "comma-separated projection weight dtypes: bf16, fp8");
   app.add_option("--kv", kv, "KV cache dtype: bf16 or fp8");
+  app.add_option("--moe", moe,
+                 "comma-separated: off, bf16, mxfp8 (M3's mixture of experts after the attention "
+                 "block, its experts in that format)");
+  app.add_option("--rank-of", rank_of,
+                 "comma-separated P: one rank's shapes of TP P on one GPU (with --tp 1)");
   app.add_option("--layers", layers, "distinct sparse layers per captured step (L2 rotation)");
   app.add_option("--reps", reps, "graph replays per configuration (median over them)");
   app.add_option("--seed", seed, "random seed");
@@ -431,12 +517,22 @@ int run_layer_bench(int argc, char** argv) {
   const ResultFile results("layer", argc, argv, json_path, commit);
   std::printf(
       "m3msa bench layer on %s; read ceiling %.2f TB/s; M3 attention dims, %d layers per graph, "
-      "kv %s, no MLP, share period %d; per layer under graph replay\n",
-      device.c_str(), kReadCeilingTBs, layers, dtype_name(kv_dtype), share_period);
+      "kv %s, MoE %s, share period %d; per layer under graph replay\n",
+      device.c_str(), kReadCeilingTBs, layers, dtype_name(kv_dtype), moe.c_str(), share_period);
   std::vector<IndexerOverlap> overlap_list;
   for (const std::string& v : split_list(overlap)) overlap_list.push_back(parse_indexer_overlap(v));
-  Table table({"tp", "cp", "weights", "tokens", "q_len", "reqs", "context", "overlap", "median us",
-               "noise", "launches", "MB", "allreduce", "nccl us", "peer us", "floor us", "ratio"});
+  std::vector<std::string> moe_list = split_list(moe);
+  for (const std::string& v : moe_list) {
+    if (v != "off" && v != "bf16" && v != "mxfp8") {
+      std::fprintf(stderr, "m3msa bench layer: --moe takes off, bf16 and/or mxfp8, got '%s'\n",
+                   v.c_str());
+      return 2;
+    }
+  }
+  const std::vector<int64_t> rank_of_list = parse_list(rank_of);
+  Table table({"tp", "rank of", "moe", "cp", "weights", "tokens", "q_len", "reqs", "context",
+               "overlap", "median us", "noise", "launches", "MB", "allreduce", "nccl us", "peer us",
+               "floor us", "ratio"});
   for (int tp : tp_list) {
     std::vector<std::unique_ptr<NcclCommunicator>> comms;
     if (tp > 1) {
@@ -450,77 +546,89 @@ int run_layer_bench(int argc, char** argv) {
           for (int64_t q : parse_list(q_lens)) {
             for (int64_t t : parse_list(tokens)) {
               for (IndexerOverlap with_overlap : overlap_list) {
-                if (t % q != 0) continue;  // tokens = requests * q_len
-                Config c;
-                // With CP the runtime is serial: one row, not two identical ones.
-                if (cp && with_overlap != overlap_list.front()) continue;
-                c.overlap = with_overlap;
-                c.tp = tp;
-                c.cp = cp;
-                c.share_period = share_period;
-                c.allreduce = allreduce_mode;
-                c.weights = w;
-                c.kv = kv_dtype;
-                c.tokens = static_cast<int>(t);
-                c.q_len = static_cast<int>(q);
-                c.context = context;
-                c.layers = layers;
-                const Result r = run_config(c, comms, reps, seed);
-                const double us = r.timing.median_us;
-                const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;
-                std::vector<std::string> cells = {
-                    fmt::format("{}", tp),
-                    cp ? "on" : "off",
-                    dtype_name(w),
-                    fmt::format("{}", t),
-                    fmt::format("{}", q),
-                    fmt::format("{}", t / q),
-                    fmt::format("{}", context),
-                    cp ? "serial" : indexer_overlap_name(with_overlap),
-                    fmt::format("{:.2f}", us),
-                    fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
-                    fmt::format("{}", r.launches),
-                    fmt::format("{:.1f}", mb),
-                    r.allreduce_used,
-                    fmt::format("{:.2f}", r.nccl_allreduce_us),
-                    fmt::format("{:.2f}", r.peer_allreduce_us),
-                    fmt::format("{:.2f}", r.floor_us),
-                    fmt::format("{:.2f}", us / r.floor_us)};
-                std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
-                const double tbs = (r.weight_bytes + r.cache_bytes) / (us * 1e-6) / 1e12;
-                table.add(cells,
-                          {{"bench", "layer"},
-                           {"tp", tp},
-                           {"cp", cp},
-                           {"share_period", share_period},
-                           {"allreduce", r.allreduce_used},
-                           {"nccl_allreduce_us", r.nccl_allreduce_us},
-                           {"peer_allreduce_us", r.peer_allreduce_us},
-                           {"weights", dtype_name(w)},
-                           {"kv", dtype_name(kv_dtype)},
-                           {"tokens", t},
-                           {"q_len", q},
-                           {"requests", t / q},
-                           {"context", context},
-                           {"indexer_overlap", cp ? "serial" : indexer_overlap_name(with_overlap)},
-                           {"layers_per_graph", layers},
-                           {"median_us", us},
-                           {"p10_us", r.timing.p10_us},
-                           {"p90_us", r.timing.p90_us},
-                           {"noise", r.timing.noise()},
-                           {"launches_per_layer", r.launches},
-                           {"weight_bytes", r.weight_bytes},
-                           {"cache_bytes", r.cache_bytes},
-                           {"allreduce_us", r.allreduce_us},
-                           {"floor_us", r.floor_us},
-                           {"ratio", us / r.floor_us},
-                           {"tb_per_s", tbs},
-                           {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
-                           {"device", device},
-                           {"commit", results.commit()}});
-                table.last_record().update(
-                    measured_fields(r.timing, r.weight_bytes + r.cache_bytes, r.floor_us));
-                results.write(table.records(), false);  // a stopped run keeps what it measured
+                for (const std::string& moe_mode : moe_list) {
+                  for (int64_t rank_shape : rank_of_list) {
+                    if (t % q != 0) continue;                // tokens = requests * q_len
+                    if (rank_shape > 1 && tp > 1) continue;  // rank shapes run on one GPU
+                    Config c;
+                    // With CP the runtime is serial: one row, not two identical ones.
+                    if (cp && with_overlap != overlap_list.front()) continue;
+                    c.overlap = with_overlap;
+                    c.tp = tp;
+                    c.cp = cp;
+                    c.share_period = share_period;
+                    c.allreduce = allreduce_mode;
+                    c.weights = w;
+                    c.kv = kv_dtype;
+                    c.tokens = static_cast<int>(t);
+                    c.q_len = static_cast<int>(q);
+                    c.context = context;
+                    c.layers = layers;
+                    c.moe = moe_mode;
+                    c.rank_of = static_cast<int>(rank_shape);
+                    const Result r = run_config(c, comms, reps, seed);
+                    const double us = r.timing.median_us;
+                    const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;
+                    std::vector<std::string> cells = {
+                        fmt::format("{}", tp),
+                        fmt::format("{}", rank_shape),
+                        moe_mode,
+                        cp ? "on" : "off",
+                        dtype_name(w),
+                        fmt::format("{}", t),
+                        fmt::format("{}", q),
+                        fmt::format("{}", t / q),
+                        fmt::format("{}", context),
+                        cp ? "serial" : indexer_overlap_name(with_overlap),
+                        fmt::format("{:.2f}", us),
+                        fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
+                        fmt::format("{}", r.launches),
+                        fmt::format("{:.1f}", mb),
+                        r.allreduce_used,
+                        fmt::format("{:.2f}", r.nccl_allreduce_us),
+                        fmt::format("{:.2f}", r.peer_allreduce_us),
+                        fmt::format("{:.2f}", r.floor_us),
+                        fmt::format("{:.2f}", us / r.floor_us)};
+                    std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
+                    const double tbs = (r.weight_bytes + r.cache_bytes) / (us * 1e-6) / 1e12;
+                    table.add(cells, {{"bench", "layer"},
+                                      {"tp", tp},
+                                      {"rank_of", rank_shape},
+                                      {"moe", moe_mode},
+                                      {"moe_bytes", r.moe_bytes},
+                                      {"cp", cp},
+                                      {"share_period", share_period},
+                                      {"allreduce", r.allreduce_used},
+                                      {"nccl_allreduce_us", r.nccl_allreduce_us},
+                                      {"peer_allreduce_us", r.peer_allreduce_us},
+                                      {"weights", dtype_name(w)},
+                                      {"kv", dtype_name(kv_dtype)},
+                                      {"tokens", t},
+                                      {"q_len", q},
+                                      {"requests", t / q},
+                                      {"context", context},
+                                      {"indexer_overlap",
+                                       cp ? "serial" : indexer_overlap_name(with_overlap)},
+                                      {"layers_per_graph", layers},
+                                      {"median_us", us},
+                                      {"p10_us", r.timing.p10_us},
+                                      {"p90_us", r.timing.p90_us},
+                                      {"noise", r.timing.noise()},
+                                      {"launches_per_layer", r.launches},
+                                      {"weight_bytes", r.weight_bytes},
+                                      {"cache_bytes", r.cache_bytes},
+                                      {"allreduce_us", r.allreduce_us},
+                                      {"floor_us", r.floor_us},
+                                      {"ratio", us / r.floor_us},
+                                      {"tb_per_s", tbs},
+                                      {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
+                                      {"device", device},
+                                      {"commit", results.commit()}});
+                    table.last_record().update(
+                        measured_fields(r.timing, r.weight_bytes + r.cache_bytes, r.floor_us));
+                    results.write(table.records(), false);  // a stopped run keeps what it measured
+                  }
+                }
               }
             }
           }

@@ -655,6 +655,13 @@ Command add_demo_command(CLI::App& parent) {
       app->add_option("--intermediate", rt.intermediate,
                       "width of the dense SwiGLU-OAI MLP (0 = the hidden size); runtime only")
           ->check(CLI::Range(0, 262144)),
+      app->add_flag("--moe", rt.moe,
+                    "the mixture of experts after every sparse layer instead of the dense MLP "
+                    "(16 experts of width 256, top-4, one shared expert; docs/spec.md section "
+                    "8); runtime only"),
+      app->add_option("--moe-weights", rt.moe_weights,
+                      "--moe: the experts' format (mxfp8: e4m3 + e8m0 scale per 32); runtime only")
+          ->check(CLI::IsMember({"mxfp8", "bf16"})),
   };
   // The ops-level demo only.
   std::vector<CLI::Option*> ops_only = {

@@ -27,11 +27,13 @@ struct RuntimeDemoOptions {
   int q_len = 2;
   int layers = 2;
   int steps = 3;
-  int tp = 0;                    // 0: the GPUs present (1 or 2); on the CPU 2 rank threads
-  bool cp = false;               // RuntimeConfig::context_parallel
-  std::string weights = "bf16";  // qkv_proj and o_proj dtype: bf16 | fp8
-  int hidden = 0;                // 0: 6144 on the GPU, kCpuDefaultHidden on the CPU
-  int intermediate = 0;          // MLP width; 0: = hidden
+  int tp = 0;                         // 0: the GPUs present (1 or 2); on the CPU 2 rank threads
+  bool cp = false;                    // RuntimeConfig::context_parallel
+  std::string weights = "bf16";       // qkv_proj and o_proj dtype: bf16 | fp8
+  int hidden = 0;                     // 0: 6144 on the GPU, kCpuDefaultHidden on the CPU
+  int intermediate = 0;               // MLP width; 0: = hidden
+  bool moe = false;                   // the mixture of experts instead of the dense MLP
+  std::string moe_weights = "mxfp8";  // the experts' format: mxfp8 | bf16
   std::string backend = "auto";
   std::string check = "auto";  // auto | none
   int threads = 0;
@@ -45,6 +47,12 @@ struct RuntimeDemoOptions {
 // dimensions stay M3's.
 inline constexpr int kCpuDefaultHidden = 1024;
 inline constexpr int kM3Hidden = 6144;
+// The demo's mixture of experts: M3's router and expert function (sigmoid router with a
+// selection-only bias, top-4, one shared expert), fewer and narrower experts than M3's 128 x 3072
+// so the host can draw the weights and the oracle can replay them.
+inline constexpr int kDemoExperts = 16;
+inline constexpr int kDemoExpertsPerToken = 4;
+inline constexpr int kDemoExpertWidth = 256;
 
 int run_runtime_demo(const RuntimeDemoOptions& options);
 

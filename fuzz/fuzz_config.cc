@@ -75,6 +75,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   m.rope_theta = hostile_double(in);
   m.rms_eps = hostile_float(in);
   m.intermediate = hostile_int(in, 1 << 16);
+  m.num_experts = hostile_int(in, 256);
+  m.experts_per_token = hostile_int(in, 16);
+  m.moe_intermediate = hostile_int(in, 1 << 16);
+  m.shared_experts = hostile_int(in, 4);
+  m.dense_intermediate = hostile_int(in, 1 << 16);
+  m.routed_scaling = hostile_float(in);
+  m.activation_limit = hostile_float(in);
   const int tp_size = hostile_int(in, 16);
   if (accepts([&] { m.validate(); })) {
     FUZZ_CHECK(m.num_layers > 0 && m.first_sparse_layer >= 0 &&
@@ -82,6 +89,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     FUZZ_CHECK(m.num_sparse_layers() > 0 && m.hidden > 0 && m.intermediate >= 0);
     FUZZ_CHECK(m.index_heads == m.kv_heads);
     check_accepted(m.sparse(1));
+  }
+  // The MoE split (docs/spec.md section 8): an error, or a rank view that validates whenever the
+  // whole model does, with the intermediates split evenly.
+  MoeConfig moe;
+  if (accepts([&] { moe = m.moe(tp_size); }) && accepts([&] { m.validate(); })) {
+    FUZZ_CHECK(accepts([&] { moe.validate(); }), "tp %d MoE split of a valid model is invalid: %s",
+               tp_size, moe.to_string().c_str());
+    FUZZ_CHECK(int64_t{moe.intermediate} * tp_size == m.moe_intermediate);
+    FUZZ_CHECK(moe.shared_intermediate == m.shared_experts * moe.intermediate);
   }
   // Splitting for tensor parallelism: either an error, or a per-rank config that validates
   // whenever the whole model does, with the head counts split as docs/spec.md section 1 says.

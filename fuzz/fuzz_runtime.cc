@@ -332,6 +332,8 @@ struct Model {
   int64_t kv_pages = 1;
   int64_t index_pages = 1;
   std::vector<bool> mlp;  // per sparse layer
+  std::vector<bool> moe;  // per sparse layer (never with the MLP)
+  bool moe_fp8 = false;   // MXFP8 experts (else bf16)
 };
 
 Model make_model(FuzzedDataProvider& in) {
@@ -359,6 +361,16 @@ Model make_model(FuzzedDataProvider& in) {
   }
   model.kv_pages = in.ConsumeIntegralInRange<int64_t>(1, 24);
   model.index_pages = in.ConsumeBool() ? in.ConsumeIntegralInRange<int64_t>(1, 24) : model.kv_pages;
+  // The mixture of experts (docs/spec.md section 8), small; which layers bind it.
+  m.num_experts = in.PickValueInArray<int>({4, 8});
+  m.experts_per_token = in.ConsumeIntegralInRange<int>(1, 2);
+  m.moe_intermediate = in.PickValueInArray<int>({32, 64});
+  m.shared_experts = in.ConsumeIntegralInRange<int>(0, 1);
+  const int moe_bits = in.ConsumeIntegralInRange<int>(0, 7);
+  for (int i = 0; i < m.num_sparse_layers(); ++i) {
+    model.moe.push_back(!model.mlp[static_cast<std::size_t>(i)] && ((moe_bits >> i) & 1) != 0);
+  }
+  model.moe_fp8 = in.ConsumeBool();
   return model;
 }
 
@@ -385,6 +397,11 @@ void edit_model(FuzzedDataProvider& in, ModelConfig& m) {
     case 16:
       m.intermediate = hostile_int(in, 128);  // big widths without MLP weights (R2)
       break;
+    case 17: m.num_experts = hostile_int(in, 16); break;
+    case 18: m.experts_per_token = hostile_int(in, 8); break;
+    case 19: m.moe_intermediate = hostile_int(in, 128); break;
+    case 20: m.shared_experts = hostile_int(in, 2); break;
+    case 21: m.routed_scaling = hostile_float(in); break;
     default: break;
   }
 }
@@ -522,6 +539,42 @@ Bound make_weights(FuzzedDataProvider& in, Arena& arena, Values& values, const M
         w.mlp_down =
             make_tensor(in, arena, DType::kBF16, {H, width}, reals(values, 0.25f), DType::kFP8E4M3)
                 .view;
+      }
+    }
+    // The MoE: router, routed experts, shared expert; bf16 or MXFP8 with e8m0 scales.
+    const int moe_choice = in.ConsumeIntegralInRange<int>(0, 15);
+    if (model.moe[static_cast<std::size_t>(i)] || moe_choice == 15) {
+      const int64_t E = m.num_experts;
+      const DType wd = model.moe_fp8 ? DType::kFP8E4M3 : DType::kBF16;
+      const DType alt = model.moe_fp8 ? DType::kBF16 : DType::kFP8E4M3;
+      const Content e8m0{{}, [&values](int64_t i) {
+                           if (!values.hostile) return int64_t{118} + i % 8;
+                           const float v = std::fabs(values.next(255.0f));
+                           return std::isfinite(v) ? static_cast<int64_t>(std::min(v, 255.0f))
+                                                   : int64_t{255};
+                         }};
+      w.router_weight =
+          make_tensor(in, arena, DType::kF32, {E, H}, reals(values, in_scale), DType::kBF16).view;
+      if (moe_choice != 14) {
+        w.router_bias =
+            make_tensor(in, arena, DType::kF32, {E}, reals(values, 0.05f), DType::kBF16).view;
+      }
+      auto set = [&](ExpertWeights& x, std::vector<int64_t> lead, int64_t inter) {
+        std::vector<int64_t> s13 = lead, s2 = lead;
+        s13.insert(s13.end(), {2 * inter, H});
+        s2.insert(s2.end(), {H, inter});
+        x.w13 = make_tensor(in, arena, wd, s13, reals(values, 4.0f * in_scale), alt).view;
+        x.w2 = make_tensor(in, arena, wd, s2, reals(values, 0.25f), alt).view;
+        if (model.moe_fp8 || moe_choice == 13) {
+          s13.back() /= kMxfp8Block;
+          s2.back() = std::max<int64_t>(inter / kMxfp8Block, 1);
+          x.w13_scale = make_tensor(in, arena, DType::kU8, s13, e8m0, DType::kI32).view;
+          x.w2_scale = make_tensor(in, arena, DType::kU8, s2, e8m0, DType::kI32).view;
+        }
+      };
+      set(w.experts, {E}, m.moe_intermediate);
+      if (m.shared_experts > 0 || moe_choice == 12) {
+        set(w.shared_expert, {}, int64_t{std::max(m.shared_experts, 1)} * m.moe_intermediate);
       }
     }
     out.weights.layers.push_back(w);
@@ -888,9 +941,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       // The layer math of an accepted call, bounded per input.
       const SparseConfig sc = real.sparse(1);
       const int64_t cost =
-          rows * (H * sc.qkv_width() + H * sc.q_heads * sc.head_dim +
-                  3 * H * std::max(real.intermediate, 1) +
-                  int64_t{sc.index_heads} * sc.index_dim * model.index_pages * real.block_size);
+          rows *
+          (H * sc.qkv_width() + H * sc.q_heads * sc.head_dim +
+           3 * H * std::max(real.intermediate, 1) +
+           3 * H * int64_t{real.experts_per_token + real.shared_experts} * real.moe_intermediate +
+           H * int64_t{real.num_experts} +
+           int64_t{sc.index_heads} * sc.index_dim * model.index_pages * real.block_size);
       if (open && work + cost > kWorkBudget) break;
       work += cost;
       const bool finite_in = clean && exact && all_finite_bf16(h, rows * H, 1e4f) &&

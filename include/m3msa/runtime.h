@@ -53,6 +53,8 @@
 //   with MLP weights:    g|u = bf16(h2 @ mlp_gate_up^T); g = min(g, limit);
 //                        u = clamp(u, -limit, limit); act = bf16(g * sigmoid(1.702 g) * (u + 1));
 //                        hidden <- bf16(all_reduce_sum_fp32(act @ mlp_down^T)), residual <- x2
+//   with MoE weights:    p = cpu::moe(h2) (router, routed and shared experts, docs/spec.md
+//                        section 8); hidden <- bf16(all_reduce_sum_fp32(p)), residual <- x2
 //   (the engine's convention: the next layer's input is hidden + residual).
 #pragma once
 
@@ -69,6 +71,7 @@
 #include "m3msa/comm.h"
 #include "m3msa/config.h"
 #include "m3msa/cp_cuda.h"
+#include "m3msa/moe.h"
 #include "m3msa/tensor.h"
 
 namespace m3msa {
@@ -192,6 +195,15 @@ struct LayerWeights {
   // I = model.intermediate / P.
   TensorView mlp_gate_up;  // [2 * I, hidden] bf16, rows [gate | up]
   TensorView mlp_down;     // [hidden, I] bf16 (this rank's columns)
+  // Optional mixture of experts (docs/spec.md section 8), exclusive with the MLP above: the
+  // router (replicated on every rank), the routed experts and, when model.shared_experts > 0,
+  // the shared expert; all or none. I_r = model.moe_intermediate / P, S_r = shared_experts * I_r;
+  // bf16, or MXFP8 (fp8_e4m3 codes + u8 e8m0 scales per 32 elements along K).
+  TensorView router_weight;     // [E, hidden] f32
+  TensorView router_bias;       // [E] f32 e_score_correction_bias (used only to pick)
+  ExpertWeights experts;        // w13 [E, 2 I_r, hidden] rows [gate | up], w2 [E, hidden, I_r]
+  ExpertWeights shared_expert;  // w13 [2 S_r, hidden], w2 [hidden, S_r]
+  bool has_moe() const { return router_weight.defined() || experts.defined(); }
 };
 
 // A copy of `layer` whose every tensor is fn(that tensor), ids and cache scales kept (e.g. to

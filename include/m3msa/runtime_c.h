@@ -93,6 +93,9 @@ typedef struct m3msa_runtime_config {
   float swiglu_limit;
   int32_t threads;
   int32_t indexer_overlap; /* rank-local IndexerOverlap: 0 auto, 1 off, 2 on (CUDA, no CP) */
+  /* ModelConfig: the mixture of experts and the dense MLP (docs/spec.md section 8) */
+  int32_t num_experts, experts_per_token, moe_intermediate, shared_experts, dense_intermediate;
+  float routed_scaling, activation_limit;
 } m3msa_runtime_config;
 
 /* Fills `config` with the C++ defaults (MiniMax-M3 dimensions, default buckets). The bucket and
@@ -110,6 +113,11 @@ typedef struct m3msa_layer_weights {
   float k_scale, v_scale;
   m3msa_tensor index_cache;
   m3msa_tensor mlp_gate_up, mlp_down;
+  /* The mixture of experts (optional; all zero: none): router f32, w13 / w2 bf16 or fp8 e4m3 with
+   * u8 e8m0 scales (MXFP8). */
+  m3msa_tensor router_weight, router_bias;
+  m3msa_tensor experts_w13, experts_w13_scale, experts_w2, experts_w2_scale;
+  m3msa_tensor shared_w13, shared_w13_scale, shared_w2, shared_w2_scale;
 } m3msa_layer_weights;
 
 /* BatchMeta (batch.h); kind: 0 decode, 1 prefill. */

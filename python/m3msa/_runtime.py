@@ -34,17 +34,29 @@ class LayerWeights:
         o_proj [hidden, QH * head_dim] (+ o_proj_scale [hidden] f32), kv_cache (+ k_scale,
         v_scale), index_cache, optional mlp_gate_up [2 I, hidden] and mlp_down [hidden, I].
 
+    Optional mixture of experts (docs/spec.md section 8; exclusive with the MLP), I_r =
+    moe_intermediate / P, S_r = shared_experts * I_r: router_weight [E, hidden] f32, router_bias
+    [E] f32, experts_w13 [E, 2 I_r, hidden] and experts_w2 [E, hidden, I_r], shared_w13
+    [2 S_r, hidden] and shared_w2 [hidden, S_r], bf16 or fp8 e4m3 (MXFP8) with uint8 e8m0
+    *_scale tensors, one per 32 elements along the last axis.
+
     The runtime reads them (and writes the caches) for as long as it is bound: keep them alive
     and in place until detach() or close()."""
 
     __slots__ = ("layer", "qkv_proj", "qkv_proj_scale", "q_norm", "k_norm", "index_q_norm",
                  "index_k_norm", "input_norm", "post_attention_norm", "o_proj", "o_proj_scale",
-                 "kv_cache", "k_scale", "v_scale", "index_cache", "mlp_gate_up", "mlp_down")
+                 "kv_cache", "k_scale", "v_scale", "index_cache", "mlp_gate_up", "mlp_down",
+                 "router_weight", "router_bias", "experts_w13", "experts_w13_scale", "experts_w2",
+                 "experts_w2_scale", "shared_w13", "shared_w13_scale", "shared_w2",
+                 "shared_w2_scale")
 
     def __init__(self, layer, *, qkv_proj, q_norm, k_norm, index_q_norm, index_k_norm,
                  input_norm, post_attention_norm, o_proj, kv_cache, index_cache,
                  qkv_proj_scale=None, o_proj_scale=None, k_scale=1.0, v_scale=1.0,
-                 mlp_gate_up=None, mlp_down=None):
+                 mlp_gate_up=None, mlp_down=None, router_weight=None, router_bias=None,
+                 experts_w13=None, experts_w13_scale=None, experts_w2=None,
+                 experts_w2_scale=None, shared_w13=None, shared_w13_scale=None, shared_w2=None,
+                 shared_w2_scale=None):
         self.layer = int(layer)
         self.qkv_proj, self.qkv_proj_scale = _arg(qkv_proj), qkv_proj_scale
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -54,6 +66,11 @@ class LayerWeights:
         self.kv_cache, self.k_scale, self.v_scale = _arg(kv_cache), float(k_scale), float(v_scale)
         self.index_cache = _arg(index_cache)
         self.mlp_gate_up, self.mlp_down = mlp_gate_up, mlp_down
+        self.router_weight, self.router_bias = router_weight, router_bias
+        self.experts_w13, self.experts_w13_scale = experts_w13, experts_w13_scale
+        self.experts_w2, self.experts_w2_scale = experts_w2, experts_w2_scale
+        self.shared_w13, self.shared_w13_scale = shared_w13, shared_w13_scale
+        self.shared_w2, self.shared_w2_scale = shared_w2, shared_w2_scale
 
 
 class Runtime:

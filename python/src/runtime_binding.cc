@@ -124,6 +124,23 @@ LayerWeights import_layer(ImportScope& scope, py::handle layer, std::size_t inde
   tensor("index_cache", w.index_cache.data, false, true);
   tensor("mlp_gate_up", w.mlp_gate_up, true, false);
   tensor("mlp_down", w.mlp_down, true, false);
+  // The mixture of experts (docs/spec.md section 8): optional, and absent from objects that
+  // predate it.
+  auto moe_tensor = [&](const char* name, TensorView& out) {
+    if (!py::hasattr(layer, name)) return;
+    const std::string label = where + "." + name;
+    out = scope.optional_tensor(layer.attr(name), label.c_str(), false);
+  };
+  moe_tensor("router_weight", w.router_weight);
+  moe_tensor("router_bias", w.router_bias);
+  moe_tensor("experts_w13", w.experts.w13);
+  moe_tensor("experts_w13_scale", w.experts.w13_scale);
+  moe_tensor("experts_w2", w.experts.w2);
+  moe_tensor("experts_w2_scale", w.experts.w2_scale);
+  moe_tensor("shared_w13", w.shared_expert.w13);
+  moe_tensor("shared_w13_scale", w.shared_expert.w13_scale);
+  moe_tensor("shared_w2", w.shared_expert.w2);
+  moe_tensor("shared_w2_scale", w.shared_expert.w2_scale);
   return w;
 }
 
@@ -139,7 +156,11 @@ std::string model_repr(const ModelConfig& c) {
       << ", block_size=" << c.block_size << ", topk=" << c.topk << ", init_blocks=" << c.init_blocks
       << ", local_blocks=" << c.local_blocks << ", rope_dim=" << c.rope_dim
       << ", rope_theta=" << c.rope_theta << ", rms_eps=" << c.rms_eps
-      << ", intermediate=" << c.intermediate << ")";
+      << ", intermediate=" << c.intermediate << ", num_experts=" << c.num_experts
+      << ", experts_per_token=" << c.experts_per_token
+      << ", moe_intermediate=" << c.moe_intermediate << ", shared_experts=" << c.shared_experts
+      << ", dense_intermediate=" << c.dense_intermediate << ", routed_scaling=" << c.routed_scaling
+      << ", activation_limit=" << c.activation_limit << ")";
   return out.str();
 }
 
@@ -184,6 +205,13 @@ void bind_model_config(py::module_& m) {
       .def_readwrite("num_layers", &ModelConfig::num_layers)
       .def_readwrite("first_sparse_layer", &ModelConfig::first_sparse_layer)
       .def_readwrite("intermediate", &ModelConfig::intermediate)
+      .def_readwrite("num_experts", &ModelConfig::num_experts)
+      .def_readwrite("experts_per_token", &ModelConfig::experts_per_token)
+      .def_readwrite("moe_intermediate", &ModelConfig::moe_intermediate)
+      .def_readwrite("shared_experts", &ModelConfig::shared_experts)
+      .def_readwrite("dense_intermediate", &ModelConfig::dense_intermediate)
+      .def_readwrite("routed_scaling", &ModelConfig::routed_scaling)
+      .def_readwrite("activation_limit", &ModelConfig::activation_limit)
       .def_property_readonly("num_sparse_layers", &ModelConfig::num_sparse_layers)
       .def("sparse", &ModelConfig::sparse, py::arg("tp_size") = 1,
            py::arg("context_parallel") = false,

@@ -187,6 +187,69 @@ class RuntimeTest(TestCase):
         self.assertEqual(runtime.stats()["layers_run"], 4)
         runtime.close()
 
+    def test_mixture_of_experts(self):
+        # bf16 experts (E 4, top-2, width 32, one shared) on both sparse layers: forward_layer
+        # against the MoE of docs/spec.md section 8 composed in NumPy (g, u and the activation
+        # rounded to bf16 where the spec rounds); a wrong expert shape is refused by name.
+        rng = np.random.default_rng(7)
+        moe = dict(num_experts=4, experts_per_token=2, moe_intermediate=32, shared_experts=1)
+        model = Model(rng)
+        for key, value in moe.items():
+            setattr(model.model, key, value)
+        hidden_size, inter = 64, 32
+        for layer in model.layers:
+            layer.router_weight = (rng.standard_normal((4, hidden_size)) * 0.3).astype(np.float32)
+            layer.router_bias = (rng.standard_normal(4) * 0.05).astype(np.float32)
+            layer.experts_w13 = m3msa.as_bf16(rng.standard_normal((4, 2 * inter, hidden_size))
+                                              * hidden_size ** -0.5)
+            layer.experts_w2 = m3msa.as_bf16(rng.standard_normal((4, hidden_size, inter))
+                                             * inter ** -0.5)
+            layer.shared_w13 = m3msa.as_bf16(rng.standard_normal((2 * inter, hidden_size))
+                                             * hidden_size ** -0.5)
+            layer.shared_w2 = m3msa.as_bf16(rng.standard_normal((hidden_size, inter))
+                                            * inter ** -0.5)
+        config = runtime_config(model=model.model)
+        runtime = m3msa.Runtime()
+        self.assertEqual(runtime.prepare(model.layers, config), "active")
+        batch, positions = decode_step(np.random.default_rng(8), [40, 17], 2)
+        rows = batch.num_rows
+        hidden = m3msa.as_bf16(rng.standard_normal((rows, 64)))
+        residual = m3msa.as_bf16(rng.standard_normal((rows, 64)) * 0.5)
+        self.assertTrue(runtime.begin_step(batch))
+        f = lambda t: oracle.bf16_decode(t.array).astype(np.float64)  # noqa: E731
+        for layer in model.layers:
+            inputs = (oracle.bf16_decode(hidden.array), oracle.bf16_decode(residual.array))
+            kv, index = copy_caches(layer)
+            runtime.forward_layer(layer.layer, hidden, residual, positions)
+            h2, _ = oracle_layer(model.model, layer, kv, index, batch, positions, *inputs)
+            x = h2.astype(np.float64)
+            s = 1.0 / (1.0 + np.exp(-(x @ layer.router_weight.astype(np.float64).T)))
+            keys = s + layer.router_bias
+            want = np.zeros_like(x)
+            for r in range(rows):
+                picked = np.argsort(-keys[r], kind="stable")[:2]
+                weights = 2.0 * s[r, picked] / s[r, picked].sum()
+                sets = [(f(layer.experts_w13)[e], f(layer.experts_w2)[e], w)
+                        for e, w in zip(picked, weights)]
+                sets.append((f(layer.shared_w13), f(layer.shared_w2), 1.0))
+                for w13, w2, weight in sets:
+                    g = np.minimum(bf16(w13[:inter] @ x[r]), 7.0)
+                    u = np.clip(bf16(w13[inter:] @ x[r]), -7.0, 7.0)
+                    act = bf16(g / (1.0 + np.exp(-1.702 * g)) * (u + 1.0)).astype(np.float64)
+                    want[r] += weight * (w2 @ act)
+            ok, message = oracle.bf16_close(oracle.bf16_decode(hidden.array), bf16(want),
+                                            ulps=4.0, floor=2.0 ** -6)
+            self.assertTrue(ok, f"layer {layer.layer} MoE output: {message}")
+        runtime.close()
+        bad = Model(np.random.default_rng(9)).layers
+        for layer, good in zip(bad, model.layers):
+            for name in ("router_weight", "router_bias", "experts_w13", "experts_w2",
+                         "shared_w13", "shared_w2"):
+                setattr(layer, name, getattr(good, name))
+        bad[0].experts_w13 = m3msa.as_bf16(np.zeros((4, 2 * inter - 1, hidden_size)))
+        with self.assertRaisesError("invalid_argument", "experts.w13"):
+            m3msa.Runtime().prepare(bad, config)
+
     def test_two_ranks_as_threads(self):
         # pipeline_parallel_size 2 is unsupported on every rank: both fall back together (the
         # outcome is agreed through the group), each Python thread driving one rank.

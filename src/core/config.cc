@@ -1,6 +1,7 @@
 #include "m3msa/config.h"
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 
 #include "m3msa/error.h"
@@ -12,6 +13,10 @@ namespace {
 constexpr int kMaxHeads = 1 << 16;
 constexpr int kMaxHeadDim = 1 << 16;
 constexpr int kMaxBlockSize = 1 << 20;
+constexpr int kMaxExperts = 1 << 12;
+constexpr int kMaxExpertsPerToken = 32;
+constexpr int kMaxSharedExperts = 16;
+constexpr int kMaxWidth = 1 << 20;
 }  // namespace
 
 float SparseConfig::softmax_scale() const {
@@ -79,6 +84,26 @@ void ModelConfig::validate() const {
   M3MSA_CHECK_ARG(first_sparse_layer >= 0 && first_sparse_layer < num_layers,
                   "model.first_sparse_layer must be in [0, num_layers), got ", first_sparse_layer);
   M3MSA_CHECK_ARG(intermediate >= 0, "model.intermediate must be >= 0, got ", intermediate);
+  // Bounds keep every derived size (E * 2I * hidden) far from int64 overflow.
+  M3MSA_CHECK_ARG(num_experts > 0 && num_experts <= kMaxExperts,
+                  "model.num_experts must be in [1, ", kMaxExperts, "], got ", num_experts);
+  M3MSA_CHECK_ARG(experts_per_token > 0 && experts_per_token <= kMaxExpertsPerToken &&
+                      experts_per_token <= num_experts,
+                  "model.experts_per_token must be in [1, min(", kMaxExpertsPerToken,
+                  ", num_experts = ", num_experts, ")], got ", experts_per_token);
+  M3MSA_CHECK_ARG(moe_intermediate > 0 && moe_intermediate <= kMaxWidth,
+                  "model.moe_intermediate must be in [1, ", kMaxWidth, "], got ", moe_intermediate);
+  M3MSA_CHECK_ARG(shared_experts >= 0 && shared_experts <= kMaxSharedExperts,
+                  "model.shared_experts must be in [0, ", kMaxSharedExperts, "], got ",
+                  shared_experts);
+  M3MSA_CHECK_ARG(dense_intermediate >= 0 && dense_intermediate <= kMaxWidth,
+                  "model.dense_intermediate must be in [0, ", kMaxWidth, "], got ",
+                  dense_intermediate);
+  M3MSA_CHECK_ARG(std::isfinite(routed_scaling) && routed_scaling > 0,
+                  "model.routed_scaling must be finite and > 0, got ", routed_scaling);
+  M3MSA_CHECK_ARG(std::isfinite(activation_limit) && activation_limit > 0,
+                  "model.activation_limit must be finite and > 0, got ", activation_limit);
+  M3MSA_CHECK_ARG(hidden <= kMaxWidth, "model.hidden must be <= ", kMaxWidth, ", got ", hidden);
   // Checked here, not only through sparse(1): the split maps 0 KV heads to 1 per rank.
   M3MSA_CHECK_ARG(q_heads > 0 && kv_heads > 0, "model.q_heads and model.kv_heads must be > 0, got ",
                   q_heads, " and ", kv_heads);
@@ -101,6 +126,55 @@ SparseConfig ModelConfig::sparse(int tp_size, bool context_parallel) const {
                   : tp_size <= index_heads ? index_heads / tp_size
                                            : 1;
   return s;
+}
+
+MoeConfig ModelConfig::moe(int tp_size) const {
+  M3MSA_CHECK_ARG(tp_size > 0, "tp_size must be > 0, got ", tp_size);
+  M3MSA_CHECK_ARG(moe_intermediate % tp_size == 0, "tp_size (", tp_size,
+                  ") must divide model.moe_intermediate (", moe_intermediate, ")");
+  MoeConfig c;
+  c.hidden = hidden;
+  c.num_experts = num_experts;
+  c.experts_per_token = experts_per_token;
+  c.intermediate = moe_intermediate / tp_size;
+  // In 64 bits: hostile counts must not overflow before a validate() refuses them.
+  const int64_t shared = int64_t{shared_experts} * (moe_intermediate / tp_size);
+  M3MSA_CHECK_ARG(shared >= 0 && shared <= std::numeric_limits<int>::max(),
+                  "model.shared_experts (", shared_experts, ") x model.moe_intermediate / tp (",
+                  moe_intermediate / tp_size, ") must be in [0, 2^31)");
+  c.shared_intermediate = static_cast<int>(shared);
+  c.routed_scaling = routed_scaling;
+  c.activation_limit = activation_limit;
+  return c;
+}
+
+void MoeConfig::validate() const {
+  M3MSA_CHECK_ARG(hidden > 0 && hidden <= kMaxWidth, "moe.hidden must be in [1, ", kMaxWidth,
+                  "], got ", hidden);
+  M3MSA_CHECK_ARG(num_experts > 0 && num_experts <= kMaxExperts, "moe.num_experts must be in [1, ",
+                  kMaxExperts, "], got ", num_experts);
+  M3MSA_CHECK_ARG(experts_per_token > 0 && experts_per_token <= kMaxExpertsPerToken &&
+                      experts_per_token <= num_experts,
+                  "moe.experts_per_token must be in [1, min(", kMaxExpertsPerToken,
+                  ", num_experts = ", num_experts, ")], got ", experts_per_token);
+  M3MSA_CHECK_ARG(intermediate > 0 && intermediate <= kMaxWidth, "moe.intermediate must be in [1, ",
+                  kMaxWidth, "], got ", intermediate);
+  M3MSA_CHECK_ARG(shared_intermediate >= 0 && shared_intermediate <= kMaxWidth * kMaxSharedExperts,
+                  "moe.shared_intermediate must be in [0, ", kMaxWidth * kMaxSharedExperts,
+                  "], got ", shared_intermediate);
+  M3MSA_CHECK_ARG(std::isfinite(routed_scaling) && routed_scaling > 0,
+                  "moe.routed_scaling must be finite and > 0, got ", routed_scaling);
+  M3MSA_CHECK_ARG(std::isfinite(activation_limit) && activation_limit > 0,
+                  "moe.activation_limit must be finite and > 0, got ", activation_limit);
+}
+
+std::string MoeConfig::to_string() const {
+  std::ostringstream out;
+  out << "hidden=" << hidden << " num_experts=" << num_experts
+      << " experts_per_token=" << experts_per_token << " intermediate=" << intermediate
+      << " shared_intermediate=" << shared_intermediate << " routed_scaling=" << routed_scaling
+      << " activation_limit=" << activation_limit;
+  return out.str();
 }
 
 }  // namespace m3msa

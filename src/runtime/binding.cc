@@ -3,6 +3,7 @@
 // error (the binding contradicts the configuration: a bug in the caller). Refusals name the
 // tensor, and the expected and the found dtype, shape, stride or device.
 #include <cmath>
+#include <functional>
 #include <sstream>
 
 #include "m3msa/sort_key.h"
@@ -329,6 +330,61 @@ void check_readiness(const ModelWeights& model, Problems& problems) {
   }
 }
 
+namespace {
+
+// The MoE tensors of one layer (docs/spec.md section 8): the router on every rank, this rank's
+// slice of the routed and shared experts, bf16 or MXFP8.
+void check_moe(const ModelConfig& m, int tp_size, const LayerWeights& w, const std::string& prefix,
+               Device device, Problems& problems) {
+  if (w.mlp_gate_up.defined() || w.mlp_down.defined()) {
+    problems.error(ErrorCode::kInvalidArgument,
+                   prefix +
+                       "moe: MoE weights and the dense MLP (mlp_gate_up / mlp_down) are "
+                       "exclusive; both are bound");
+    return;
+  }
+  if (m.moe_intermediate % tp_size != 0) {
+    problems.unsupported(prefix + "moe: tensor parallel size " + std::to_string(tp_size) +
+                         " does not divide model.moe_intermediate " +
+                         std::to_string(m.moe_intermediate));
+    return;
+  }
+  const MoeConfig c = m.moe(tp_size);
+  auto guarded = [&](const std::function<void()>& check) {
+    try {
+      check();
+    } catch (const Error& e) {
+      problems.error(ErrorCode::kInvalidArgument, prefix + e.message());
+    }
+  };
+  if (!w.router_weight.defined()) {
+    problems.error(ErrorCode::kInvalidArgument, prefix + "router_weight: expected f32" +
+                                                    shape_string({c.num_experts, c.hidden}) +
+                                                    " (the experts are bound), found none");
+  } else {
+    check_bound(problems, w.router_weight, prefix + "router_weight", {DType::kF32},
+                {c.num_experts, c.hidden}, device);
+  }
+  if (w.router_bias.defined()) {
+    check_bound(problems, w.router_bias, prefix + "router_bias", {DType::kF32}, {c.num_experts},
+                device);
+  }
+  guarded([&] {
+    validate_expert_weights(w.experts, "experts", c.num_experts, c.intermediate, c.hidden, &device);
+  });
+  if (c.shared_intermediate > 0) {
+    guarded([&] {
+      validate_expert_weights(w.shared_expert, "shared_expert", 0, c.shared_intermediate, c.hidden,
+                              &device);
+    });
+  } else if (w.shared_expert.defined()) {
+    problems.error(ErrorCode::kInvalidArgument,
+                   prefix + "shared_expert: bound but model.shared_experts is 0");
+  }
+}
+
+}  // namespace
+
 void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights& model,
                    Problems& problems, std::vector<LayerWeights>& by_layer, Device& device) {
   const ModelConfig& m = config.model;
@@ -450,6 +506,7 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
       check_bound(problems, w->mlp_down, prefix + "mlp_down", {DType::kBF16}, {hidden, mlp_width},
                   device);
     }
+    if (w->has_moe()) check_moe(m, tp_size, *w, prefix, device, problems);
   }
   if (!missing.empty()) {
     constexpr std::size_t kListed = 8;
@@ -487,6 +544,15 @@ LayerWeights map_tensors(const LayerWeights& layer,
   w.o_proj_scale = fn(layer.o_proj_scale);
   w.mlp_gate_up = fn(layer.mlp_gate_up);
   w.mlp_down = fn(layer.mlp_down);
+  w.router_weight = fn(layer.router_weight);
+  w.router_bias = fn(layer.router_bias);
+  for (auto [in, out] :
+       {std::pair{&layer.experts, &w.experts}, std::pair{&layer.shared_expert, &w.shared_expert}}) {
+    out->w13 = fn(in->w13);
+    out->w13_scale = fn(in->w13_scale);
+    out->w2 = fn(in->w2);
+    out->w2_scale = fn(in->w2_scale);
+  }
   w.kv_cache = {fn(layer.kv_cache.data), layer.kv_cache.k_scale, layer.kv_cache.v_scale};
   w.index_cache = {fn(layer.index_cache.data)};
   return w;

@@ -53,6 +53,13 @@ m3msa::RuntimeConfig to_config(const m3msa_runtime_config& c) {
   m.rope_theta = c.rope_theta;
   m.rms_eps = c.rms_eps;
   m.intermediate = c.intermediate;
+  m.num_experts = c.num_experts;
+  m.experts_per_token = c.experts_per_token;
+  m.moe_intermediate = c.moe_intermediate;
+  m.shared_experts = c.shared_experts;
+  m.dense_intermediate = c.dense_intermediate;
+  m.routed_scaling = c.routed_scaling;
+  m.activation_limit = c.activation_limit;
   config.pipeline_parallel_size = c.pipeline_parallel_size;
   config.activation_dtype = to_dtype(c.activation_dtype);
   config.cache_block_size = c.cache_block_size;
@@ -92,6 +99,14 @@ m3msa::LayerWeights to_layer(const m3msa_layer_weights& w) {
   out.index_cache = {to_view(w.index_cache, "index_cache")};
   out.mlp_gate_up = to_view(w.mlp_gate_up, "mlp_gate_up");
   out.mlp_down = to_view(w.mlp_down, "mlp_down");
+  out.router_weight = to_view(w.router_weight, "router_weight");
+  out.router_bias = to_view(w.router_bias, "router_bias");
+  out.experts = {
+      to_view(w.experts_w13, "experts_w13"), to_view(w.experts_w13_scale, "experts_w13_scale"),
+      to_view(w.experts_w2, "experts_w2"), to_view(w.experts_w2_scale, "experts_w2_scale")};
+  out.shared_expert = {
+      to_view(w.shared_w13, "shared_w13"), to_view(w.shared_w13_scale, "shared_w13_scale"),
+      to_view(w.shared_w2, "shared_w2"), to_view(w.shared_w2_scale, "shared_w2_scale")};
   return out;
 }
 
@@ -163,6 +178,13 @@ void m3msa_runtime_config_default(m3msa_runtime_config* config) {
   config->rope_theta = m.rope_theta;
   config->rms_eps = m.rms_eps;
   config->intermediate = m.intermediate;
+  config->num_experts = m.num_experts;
+  config->experts_per_token = m.experts_per_token;
+  config->moe_intermediate = m.moe_intermediate;
+  config->shared_experts = m.shared_experts;
+  config->dense_intermediate = m.dense_intermediate;
+  config->routed_scaling = m.routed_scaling;
+  config->activation_limit = m.activation_limit;
   config->pipeline_parallel_size = defaults.pipeline_parallel_size;
   config->activation_dtype = static_cast<int32_t>(defaults.activation_dtype);
   config->cache_block_size = defaults.cache_block_size;

@@ -9,6 +9,7 @@
 #include "m3msa/cpu_reference.h"
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
+#include "m3msa/moe.h"
 #include "m3msa/ops.h"
 #include "runtime/runtime_internal.h"
 
@@ -220,6 +221,22 @@ void CpuEngine::forward_layer(int layer, const LayerWeights& w, const BatchMeta&
     }
     linear(act, rows, I, w.mlp_down, TensorView{}, f32, x_row_.data());
     std::snprintf(tag, sizeof(tag), "layer %d mlp_down", layer);
+    comm_->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
+    for (int64_t i = 0; i < rows * H; ++i) h[i] = float_to_bf16(f32[i]);
+  }
+
+  // 8'. Or the mixture of experts (docs/spec.md section 8): this rank's partial of the routed and
+  // shared experts, one TP reduce for both, then hidden <- bf16(sum).
+  if (w.has_moe()) {
+    MoeArgs moe;
+    moe.x = TensorView::contiguous(h, DType::kBF16, {rows, H});
+    moe.router_weight = w.router_weight;
+    moe.router_bias = w.router_bias;
+    moe.experts = w.experts;
+    moe.shared = w.shared_expert;
+    moe.out = TensorView::contiguous(f32, DType::kF32, {rows, H});
+    cpu::moe(m.moe(layout_.tp_size), moe, threads);
+    std::snprintf(tag, sizeof(tag), "layer %d moe", layer);
     comm_->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
     for (int64_t i = 0; i < rows * H; ++i) h[i] = float_to_bf16(f32[i]);
   }

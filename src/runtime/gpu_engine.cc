@@ -42,6 +42,7 @@
 #include "cuda/convert.h"
 #include "cuda/gemm.h"
 #include "cuda/indexer.h"
+#include "cuda/moe.h"
 #include "cuda/norm.h"
 #include "cuda/preprocess.h"
 #include "m3msa/cp_cuda.h"
@@ -540,6 +541,26 @@ class GpuEngineImpl final : public GpuEngine {
         ++launches;
       }
     }
+
+    // 8'. Or the mixture of experts (docs/spec.md section 8): router + top-k, the experts each
+    // selected expert's weights read once, the weighted sum; one fp32 TP reduce, then bf16.
+    if (w.has_moe()) {
+      MoeArgs a;
+      a.x = TensorView::contiguous(h, DType::kBF16, {int64_t{rows}, H}, dev);
+      a.router_weight = w.router_weight;
+      a.router_bias = w.router_bias;
+      a.experts = w.experts;
+      a.shared = w.shared_expert;
+      a.out = TensorView::contiguous(o32_.data(), DType::kF32, {int64_t{rows}, H}, dev);
+      cuda::launch_moe(cuda::moe_params(m.moe(tp_size_), a, moe_ws_.data()), stream_);
+      launches += 4;
+      if (reduce) {
+        all_reduce(o32_.as<float>(), int64_t{rows} * H, 2 * w.layer + 1);
+        ++launches;
+      }
+      cuda::launch_convert_f32_to_bf16(o32_.as<float>(), h, int64_t{rows} * H, stream_);
+      ++launches;
+    }
     launches_ = launches;
   }
 
@@ -582,8 +603,9 @@ class GpuEngineImpl final : public GpuEngine {
     }
     cp_.reset();
     peer_ar_.reset();
-    for (cuda::DeviceBuffer* b : {&meta_, &normed_, &qkv_, &q_, &index_q_, &topk_, &attn_, &o16_,
-                                  &o32_, &mlp_gu_, &mlp_act_, &indexer_ws_, &attention_ws_}) {
+    for (cuda::DeviceBuffer* b :
+         {&meta_, &normed_, &qkv_, &q_, &index_q_, &topk_, &attn_, &o16_, &o32_, &mlp_gu_,
+          &mlp_act_, &moe_ws_, &indexer_ws_, &attention_ws_}) {
       b->reset();
     }
   }
@@ -613,7 +635,12 @@ class GpuEngineImpl final : public GpuEngine {
     topk_ = cuda::DeviceBuffer(4 * rows * static_cast<std::size_t>(sc.kv_heads) * sc.topk);
     attn_ = cuda::DeviceBuffer(2 * rows * attn_width);
     o16_ = cuda::DeviceBuffer(2 * rows * hidden);
-    if (tp_size_ > 1) o32_ = cuda::DeviceBuffer(4 * rows * hidden);
+    bool any_moe = false;
+    for (const LayerWeights& w : layers) any_moe = any_moe || w.has_moe();
+    if (tp_size_ > 1 || any_moe) o32_ = cuda::DeviceBuffer(4 * rows * hidden);
+    if (any_moe) {
+      moe_ws_ = cuda::DeviceBuffer(cuda::moe_workspace_bytes(m.moe(tp_size_), max_rows_));
+    }
     bool any_mlp = false;
     for (const LayerWeights& w : layers) any_mlp = any_mlp || w.mlp_gate_up.defined();
     if (any_mlp) {
@@ -737,6 +764,7 @@ class GpuEngineImpl final : public GpuEngine {
   int next_slot_ = 0;
 
   cuda::DeviceBuffer normed_, qkv_, q_, index_q_, topk_, attn_, o16_, o32_, mlp_gu_, mlp_act_;
+  cuda::DeviceBuffer moe_ws_;  // the moe family's workspace (layers with experts)
   PlanLimits limits_;
   cuda::IndexerPlan indexer_plan_;
   cuda::IndexerPlan side_indexer_plan_;  // overlap_: one CTA per SM (beside the projection)
@@ -799,6 +827,36 @@ void check_gpu_support(const RuntimeConfig& config, int tp_size, Communicator& c
     need((m.intermediate / tp_size) % cuda::kSkinnyKAlign == 0,
          "the MLP width per rank must be a multiple of 64, got " +
              std::to_string(m.intermediate / tp_size));
+  }
+  bool any_moe = false;
+  for (const LayerWeights& w : layers) any_moe = any_moe || w.has_moe();
+  if (any_moe) {
+    // The moe family's limits (src/cuda/moe.h); the binding stage checked the shapes.
+    const MoeConfig mc = m.moe(tp_size);
+    need(max_bucket <= cuda::kMoeMaxRows,
+         "the mixture of experts takes token buckets of <= " + std::to_string(cuda::kMoeMaxRows) +
+             " rows, got " + std::to_string(max_bucket));
+    need(mc.experts_per_token <= cuda::kMoeMaxTopk,
+         "experts_per_token must be <= " + std::to_string(cuda::kMoeMaxTopk) + ", got " +
+             std::to_string(mc.experts_per_token));
+    need(mc.num_experts <= cuda::kMoeMaxExperts,
+         "num_experts must be <= " + std::to_string(cuda::kMoeMaxExperts));
+    need(mc.intermediate % 8 == 0 && mc.shared_intermediate % 8 == 0 && mc.hidden % 8 == 0,
+         "the expert intermediate per rank must be a multiple of 8, got " +
+             std::to_string(mc.intermediate));
+    for (const LayerWeights& w : layers) {
+      if (!w.has_moe()) continue;
+      need(mc.shared_intermediate == 0 || w.shared_expert.w13.dtype == w.experts.w13.dtype,
+           "layer " + std::to_string(w.layer) +
+               ": the shared and the routed experts must share one format (bf16 or MXFP8)");
+      for (const auto& [view, name] : {std::pair{&w.experts.w13, "experts.w13"},
+                                       {&w.experts.w2, "experts.w2"},
+                                       {&w.shared_expert.w13, "shared_expert.w13"},
+                                       {&w.shared_expert.w2, "shared_expert.w2"}}) {
+        need(!view->defined() || reinterpret_cast<uintptr_t>(view->data) % 16 == 0,
+             "layer " + std::to_string(w.layer) + " " + name + " must be 16-byte aligned");
+      }
+    }
   }
   // Whether NCCL or peer stores can carry the TP all-reduce and the CP exchange is agreed by
   // connect(), which knows every rank's placement.

@@ -97,7 +97,10 @@ std::string RuntimeConfig::to_string() const {
       << " index_heads=" << m.index_heads << " index_dim=" << m.index_dim
       << " block_size=" << m.block_size << " topk=" << m.topk << " init=" << m.init_blocks
       << " local=" << m.local_blocks << " rope_dim=" << m.rope_dim << " theta=" << m.rope_theta
-      << " eps=" << m.rms_eps << " intermediate=" << m.intermediate
+      << " eps=" << m.rms_eps << " intermediate=" << m.intermediate << " experts=" << m.num_experts
+      << " experts_per_token=" << m.experts_per_token << " moe_intermediate=" << m.moe_intermediate
+      << " shared_experts=" << m.shared_experts << " dense_intermediate=" << m.dense_intermediate
+      << " routed_scaling=" << m.routed_scaling << " activation_limit=" << m.activation_limit
       << " pp=" << pipeline_parallel_size << " act=" << dtype_name(activation_dtype)
       << " cache_block=" << cache_block_size << " buckets=";
   for (std::size_t i = 0; i < token_buckets.size(); ++i) out << (i ? "," : "") << token_buckets[i];

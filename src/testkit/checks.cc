@@ -403,4 +403,37 @@ void compare_close(ValueCheck& check, const std::vector<uint16_t>& got,
   }
 }
 
+void compare_rows_l2(ValueCheck& check, const std::vector<uint16_t>& got,
+                     const std::vector<uint16_t>& want, int64_t rows, int64_t cols, double l2_tol,
+                     double abs_cap, const std::vector<bool>& skip, const std::string& what) {
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!skip.empty() && skip[static_cast<std::size_t>(r)]) continue;
+    double err = 0.0;
+    double norm = 0.0;
+    bool row_bad = false;
+    std::string why;
+    for (int64_t i = 0; i < cols; ++i) {
+      const std::size_t at = static_cast<std::size_t>(r * cols + i);
+      const double g = bf16_to_float(got[at]);
+      const double w = bf16_to_float(want[at]);
+      ++check.checked;
+      check.differ += got[at] != want[at];
+      if (!std::isfinite(g) || !std::isfinite(w) || std::fabs(g - w) > abs_cap) {
+        if (!row_bad) why = fmt::format("[row {}, col {}]: got {}, want {}", r, i, g, w);
+        row_bad = true;
+        continue;
+      }
+      err += (g - w) * (g - w);
+      norm += w * w;
+    }
+    const double ratio = std::sqrt(err / std::max(norm, 1e-30)) / l2_tol;
+    if (!row_bad && ratio > 1.0) {
+      row_bad = true;
+      why = fmt::format("[row {}]: relative L2 error {:.3g}", r, ratio * l2_tol);
+    }
+    if (row_bad && check.bad++ == 0) check.first = what + " " + why;
+    check.worst = std::max(check.worst, ratio);
+  }
+}
+
 }  // namespace m3msa::testkit

@@ -147,8 +147,14 @@ double Spec::weight_bytes(int tp) const {
   const double H = model.hidden;
   const double qkv = static_cast<double>(sc.qkv_width()) * H * per;
   const double o = H * sc.q_heads * sc.head_dim * per;
-  const double mlp = 3.0 * H * (model.intermediate / tp) * 2.0;
-  return (qkv + o + mlp) * model.num_sparse_layers();
+  const double mlp = moe ? 0.0 : 3.0 * H * (model.intermediate / tp) * 2.0;
+  // MoE: every expert's slice, plus one e8m0 byte per 32 MXFP8 elements, plus the f32 router.
+  const double expert_elems =
+      moe ? 3.0 * H * (model.moe_intermediate / tp) * (model.num_experts + model.shared_experts)
+          : 0.0;
+  const double experts = expert_elems * (moe_fp8 ? 1.0 + 1.0 / 32 : 2.0) +
+                         (moe ? 4.0 * H * (model.num_experts + 1) : 0.0);
+  return (qkv + o + mlp + experts) * model.num_sparse_layers();
 }
 
 double Spec::cache_bytes(int tp) const {
@@ -180,6 +186,11 @@ Spec make_spec(const ModelConfig& model, bool fp8, uint64_t seed, int batch, int
   s.max_blocks = (final_len + model.block_size - 1) / model.block_size;
   s.pages = int64_t{batch} * s.max_blocks + 1;  // one page no request owns
   return s;
+}
+
+MasterMoe make_layer_moe(const Spec& spec, int layer) {
+  return make_master_moe(spec.model, derive_seed(spec.seed, 5000 + static_cast<uint64_t>(layer)),
+                         spec.moe_fp8);
 }
 
 HostModel make_host_model(const Spec& spec, int rank, int world, int threads) {
@@ -221,7 +232,9 @@ HostModel make_host_model(const Spec& spec, int rank, int world, int threads) {
     w.index_k_norm = keep(norm_tensor(spec, layer, kIkNorm, m.index_dim));
     w.input_norm = keep(norm_tensor(spec, layer, kInputNorm, H));
     w.post_attention_norm = keep(norm_tensor(spec, layer, kPostNorm, H));
-    if (m.intermediate > 0) {
+    if (spec.moe) {
+      bind_moe(m, make_layer_moe(spec, layer), rank, world, out.storage, w);
+    } else if (m.intermediate > 0) {
       const int64_t I = m.intermediate;
       const int64_t Ir = I / world;
       std::vector<RowSource> gu;
@@ -283,7 +296,10 @@ MasterLayer make_master_layer(const Spec& spec, int layer_index, int threads) {
   for (int64_t n = 0; n < H; ++n) o_rows.push_back({kWo, n, proj_scale(A)});
   HostTensor o(spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {H, A});
   fill_matrix(spec, layer, o_rows, A, 0, A, spec.fp8, o, &scale, &out.o_proj, threads);
-  if (m.intermediate > 0) {
+  if (spec.moe) {
+    out.has_moe = true;
+    out.moe = make_layer_moe(spec, layer);
+  } else if (m.intermediate > 0) {
     const int64_t I = m.intermediate;
     std::vector<RowSource> g, u, d;
     for (int64_t i = 0; i < I; ++i) g.push_back({kGate, i, kGateUpWidth * proj_scale(H)});

@@ -88,6 +88,7 @@ class ComposedOracle final : public Oracle {
     w.gate = m.gate;
     w.up = m.up;
     w.down = m.down;
+    if (m.has_moe) w.moe = &m.moe;
     w.input_norm = m.input_norm;
     w.post_norm = m.post_norm;
     w.q_norm = norms_[l][0];

@@ -106,6 +106,11 @@ void reference_layer(const ModelConfig& m, const ReferenceLayer& w, const BatchM
       res[i] = bf(f(x[static_cast<std::size_t>(r * H + i)]) + f(o[static_cast<std::size_t>(i)]));
     }
     rmsnorm(res, w.post_norm, H, m.rms_eps, hid);
+    if (w.moe != nullptr) {
+      const std::vector<double> y = moe_double(m, *w.moe, hid);
+      for (int64_t i = 0; i < H; ++i) hid[i] = bf(y[static_cast<std::size_t>(i)]);
+      continue;
+    }
     if (!mlp) continue;
     std::vector<uint16_t> g(static_cast<std::size_t>(I)), u(g.size()), act(g.size());
     matvec(hid, w.gate, I, H, g.data(), threads);

@@ -159,6 +159,7 @@ RankModel make_rank_model(const MasterModel& master, int rank, int world, bool f
       lw.mlp_gate_up = out.keep(bf16_tensor(gate_up, {2 * I, H}));
       lw.mlp_down = out.keep(bf16_tensor(columns(w.down, H, m.intermediate, rank * I, I), {H, I}));
     }
+    if (w.has_moe) bind_moe(m, w.moe, rank, world, out.storage, lw);
     // Caches: this rank's KV heads of every page; the whole index-K cache.
     const int64_t pages = master.pages;
     const int64_t tile = int64_t{2} * m.block_size * m.head_dim;  // K and V of one head

@@ -184,6 +184,13 @@ TEST_F(CliTest, RuntimeDemoRunsStepsAndPassesItsChecks) {
   EXPECT_TRUE(contains(r.out, "CP on")) << r.out;
   EXPECT_TRUE(contains(r.out, "[ok] selections equal the oracle's")) << r.out;
   EXPECT_TRUE(contains(r.out, "PASS")) << r.out;
+
+  // --moe: the mixture of experts (MXFP8) after every sparse layer, at TP = 2.
+  r = run("demo --backend cpu --moe --hidden 256 --batch 2 --context 600 --steps 2 -q");
+  EXPECT_EQ(r.code, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "MoE 16 experts x 256 (top-4, 1 shared, mxfp8)")) << r.out;
+  EXPECT_TRUE(contains(r.out, "[ok] MoE outputs (hidden) per row")) << r.out;
+  EXPECT_TRUE(contains(r.out, "PASS")) << r.out;
 }
 
 TEST_F(CliTest, TinyOpsDemoPassesItsChecks) {

@@ -37,6 +37,16 @@ m3msa_layer_weights c_layer(const LayerWeights& w) {
   c.index_cache = c_tensor(w.index_cache.data);
   c.mlp_gate_up = c_tensor(w.mlp_gate_up);
   c.mlp_down = c_tensor(w.mlp_down);
+  c.router_weight = c_tensor(w.router_weight);
+  c.router_bias = c_tensor(w.router_bias);
+  c.experts_w13 = c_tensor(w.experts.w13);
+  c.experts_w13_scale = c_tensor(w.experts.w13_scale);
+  c.experts_w2 = c_tensor(w.experts.w2);
+  c.experts_w2_scale = c_tensor(w.experts.w2_scale);
+  c.shared_w13 = c_tensor(w.shared_expert.w13);
+  c.shared_w13_scale = c_tensor(w.shared_expert.w13_scale);
+  c.shared_w2 = c_tensor(w.shared_expert.w2);
+  c.shared_w2_scale = c_tensor(w.shared_expert.w2_scale);
   return c;
 }
 
@@ -61,6 +71,13 @@ m3msa_runtime_config c_config(const RuntimeConfig& r, std::vector<int32_t>& buck
   c.rope_theta = m.rope_theta;
   c.rms_eps = m.rms_eps;
   c.intermediate = m.intermediate;
+  c.num_experts = m.num_experts;
+  c.experts_per_token = m.experts_per_token;
+  c.moe_intermediate = m.moe_intermediate;
+  c.shared_experts = m.shared_experts;
+  c.dense_intermediate = m.dense_intermediate;
+  c.routed_scaling = m.routed_scaling;
+  c.activation_limit = m.activation_limit;
   buckets.assign(r.token_buckets.begin(), r.token_buckets.end());
   q_lens.assign(r.query_lens.begin(), r.query_lens.end());
   c.token_buckets = buckets.data();
@@ -130,11 +147,24 @@ TEST(RuntimeCApi, StatusCodesAndLastError) {
   m3msa_thread_group_destroy(group);
 }
 
-TEST(RuntimeCApi, OneStepEqualsTheCppApi) {
-  RuntimeConfig config = testkit::small_config(/*intermediate=*/64);
+// moe: the mixture of experts (MXFP8) on every sparse layer instead of the dense MLP.
+void one_step_equals_the_cpp_api(bool moe) {
+  RuntimeConfig config = testkit::small_config(/*intermediate=*/moe ? 0 : 64);
+  if (moe) {
+    config.model.num_experts = 8;
+    config.model.experts_per_token = 2;
+    config.model.moe_intermediate = 64;
+    config.model.shared_experts = 1;
+  }
   const int64_t max_blocks = config.max_context / config.model.block_size;
   const int64_t pages = config.max_requests * max_blocks + 2;
-  const testkit::MasterModel master = testkit::make_master(config.model, pages, 77, true);
+  testkit::MasterModel master = testkit::make_master(config.model, pages, 77, !moe);
+  if (moe) {
+    for (std::size_t i = 0; i < master.layers.size(); ++i) {
+      master.layers[i].has_moe = true;
+      master.layers[i].moe = testkit::make_master_moe(config.model, 90 + i, /*fp8=*/true);
+    }
+  }
   const testkit::StepMeta step = testkit::make_step(
       {50, 90}, 2, config.model.block_size, max_blocks, testkit::page_permutation(pages, 78),
       testkit::page_permutation(pages, 79));
@@ -208,6 +238,14 @@ TEST(RuntimeCApi, OneStepEqualsTheCppApi) {
   EXPECT_EQ(state, 3);
   m3msa_runtime_destroy(rt);
   m3msa_comm_destroy(c_comm);
+}
+
+TEST(RuntimeCApi, OneStepEqualsTheCppApi) {
+  one_step_equals_the_cpp_api(false);
+}
+
+TEST(RuntimeCApi, OneMoeStepEqualsTheCppApi) {
+  one_step_equals_the_cpp_api(true);
 }
 
 }  // namespace

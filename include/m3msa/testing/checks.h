@@ -99,4 +99,11 @@ void compare_close(ValueCheck& check, const std::vector<uint16_t>& got,
                    const std::vector<uint16_t>& want, int64_t rows, int64_t cols, double abs_tol,
                    double rel_tol, const std::vector<bool>& skip, const std::string& what);
 
+// Per row (bf16 [rows, cols]): relative L2 error <= l2_tol and every element within abs_cap and
+// finite where the other is; for outputs that amplify bf16 rounding flips (an MLP, the MoE).
+// A failing row counts once in `bad`; `worst` is the worst L2 ratio / l2_tol.
+void compare_rows_l2(ValueCheck& check, const std::vector<uint16_t>& got,
+                     const std::vector<uint16_t>& want, int64_t rows, int64_t cols, double l2_tol,
+                     double abs_cap, const std::vector<bool>& skip, const std::string& what);
+
 }  // namespace m3msa::testkit

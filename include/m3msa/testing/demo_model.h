@@ -12,6 +12,7 @@
 #include "m3msa/config.h"
 #include "m3msa/runtime.h"
 #include "m3msa/tensor.h"
+#include "m3msa/testing/moe_model.h"
 #include "m3msa/testing/runtime_model.h"
 
 namespace m3msa::testkit::demo {
@@ -21,6 +22,10 @@ struct Spec {
   ModelConfig model;              // sparse layers [first_sparse_layer, num_layers)
   bool fp8 = false;               // qkv_proj and o_proj as fp8 e4m3 with per-output-channel scales
   bool context_parallel = false;  // CP indexer (every rank's qkv_proj has every index_q head)
+  // The mixture of experts on every sparse layer instead of the dense MLP (model.num_experts,
+  // experts_per_token, moe_intermediate, shared_experts), seeded per layer (make_master_moe).
+  bool moe = false;
+  bool moe_fp8 = true;  // MXFP8 experts (else bf16)
   uint64_t seed = 1;
   int batch = 1;
   int q_len = 1;
@@ -39,6 +44,9 @@ struct Spec {
 Spec make_spec(const ModelConfig& model, bool fp8, uint64_t seed, int batch, int64_t context,
                int q_len, int steps);
 
+// The whole model's experts of sparse layer `layer` (spec.moe).
+MasterMoe make_layer_moe(const Spec& spec, int layer);
+
 // A rank's model as host tensors (its slices of the master TP = 1 tensors, which are defined
 // element by element by a counter-based hash of (seed, tensor, index): any slice is generated
 // directly, and TP = P slices assemble exactly into TP = 1). Generation uses `threads` threads.
@@ -53,6 +61,8 @@ HostModel make_host_model(const Spec& spec, int rank, int world, int threads);
 struct MasterLayer {
   int layer = -1;
   std::vector<float> qkv, o_proj, gate, up, down;
+  bool has_moe = false;
+  MasterMoe moe;
   std::vector<float> q_norm, k_norm, iq_norm, ik_norm, input_norm, post_norm;
 };
 MasterLayer make_master_layer(const Spec& spec, int layer_index, int threads);

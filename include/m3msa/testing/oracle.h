@@ -13,6 +13,7 @@
 #include "m3msa/cache.h"
 #include "m3msa/config.h"
 #include "m3msa/tensor.h"
+#include "m3msa/testing/moe_model.h"
 
 namespace m3msa::testkit {
 
@@ -21,6 +22,7 @@ struct ReferenceLayer {
   std::span<const float> qkv;             // [W, hidden] fused rows [q | k | v | index_q | index_k]
   std::span<const float> o_proj;          // [hidden, QH*HD]
   std::span<const float> gate, up, down;  // [I, hidden] x2, [hidden, I]; empty: no MLP
+  const MasterMoe* moe = nullptr;         // the mixture of experts (instead of an MLP)
   std::span<const float> input_norm, post_norm;           // [hidden] (Gemma-style: x * (1 + w))
   TensorView q_norm, k_norm, index_q_norm, index_k_norm;  // bf16
   KVCache kv_cache;

@@ -9,6 +9,7 @@
 #include "m3msa/config.h"
 #include "m3msa/runtime.h"
 #include "m3msa/tensor.h"
+#include "m3msa/testing/moe_model.h"
 #include "m3msa/testing/random.h"
 
 namespace m3msa::testkit {
@@ -27,8 +28,10 @@ struct MasterLayer {
   std::vector<float> wo;  // [hidden, QH*HD]
   bool mlp = false;
   std::vector<float> gate, up, down;  // [I, hidden], [I, hidden], [hidden, I]
-  HostTensor kv_cache;                // [pages, KVH, 2, bs, HD] bf16
-  HostTensor index_cache;             // [pages, bs, ID] bf16
+  bool has_moe = false;               // the layer's FFN is the mixture of experts below
+  MasterMoe moe;
+  HostTensor kv_cache;     // [pages, KVH, 2, bs, HD] bf16
+  HostTensor index_cache;  // [pages, bs, ID] bf16
 };
 
 struct MasterModel {

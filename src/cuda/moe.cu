@@ -1,0 +1,140 @@
+// Launchers of the moe family (moe_kernel.cuh has the kernels).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/moe.h"
+#include "cuda/moe_kernel.cuh"
+#include "m3msa/error.h"
+
+namespace m3msa::cuda {
+
+namespace {
+
+std::size_t align256(std::size_t bytes) {
+  return (bytes + 255) / 256 * 256;
+}
+
+struct Layout {
+  std::size_t ids = 0, weights = 0, act = 0, act_shared = 0, y = 0, total = 0;
+};
+
+Layout layout_of(const MoeConfig& c, int rows) {
+  const std::size_t r = static_cast<std::size_t>(rows);
+  const std::size_t k = static_cast<std::size_t>(c.experts_per_token);
+  Layout l;
+  l.ids = 0;
+  l.weights = l.ids + align256(r * k * sizeof(int32_t));
+  l.act = l.weights + align256(r * k * sizeof(float));
+  l.act_shared = l.act + align256(r * k * static_cast<std::size_t>(c.intermediate) * 2);
+  l.y = l.act_shared + align256(r * static_cast<std::size_t>(c.shared_intermediate) * 2);
+  l.total = l.y + align256(r * (k + 1) * static_cast<std::size_t>(c.hidden) * sizeof(float));
+  return l;
+}
+
+}  // namespace
+
+std::size_t moe_workspace_bytes(const MoeConfig& config, int rows) {
+  return layout_of(config, rows).total;
+}
+
+void moe_carve(const MoeConfig& config, int rows, void* workspace, MoeParams& p) {
+  const Layout l = layout_of(config, rows);
+  char* base = static_cast<char*>(workspace);
+  p.topk_ids = reinterpret_cast<int32_t*>(base + l.ids);
+  p.topk_weights = reinterpret_cast<float*>(base + l.weights);
+  p.act = reinterpret_cast<uint16_t*>(base + l.act);
+  p.act_shared = reinterpret_cast<uint16_t*>(base + l.act_shared);
+  p.y = reinterpret_cast<float*>(base + l.y);
+}
+
+MoeParams moe_params(const MoeConfig& c, const MoeArgs& a, void* workspace) {
+  validate(c, a);
+  const Device device = a.x.device;
+  M3MSA_CHECK_ARG(device.type == DeviceType::kCUDA, "x: expected a tensor on a GPU, got one on ",
+                  device_name(device));
+  const std::pair<const TensorView*, const char*> tensors[] = {
+      {&a.router_weight, "router_weight"},
+      {&a.router_bias, "router_bias"},
+      {&a.experts.w13, "experts.w13"},
+      {&a.experts.w13_scale, "experts.w13_scale"},
+      {&a.experts.w2, "experts.w2"},
+      {&a.experts.w2_scale, "experts.w2_scale"},
+      {&a.shared.w13, "shared.w13"},
+      {&a.shared.w13_scale, "shared.w13_scale"},
+      {&a.shared.w2, "shared.w2"},
+      {&a.shared.w2_scale, "shared.w2_scale"},
+      {&a.out, "out"}};
+  for (const auto& [view, name] : tensors) {
+    if (view->defined()) check_device(*view, name, device);
+  }
+  MoeParams p;
+  p.x = a.x.ptr<const uint16_t>();
+  p.router_weight = a.router_weight.ptr<const float>();
+  p.router_bias = a.router_bias.defined() ? a.router_bias.ptr<const float>() : nullptr;
+  p.fp8 = a.experts.w13.dtype == DType::kFP8E4M3;
+  M3MSA_CHECK_ARG(c.shared_intermediate == 0 || a.shared.w13.dtype == a.experts.w13.dtype,
+                  "shared.w13: expected dtype ", dtype_name(a.experts.w13.dtype),
+                  " (as experts.w13: the kernels take one format per layer), got ",
+                  dtype_name(a.shared.w13.dtype));
+  p.experts = {a.experts.w13.data, a.experts.w13_scale.ptr<const uint8_t>(), a.experts.w2.data,
+               a.experts.w2_scale.ptr<const uint8_t>(), c.intermediate};
+  if (c.shared_intermediate > 0) {
+    p.shared = {a.shared.w13.data, a.shared.w13_scale.ptr<const uint8_t>(), a.shared.w2.data,
+                a.shared.w2_scale.ptr<const uint8_t>(), c.shared_intermediate};
+  }
+  p.rows = narrow_int(a.x.shape[0], "x rows");
+  p.hidden = c.hidden;
+  p.num_experts = c.num_experts;
+  p.topk = c.experts_per_token;
+  p.routed_scaling = c.routed_scaling;
+  p.limit = c.activation_limit;
+  p.out = a.out.ptr<float>();
+  moe_carve(c, p.rows, workspace, p);
+  return p;
+}
+
+void launch_moe(const MoeParams& p, cudaStream_t stream) {
+  M3MSA_CHECK_ARG(p.rows >= 0 && p.rows <= kMoeMaxRows, "moe: rows must be in [0, ", kMoeMaxRows,
+                  "], got ", p.rows);
+  M3MSA_CHECK_ARG(p.topk > 0 && p.topk <= kMoeMaxTopk && p.topk <= p.num_experts,
+                  "moe: experts_per_token must be in [1, ", kMoeMaxTopk, "], got ", p.topk);
+  M3MSA_CHECK_ARG(p.num_experts > 0 && p.num_experts <= kMoeMaxExperts,
+                  "moe: num_experts must be in [1, ", kMoeMaxExperts, "], got ", p.num_experts);
+  M3MSA_CHECK_ARG(p.hidden > 0 && p.hidden % 8 == 0, "moe: hidden must be a multiple of 8, got ",
+                  p.hidden);
+  M3MSA_CHECK_ARG(p.experts.inter > 0 && p.experts.inter % 8 == 0 && p.shared.inter % 8 == 0,
+                  "moe: the intermediates must be multiples of 8, got ", p.experts.inter, " and ",
+                  p.shared.inter);
+  M3MSA_CHECK_ARG(p.x && p.router_weight && p.experts.w13 && p.experts.w2 && p.out && p.y &&
+                      p.act && p.topk_ids && p.topk_weights,
+                  "moe: null pointer");
+  M3MSA_CHECK_ARG(!p.fp8 || (p.experts.w13_scale && p.experts.w2_scale),
+                  "moe: MXFP8 weights without scales");
+  const void* aligned[] = {p.x, p.experts.w13, p.experts.w2, p.shared.w13, p.shared.w2};
+  for (const void* ptr : aligned) {
+    M3MSA_CHECK_ARG(ptr == nullptr || aligned16(ptr),
+                    "moe: the activations and weights must be 16-byte aligned");
+  }
+  if (p.rows == 0) return;
+  const std::size_t route_smem = 2 * sizeof(float) * static_cast<std::size_t>(p.num_experts);
+  moe::moe_route_kernel<<<static_cast<unsigned>(p.rows), moe::kThreads, route_smem, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+  // One slot per distinct expert the step can pick, plus the shared expert's.
+  const int sets = std::min(p.num_experts, p.rows * p.topk) + (p.shared.inter > 0 ? 1 : 0);
+  const int inter = std::max(p.experts.inter, p.shared.inter);
+  const dim3 gate_up_grid((inter + moe::kGateUpTile - 1) / moe::kGateUpTile, sets);
+  moe::moe_gate_up_kernel<<<gate_up_grid, moe::kThreads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+  const dim3 down_grid((p.hidden + moe::kDownTile - 1) / moe::kDownTile, sets);
+  moe::moe_down_kernel<<<down_grid, moe::kThreads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+  const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
+  const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);
+  moe::moe_combine_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace m3msa::cuda

@@ -1,0 +1,32 @@
+// Host launchers of the moe family: the mixture of experts of one rank (docs/spec.md section 8)
+// for decode steps of 1..16 token rows. Three launches: the router with its top-k (one CTA per
+// row), the gate/up projections with the activation and the down projection (one CTA per
+// distinct picked expert, plus the shared expert, and tile of outputs, so each selected expert's
+// weights are read once per step whatever the number of tokens routed to it), and the weighted
+// sum in pick order. MXFP8 weights are decoded in registers; fp32 FMA accumulation.
+// Validates on the host, allocates nothing, never synchronizes, CUDA-graph capturable;
+// deterministic run to run.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "cuda/moe_params.h"
+#include "m3msa/moe.h"
+
+namespace m3msa::cuda {
+
+// Bytes of workspace for `rows` rows (topk_ids, topk_weights, act, act_shared, y), each part
+// 256-byte aligned; moe_carve points the params' workspace fields into `workspace`.
+std::size_t moe_workspace_bytes(const MoeConfig& config, int rows);
+void moe_carve(const MoeConfig& config, int rows, void* workspace, MoeParams& p);
+
+// Fills MoeParams from the validated tensors of `args` (device tensors on one GPU; args.out is
+// the f32 partial) and a workspace of moe_workspace_bytes. Throws naming the argument.
+MoeParams moe_params(const MoeConfig& config, const MoeArgs& args, void* workspace);
+
+// The three launches on `stream`.
+void launch_moe(const MoeParams& p, cudaStream_t stream);
+
+}  // namespace m3msa::cuda

@@ -1,0 +1,325 @@
+// Kernels of the moe family: the mixture of experts of one rank for a decode step of at most
+// kMoeMaxRows token rows (docs/spec.md section 8). Framework-free: raw pointers and MoeParams;
+// launched by moe.cu.
+//
+//  - moe_route_kernel: one CTA per row; a warp per expert computes the fp32 logit (lanes over K,
+//    then a butterfly sum), s = sigmoid, key = s + bias; one thread picks the top-k keys (NaN
+//    last, the lower id on ties) and writes ids and weights routed_scaling * s_i / sum s.
+//  - moe_gate_up_kernel: one CTA per (tile of 16 intermediate rows j, expert slot); slot y is the
+//    y-th smallest distinct expert the step picked (min(E, rows * k) slots: a slot past the count
+//    returns at once), the last slot the shared expert. The CTA lists the rows that picked its
+//    expert (all rows for the shared one); each warp takes
+//    rows j of the tile and reads the gate row j and the up row I + j once, for every listed token
+//    (x from global memory, L1/L2 resident), accumulating in fp32; then g and u are rounded to
+//    bf16 and the SwiGLU-OAI activation is stored as bf16.
+//  - moe_down_kernel: the same grid over (tile of 32 hidden rows n, expert slot): y[row, slot, n] =
+//    act[row, slot] . w2[e, n] in fp32.
+//  - moe_combine_kernel: out[row, n] = sum_i w_i y[row, i, n] + y[row, k, n] in pick order with
+//    unfused fp32 operations, the CPU reference's order.
+// MXFP8 weights are decoded in registers: code -> fp32 (exact) times 2^(scale - 127) (exact).
+// Requirements (checked by the launcher): hidden and I multiples of 8 (16-byte rows), 16-byte
+// aligned tensors, rows <= kMoeMaxRows, topk <= kMoeMaxTopk, num_experts <= kMoeMaxExperts.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/moe_params.h"
+#include "m3msa/dtype.h"
+#include "m3msa/moe.h"
+
+namespace m3msa::cuda::moe {
+
+inline constexpr int kThreads = kMoeWarps * 32;
+inline constexpr int kGateUpTile = 16;  // intermediate rows j per CTA
+inline constexpr int kDownTile = 32;    // hidden rows n per CTA
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+  return v;
+}
+
+// Elements [k0, k0 + 8) of row `row` (counted over the whole stack) of a [.., K] weight matrix.
+__device__ __forceinline__ void load_weights8(const void* w, const uint8_t* scales, bool fp8,
+                                              int64_t row, int K, int k0, float out[8]) {
+  if (fp8) {
+    const uint2 raw =
+        __ldg(reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(w) + row * K + k0));
+    const float scale = e8m0_to_float(__ldg(scales + row * (K / kMxfp8Block) + k0 / kMxfp8Block));
+    const uint32_t words[2] = {raw.x, raw.y};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      out[i] = fp8e4m3_to_float(static_cast<uint8_t>(words[i / 4] >> (8 * (i % 4)))) * scale;
+    }
+  } else {
+    const uint4 raw =
+        __ldg(reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(w) + row * K + k0));
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      out[i] = bf16_to_float(static_cast<uint16_t>(words[i / 2] >> (16 * (i % 2))));
+    }
+  }
+}
+
+__device__ __forceinline__ void load_bf16x8(const uint16_t* p, float out[8]) {
+  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    out[i] = bf16_to_float(static_cast<uint16_t>(words[i / 2] >> (16 * (i % 2))));
+}
+
+// Larger key first; NaN keys after every number; equal keys: the lower id.
+__device__ __forceinline__ bool key_before(float ka, int a, float kb, int b) {
+  const bool na = ka != ka;
+  const bool nb = kb != kb;
+  if (na != nb) return nb;
+  if (!na && ka != kb) return ka > kb;
+  return a < b;
+}
+
+__global__ void __launch_bounds__(kThreads) moe_route_kernel(const __grid_constant__ MoeParams p) {
+  extern __shared__ float route_smem[];
+  float* s = route_smem;
+  float* key = route_smem + p.num_experts;
+  const int row = blockIdx.x;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const uint16_t* x = p.x + static_cast<int64_t>(row) * p.hidden;
+  for (int e = warp; e < p.num_experts; e += kMoeWarps) {
+    const float* g = p.router_weight + static_cast<int64_t>(e) * p.hidden;
+    float acc = 0.0f;
+    for (int k = lane; k < p.hidden; k += 32) acc = fmaf(bf16_to_float(x[k]), __ldg(g + k), acc);
+    acc = warp_sum(acc);
+    if (lane == 0) {
+      const float sv = 1.0f / (1.0f + expf(-acc));
+      s[e] = sv;
+      key[e] = p.router_bias != nullptr ? __fadd_rn(sv, p.router_bias[e]) : sv;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  int picked[kMoeMaxTopk];
+  float sum = 0.0f;
+  for (int i = 0; i < p.topk; ++i) {
+    int best = -1;
+    for (int e = 0; e < p.num_experts; ++e) {
+      bool used = false;
+      for (int t = 0; t < i; ++t) used = used || picked[t] == e;
+      if (used) continue;
+      if (best < 0 || key_before(key[e], e, key[best], best)) best = e;
+    }
+    picked[i] = best;
+    sum = __fadd_rn(sum, s[best]);
+  }
+  for (int i = 0; i < p.topk; ++i) {
+    p.topk_ids[row * p.topk + i] = picked[i];
+    p.topk_weights[row * p.topk + i] =
+        sum == 0.0f ? 0.0f : __fdiv_rn(__fmul_rn(p.routed_scaling, s[picked[i]]), sum);
+  }
+}
+
+// The expert CTA row `y` of the expert grid serves and the rows (and pick slots) that use it.
+// Rows y < grid.y - 1 (all rows without a shared expert) take the y-th smallest distinct expert
+// the step picked (none past their count: the CTA has nothing to do); the last row with a shared
+// expert takes the shared expert (id E, every row, slot k). Returns the token count (0: return);
+// every thread of the CTA gets it and `ex`.
+__device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int* tok_slot,
+                                           int& ex) {
+  __shared__ uint32_t used[kMoeMaxExperts / 32];
+  __shared__ int count;
+  __shared__ int expert;
+  const int y = blockIdx.y;
+  const bool shared = p.shared.inter > 0 && y == static_cast<int>(gridDim.y) - 1;
+  const int words = (p.num_experts + 31) / 32;
+  if (!shared) {
+    for (int w = threadIdx.x; w < words; w += blockDim.x) used[w] = 0u;
+    __syncthreads();
+    for (int i = threadIdx.x; i < p.rows * p.topk; i += blockDim.x) {
+      const int id = p.topk_ids[i];
+      atomicOr(&used[id / 32], 1u << (id % 32));
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    int e = -1;
+    if (shared) {
+      e = p.num_experts;
+    } else {
+      int seen = 0;
+      for (int w = 0; w < words && e < 0; ++w) {
+        uint32_t bits = used[w];
+        const int here = __popc(bits);
+        if (seen + here <= y) {
+          seen += here;
+          continue;
+        }
+        for (; bits != 0u; bits &= bits - 1u, ++seen) {
+          if (seen == y) {
+            e = w * 32 + __ffs(bits) - 1;
+            break;
+          }
+        }
+      }
+    }
+    int n = 0;
+    if (e == p.num_experts) {
+      for (int r = 0; r < p.rows; ++r) {
+        tok_row[n] = r;
+        tok_slot[n] = p.topk;
+        ++n;
+      }
+    } else if (e >= 0) {
+      for (int r = 0; r < p.rows; ++r) {
+        for (int i = 0; i < p.topk; ++i) {
+          if (p.topk_ids[r * p.topk + i] == e) {
+            tok_row[n] = r;
+            tok_slot[n] = i;
+            ++n;
+          }
+        }
+      }
+    }
+    count = n;
+    expert = e;
+  }
+  __syncthreads();
+  ex = expert;
+  return count;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    moe_gate_up_kernel(const __grid_constant__ MoeParams p) {
+  __shared__ int tok_row[kMoeMaxRows];
+  __shared__ int tok_slot[kMoeMaxRows];
+  int ex = -1;
+  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
+  const bool shared = ex == p.num_experts;
+  const MoeExpertSet& set = shared ? p.shared : p.experts;
+  const int I = set.inter;
+  const int j0 = blockIdx.x * kGateUpTile;
+  if (j0 >= I) return;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int H = p.hidden;
+  const int64_t e = shared ? 0 : ex;
+  for (int j = j0 + warp; j < j0 + kGateUpTile && j < I; j += kMoeWarps) {
+    float ag[kMoeMaxRows];
+    float au[kMoeMaxRows];
+#pragma unroll
+    for (int t = 0; t < kMoeMaxRows; ++t) ag[t] = au[t] = 0.0f;
+#pragma unroll 4
+    for (int k0 = lane * 8; k0 < H; k0 += 32 * 8) {
+      float wg[8];
+      float wu[8];
+      load_weights8(set.w13, set.w13_scale, p.fp8, e * 2 * I + j, H, k0, wg);
+      load_weights8(set.w13, set.w13_scale, p.fp8, e * 2 * I + I + j, H, k0, wu);
+#pragma unroll
+      for (int t = 0; t < kMoeMaxRows; ++t) {
+        if (t < ntok) {
+          float xv[8];
+          load_bf16x8(p.x + static_cast<int64_t>(tok_row[t]) * H + k0, xv);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            ag[t] = fmaf(xv[i], wg[i], ag[t]);
+            au[t] = fmaf(xv[i], wu[i], au[t]);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kMoeMaxRows; ++t) {
+      if (t < ntok) {
+        const float g_sum = warp_sum(ag[t]);
+        const float u_sum = warp_sum(au[t]);
+        if (lane == 0) {
+          float g = round_to_bf16(g_sum);
+          float u = round_to_bf16(u_sum);
+          // Comparisons (not fminf / fmaxf) so a NaN stays NaN, as in the CPU reference.
+          g = g > p.limit ? p.limit : g;
+          u = u > p.limit ? p.limit : (u < -p.limit ? -p.limit : u);
+          const float glu = __fdiv_rn(g, __fadd_rn(1.0f, expf(__fmul_rn(-1.702f, g))));
+          const uint16_t a = float_to_bf16(__fmul_rn(glu, __fadd_rn(u, 1.0f)));
+          const int64_t r = tok_row[t];
+          if (shared) {
+            p.act_shared[r * I + j] = a;
+          } else {
+            p.act[(r * p.topk + tok_slot[t]) * I + j] = a;
+          }
+        }
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) moe_down_kernel(const __grid_constant__ MoeParams p) {
+  __shared__ int tok_row[kMoeMaxRows];
+  __shared__ int tok_slot[kMoeMaxRows];
+  int ex = -1;
+  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
+  const bool shared = ex == p.num_experts;
+  const MoeExpertSet& set = shared ? p.shared : p.experts;
+  const int I = set.inter;
+  const int H = p.hidden;
+  const int n0 = blockIdx.x * kDownTile;
+  if (n0 >= H) return;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t e = shared ? 0 : ex;
+  for (int n = n0 + warp; n < n0 + kDownTile && n < H; n += kMoeWarps) {
+    float acc[kMoeMaxRows];
+#pragma unroll
+    for (int t = 0; t < kMoeMaxRows; ++t) acc[t] = 0.0f;
+#pragma unroll 4
+    for (int k0 = lane * 8; k0 < I; k0 += 32 * 8) {
+      float w[8];
+      load_weights8(set.w2, set.w2_scale, p.fp8, e * H + n, I, k0, w);
+#pragma unroll
+      for (int t = 0; t < kMoeMaxRows; ++t) {
+        if (t < ntok) {
+          const int64_t r = tok_row[t];
+          const uint16_t* a =
+              shared ? p.act_shared + r * I : p.act + (r * p.topk + tok_slot[t]) * I;
+          float av[8];
+          load_bf16x8(a + k0, av);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[t] = fmaf(av[i], w[i], acc[t]);
+        }
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kMoeMaxRows; ++t) {
+      if (t < ntok) {
+        const float sum = warp_sum(acc[t]);
+        if (lane == 0) {
+          const int64_t r = tok_row[t];
+          p.y[(r * (p.topk + 1) + tok_slot[t]) * H + n] = sum;
+        }
+      }
+    }
+  }
+}
+
+__global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
+  const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
+  const bool shared = p.shared.inter > 0;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t r = i / p.hidden;
+    const int64_t n = i % p.hidden;
+    const float* y = p.y + r * (p.topk + 1) * p.hidden + n;
+    float acc = 0.0f;
+    for (int k = 0; k < p.topk; ++k) {
+      acc = __fadd_rn(acc, __fmul_rn(p.topk_weights[r * p.topk + k], y[k * p.hidden]));
+    }
+    if (shared) acc = __fadd_rn(acc, y[static_cast<int64_t>(p.topk) * p.hidden]);
+    p.out[i] = acc;
+  }
+}
+
+}  // namespace m3msa::cuda::moe

@@ -1,0 +1,48 @@
+// Kernel parameter struct of the moe family (moe_kernel.cuh): the mixture of experts of one rank
+// for a decode step of up to kMoeMaxRows token rows (docs/spec.md section 8). Plain data, passed
+// by value as __grid_constant__.
+#pragma once
+
+#include <cstdint>
+
+namespace m3msa::cuda {
+
+inline constexpr int kMoeMaxRows = 16;       // token rows of one step
+inline constexpr int kMoeMaxTopk = 8;        // experts_per_token the kernels take
+inline constexpr int kMoeMaxExperts = 4096;  // routed experts the kernels take
+inline constexpr int kMoeWarps = 8;          // warps per CTA of every moe kernel
+inline constexpr int kMoeRowsPerWarp = 2;    // output rows (j or n) per warp and pass
+
+// One expert set's weights: bf16, or MXFP8 (e4m3 codes + e8m0 scales per 32 elements along K).
+// Routed: [E, 2 I, hidden] and [E, hidden, I]; shared: the same with E = 1.
+struct MoeExpertSet {
+  const void* w13 = nullptr;
+  const uint8_t* w13_scale = nullptr;  // MXFP8 only
+  const void* w2 = nullptr;
+  const uint8_t* w2_scale = nullptr;  // MXFP8 only
+  int inter = 0;                      // I on this rank (0: the set is absent)
+};
+
+struct MoeParams {
+  const uint16_t* x = nullptr;           // [rows, hidden] bf16
+  const float* router_weight = nullptr;  // [E, hidden] f32
+  const float* router_bias = nullptr;    // [E] f32 or null (zeros)
+  MoeExpertSet experts;
+  MoeExpertSet shared;
+  bool fp8 = false;  // both sets MXFP8 (else both bf16)
+  int rows = 0;
+  int hidden = 0;
+  int num_experts = 0;
+  int topk = 0;
+  float routed_scaling = 2.0f;
+  float limit = 7.0f;
+  // Workspace (moe_workspace_bytes) and outputs.
+  int32_t* topk_ids = nullptr;     // [rows, topk] i32: the picked experts, pick order
+  float* topk_weights = nullptr;   // [rows, topk] f32
+  uint16_t* act = nullptr;         // [rows, topk, I] bf16: the routed experts' activations
+  uint16_t* act_shared = nullptr;  // [rows, S] bf16
+  float* y = nullptr;              // [rows, topk + 1, hidden] f32: each expert's output
+  float* out = nullptr;            // [rows, hidden] f32: this rank's partial
+};
+
+}  // namespace m3msa::cuda

@@ -1,0 +1,222 @@
+// The moe family (src/cuda/moe.h) against the CPU reference cpu::moe (docs/spec.md section 8):
+// M3's per-rank shapes at TP 4 and 8 and a small one, 1..16 token rows, bf16 and MXFP8 experts;
+// CUDA-graph replay equals eager bit for bit; deterministic run to run. Skips without a GPU.
+//
+// Routing: the GPU sums a logit in another fp32 order than the CPU, so two experts whose keys are
+// within 1e-5 of each other across the k-th place may swap; such rows are counted and skipped
+// (their outputs legitimately differ), every other row must pick the CPU's experts in the CPU's
+// order with weights within 1e-5 relative.
+// Outputs (fp32 partials): g, u and the activation are rounded to bf16 on both sides, so a
+// different fp32 sum order can move one of them by one bf16 ulp (2^-8 relative); the error of an
+// output element is bounded by ~2^-7 of the row's largest magnitude: |gpu - cpu| <= 2^-7 * max
+// |cpu row| + 1e-6.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "attention_test_util.h"
+#include "cuda/common.cuh"
+#include "cuda/moe.h"
+#include "m3msa/moe.h"
+#include "m3msa/testing/moe_model.h"
+#include "m3msa/testing/random.h"
+
+namespace m3msa {
+namespace {
+
+using attntest::DevTensor;
+using attntest::to_dev;
+
+HostTensor host_of(const TensorView& v) {
+  HostTensor t(v.dtype, v.sizes());
+  if (v.defined()) std::memcpy(t.data(), v.data, v.nbytes());
+  return t;
+}
+
+struct Case {
+  const char* name;
+  int hidden, experts, topk, inter_rank, shared_rank;
+  bool fp8;
+};
+
+struct Device3 {
+  std::vector<DevTensor> keep;
+  TensorView up(const TensorView& v) {
+    if (!v.defined()) return {};
+    keep.push_back(to_dev(host_of(v)));
+    return keep.back().view;
+  }
+};
+
+// One model per case (M3's rank shapes take seconds to draw), checked at every row count.
+void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) {
+  ModelConfig m;
+  m.hidden = c.hidden;
+  m.num_experts = c.experts;
+  m.experts_per_token = c.topk;
+  m.moe_intermediate = c.inter_rank;  // one rank's slice as a TP 1 model
+  m.shared_experts = c.shared_rank > 0 ? 1 : 0;
+  const MoeConfig config = m.moe(1);
+  testkit::MasterMoe master = testkit::make_master_moe(m, seed, c.fp8);
+  std::vector<HostTensor> storage;
+  LayerWeights lw;
+  testkit::bind_moe(m, master, 0, 1, storage, lw);
+  // Only the router is needed from here on (the near-tie margins).
+  master.w13 = {};
+  master.w2 = {};
+  master.shared_w13 = {};
+  master.shared_w2 = {};
+  Device3 dev;
+  MoeArgs weights_on_gpu;
+  weights_on_gpu.router_weight = dev.up(lw.router_weight);
+  weights_on_gpu.router_bias = dev.up(lw.router_bias);
+  weights_on_gpu.experts = {dev.up(lw.experts.w13), dev.up(lw.experts.w13_scale),
+                            dev.up(lw.experts.w2), dev.up(lw.experts.w2_scale)};
+  weights_on_gpu.shared = {dev.up(lw.shared_expert.w13), dev.up(lw.shared_expert.w13_scale),
+                           dev.up(lw.shared_expert.w2), dev.up(lw.shared_expert.w2_scale)};
+  for (int rows : row_counts) {
+    SCOPED_TRACE(std::string(c.name) + " rows " + std::to_string(rows) +
+                 (c.fp8 ? " mxfp8" : " bf16"));
+    HostTensor x(DType::kBF16, {rows, c.hidden});
+    testkit::fill_bf16(x, seed + 1 + static_cast<uint64_t>(rows));
+
+    // CPU reference.
+    HostTensor want(DType::kF32, {rows, c.hidden});
+    HostTensor ids(DType::kI32, {rows, c.topk});
+    HostTensor weights(DType::kF32, {rows, c.topk});
+    MoeArgs cpu_args;
+    cpu_args.x = x.view();
+    cpu_args.router_weight = lw.router_weight;
+    cpu_args.router_bias = lw.router_bias;
+    cpu_args.experts = lw.experts;
+    cpu_args.shared = lw.shared_expert;
+    cpu_args.out = want.view();
+    cpu_args.topk_ids = ids.view();
+    cpu_args.topk_weights = weights.view();
+    cpu::moe(config, cpu_args, 0);
+
+    // The margin of each row's pick: the k-th key against the best key not picked.
+    std::vector<bool> near_tie(static_cast<std::size_t>(rows), false);
+    for (int r = 0; r < rows; ++r) {
+      std::vector<double> key(static_cast<std::size_t>(c.experts));
+      for (int e = 0; e < c.experts; ++e) {
+        double logit = 0;
+        for (int i = 0; i < c.hidden; ++i) {
+          logit += double(bf16_to_float(x.ptr<uint16_t>()[r * c.hidden + i])) *
+                   master.router[static_cast<std::size_t>(e) * c.hidden + i];
+        }
+        key[std::size_t(e)] = 1.0 / (1.0 + std::exp(-logit)) + master.bias[std::size_t(e)];
+      }
+      std::vector<double> sorted = key;
+      std::sort(sorted.rbegin(), sorted.rend());
+      near_tie[std::size_t(r)] =
+          sorted[std::size_t(c.topk - 1)] - sorted[std::size_t(c.topk)] < 1e-5;
+    }
+
+    // GPU.
+    MoeArgs g = weights_on_gpu;
+    const DevTensor dx = to_dev(x);
+    g.x = dx.view;
+    HostTensor out_host(DType::kF32, {rows, c.hidden});
+    DevTensor dout = to_dev(out_host);
+    g.out = dout.view;
+    g.topk_ids = {};
+    g.topk_weights = {};
+    cuda::DeviceBuffer workspace(cuda::moe_workspace_bytes(config, rows));
+    const cuda::MoeParams p = cuda::moe_params(config, g, workspace.data());
+    cuda::Stream stream;
+    cuda::launch_moe(p, stream.get());
+    stream.synchronize();
+    HostTensor got(DType::kF32, {rows, c.hidden});
+    CUDA_CHECK(cudaMemcpy(got.data(), dout.view.data, got.nbytes(), cudaMemcpyDeviceToHost));
+    HostTensor gpu_ids(DType::kI32, {rows, c.topk});
+    HostTensor gpu_weights(DType::kF32, {rows, c.topk});
+    CUDA_CHECK(cudaMemcpy(gpu_ids.data(), p.topk_ids, gpu_ids.nbytes(), cudaMemcpyDeviceToHost));
+    CUDA_CHECK(cudaMemcpy(gpu_weights.data(), p.topk_weights, gpu_weights.nbytes(),
+                          cudaMemcpyDeviceToHost));
+
+    int skipped = 0;
+    double worst = 0;
+    for (int r = 0; r < rows; ++r) {
+      if (near_tie[std::size_t(r)]) {
+        ++skipped;
+        continue;
+      }
+      for (int i = 0; i < c.topk; ++i) {
+        ASSERT_EQ(gpu_ids.ptr<int32_t>()[r * c.topk + i], ids.ptr<int32_t>()[r * c.topk + i])
+            << "row " << r << " pick " << i;
+        const float w = weights.ptr<float>()[r * c.topk + i];
+        EXPECT_NEAR(gpu_weights.ptr<float>()[r * c.topk + i], w, 1e-5f * std::fabs(w) + 1e-7f);
+      }
+      double row_max = 0;
+      for (int n = 0; n < c.hidden; ++n) {
+        row_max = std::max(row_max, double(std::fabs(want.ptr<float>()[r * c.hidden + n])));
+      }
+      for (int n = 0; n < c.hidden; ++n) {
+        const double a = got.ptr<float>()[r * c.hidden + n];
+        const double b = want.ptr<float>()[r * c.hidden + n];
+        const double tol = row_max / 128 + 1e-6;
+        worst = std::max(worst, std::fabs(a - b) / tol);
+        ASSERT_LE(std::fabs(a - b), tol) << "row " << r << " element " << n;
+      }
+    }
+    std::printf("[ info ] %s rows %d %s: worst error / tolerance %.3f, near-tie rows skipped %d\n",
+                c.name, rows, c.fp8 ? "mxfp8" : "bf16", worst, skipped);
+    EXPECT_LT(skipped, std::max(1, rows / 2 + 1));
+
+    // Graph replay == eager, and a second eager run changes no bit.
+    HostTensor again(DType::kF32, {rows, c.hidden});
+    CUDA_CHECK(cudaMemsetAsync(dout.view.data, 0xFF, got.nbytes(), stream.get()));
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+    cuda::launch_moe(p, stream.get());
+    CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+    cudaGraphExec_t exec = nullptr;
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    stream.synchronize();
+    CUDA_CHECK(cudaMemcpy(again.data(), dout.view.data, again.nbytes(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(again.data(), got.data(), got.nbytes()), 0) << "graph replay != eager";
+    cuda::launch_moe(p, stream.get());
+    stream.synchronize();
+    CUDA_CHECK(cudaMemcpy(again.data(), dout.view.data, again.nbytes(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(again.data(), got.data(), got.nbytes()), 0) << "eager run to run";
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+}
+
+TEST(MoeKernel, SmallShapesMatchTheCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  for (bool fp8 : {false, true}) {
+    const Case c{"small", 256, 16, 4, 64, 64, fp8};
+    run_case(c, {1, 3, 16}, fp8 ? 101 : 102);
+  }
+}
+
+TEST(MoeKernel, SmallWithoutSharedExpertAndTopTwo) {
+  M3MSA_REQUIRE_GPU();
+  const Case c{"no shared", 128, 8, 2, 96, 0, true};
+  run_case(c, {1, 5}, 201);
+}
+
+// M3's rank shapes: hidden 6144, 128 experts, top 4, I_r 768 (TP 4) and 384 (TP 8).
+TEST(MoeKernel, M3RankShapesMatchTheCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  for (bool fp8 : {true, false}) {
+    for (int inter : {768, 384}) {
+      const Case c{inter == 768 ? "M3 TP4 rank" : "M3 TP8 rank", 6144, 128, 4, inter, inter, fp8};
+      run_case(c, {1, 4, 16}, 300 + inter + (fp8 ? 1 : 0));
+    }
+  }
+}
+
+}  // namespace
+}  // namespace m3msa

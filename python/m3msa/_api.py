@@ -196,7 +196,8 @@ def select_topk(config, index_q, index_cache, batch, out=None, *, threads=0, str
                 plan=None):
     """Index scoring + exact top-k block selection (docs/spec.md section 4).
 
-    index_q:      [rows, H, D] bf16
+    index_q:      [rows, H, D] bf16, or fp8 e4m3 beside an fp8 index_cache (CPU only for now;
+                  a NumPy uint8 array as m3msa.view(a, 'fp8'))
     index_cache:  [pages, block_size, D] bf16 | fp8 e4m3, read through batch.index_block_table
     out:          [rows, H, k] int32 (the topk_idx): logical block ids in descending key order
                   (forced blocks first), then -1; dead rows all -1.

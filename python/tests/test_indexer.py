@@ -58,6 +58,22 @@ class SelectTopkTest(TestCase):
                              index_dtype="fp8")
         self.check(cfg, c)
 
+    def test_fp8_index_q_beside_fp8_cache(self):
+        # The oracle decodes the fp8 queries; the selection equals that of the bf16 queries that
+        # hold the same values.
+        cfg = small_config()
+        c = oracle.make_case(cfg, np.random.default_rng(13), seq_lens=SEQ_LENS, q_len=2,
+                             index_dtype="fp8")
+        as_bf16 = c.index_q
+        c.index_q = m3msa.as_fp8(oracle.decode(as_bf16) * np.float32(4.0))
+        got = self.check(cfg, c)
+        same = m3msa.select_topk(cfg, m3msa.as_bf16(oracle.decode(c.index_q)), c.index_cache,
+                                 c.batch, threads=THREADS)
+        np.testing.assert_array_equal(got, same)
+        bf16_cache = oracle.make_case(cfg, np.random.default_rng(13), seq_lens=SEQ_LENS, q_len=2)
+        with self.assertRaisesRegex(ValueError, "index_q: an fp8_e4m3 index_q needs"):
+            m3msa.select_topk(cfg, c.index_q, bf16_cache.index_cache, bf16_cache.batch)
+
     def test_forced_leading_and_trailing_blocks(self):
         cfg = small_config(topk=5, init_blocks=1, local_blocks=2)
         c = oracle.make_case(cfg, np.random.default_rng(3), seq_lens=SEQ_LENS, q_len=2)

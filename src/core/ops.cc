@@ -63,8 +63,16 @@ void validate(const SparseConfig& config, const IndexerArgs& args, Device device
   validate_batch_shapes(args.batch, device);
   M3MSA_CHECK_ARG(args.batch.index_block_table.defined(), "batch.index_block_table is required");
   const int64_t rows = args.batch.num_rows();
-  check_tensor(args.index_q, "index_q", DType::kBF16, {rows, config.index_heads, config.index_dim});
   validate_index_cache(args.index_cache, config, "index_cache");
+  // bf16, or fp8 e4m3 beside an fp8 index cache (engines that quantize index_q while
+  // preprocessing pass it in the cache's dtype): the products are exact in fp32 either way.
+  const bool fp8_cache = args.index_cache.data.dtype == DType::kFP8E4M3;
+  M3MSA_CHECK_ARG(args.index_q.dtype != DType::kFP8E4M3 || fp8_cache,
+                  "index_q: an fp8_e4m3 index_q needs an fp8_e4m3 index_cache, got index_cache ",
+                  dtype_name(args.index_cache.data.dtype));
+  check_tensor(args.index_q, "index_q",
+               fp8_cache && args.index_q.dtype == DType::kFP8E4M3 ? DType::kFP8E4M3 : DType::kBF16,
+               {rows, config.index_heads, config.index_dim});
   check_tensor(args.topk_idx, "topk_idx", DType::kI32, {rows, config.index_heads, config.topk});
   check_device(args.index_q, "index_q", device);
   check_device(args.index_cache.data, "index_cache", device);

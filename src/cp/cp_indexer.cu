@@ -374,6 +374,7 @@ void CudaCpIndexer::Impl::check_args(const IndexerArgs& args) const {
   full.topk_idx = TensorView::contiguous(
       full_topk.data(), DType::kI32, {rows, config.index_heads, config.topk}, Device::cuda(device));
   validate(config, full, Device::cuda(device));
+  cuda::check_indexer_args_supported(full);
   M3MSA_CHECK_ARG(batch.index_block_table.defined(), "batch.index_block_table is required");
   M3MSA_CHECK_ARG(batch.index_block_table.shape[1] <= max_cols, "CP: index_block_table has ",
                   batch.index_block_table.shape[1],

@@ -3,8 +3,9 @@
 //
 // Block score rule (the GPU kernels must follow the same one):
 //  - s(p) = sum over d = 0..D-1, in that order, of index_q[d] * index_k[p][d], accumulated in fp32
-//    from the decoded bf16 / fp8 values. Each product of two bf16 (or bf16 and fp8) values is exact
-//    in fp32, so fused and unfused multiply-adds give the same sum; only the order matters.
+//    from the decoded bf16 / fp8 values. Each product of two bf16 values, or bf16 and fp8, or two
+//    fp8 values (an fp8 index_q beside an fp8 cache) is exact in fp32, so fused and unfused
+//    multiply-adds give the same sum; only the order matters.
 //  - S(b) = max of s(p) over the visible tokens of b, taken in ascending p, with NaN propagating: a
 //    block any of whose visible dot products is NaN scores NaN (and so ranks below every number,
 //    docs/spec.md section 4). A plain fmaxf would instead drop the NaN and let the block compete on
@@ -66,8 +67,7 @@ void score_row(const SparseConfig& config, const IndexerArgs& args, int64_t row,
   const int dim = config.index_dim;
   const int64_t block_size = config.block_size;
   std::vector<float> query(static_cast<std::size_t>(heads) * dim);
-  detail::load_bf16(args.index_q.ptr<const uint16_t>() + row * heads * dim, heads * dim,
-                    query.data());
+  detail::load_vector(args.index_q, row * heads * dim, heads * dim, 1.0f, query.data());
   std::vector<float> key(static_cast<std::size_t>(dim));
   std::vector<float> best(static_cast<std::size_t>(heads));
   for (int64_t b = first; b < blocks; b += step) {

@@ -291,11 +291,19 @@ bool indexer_fits_plan(const IndexerPlan& plan, const SparseConfig& config, cons
   return true;
 }
 
+void check_indexer_args_supported(const IndexerArgs& args) {
+  M3MSA_CHECK_SUPPORTED(args.index_q.dtype == DType::kBF16,
+                        "CUDA indexer: index_q must be bf16 (an fp8_e4m3 index_q is implemented "
+                        "by the CPU reference only), got ",
+                        dtype_name(args.index_q.dtype));
+}
+
 void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const IndexerArgs& args,
                     IndexerVariant variant, void* workspace, cudaStream_t stream) {
   check_indexer_supported(config);
   const Device device = Device::cuda(plan.device);
   validate(config, args, device);
+  check_indexer_args_supported(args);
   const BatchMeta& batch = args.batch;
   M3MSA_CHECK_ARG(batch.index_block_table.defined(), "batch.index_block_table is required");
   if (batch.kind == BatchKind::kDecode) {

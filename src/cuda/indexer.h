@@ -51,6 +51,9 @@ struct IndexerPlan {
 
 // Throws Error(kUnsupported) naming the first configuration value the CUDA indexer cannot run.
 void check_indexer_supported(const SparseConfig& config);
+// What the CUDA kernels take of a call's arguments beyond validate(): a bf16 index_q (an fp8
+// index_q is implemented by the CPU reference only). Throws Error(kUnsupported) naming it.
+void check_indexer_args_supported(const IndexerArgs& args);
 
 // limits.max_context > 0 also plans the unfused baseline's score tensor.
 IndexerPlan plan_indexer(const SparseConfig& config, const PlanLimits& limits, int device);

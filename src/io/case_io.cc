@@ -135,6 +135,7 @@ void save_case(const std::string& dir, const SyntheticCase& step,
         {"q_len", step.batch.q_len},
         {"num_tokens", step.batch.kind == BatchKind::kPrefill ? step.batch.num_tokens : 0}}},
       {"index_dtype", dtype_name(step.index_cache.dtype())},
+      {"index_q_dtype", dtype_name(step.index_q.dtype())},
       {"kv_dtype", dtype_name(step.kv_cache.dtype())},
       {"k_scale", step.k_scale},
       {"v_scale", step.v_scale},
@@ -196,6 +197,12 @@ LoadedCase load_case(const std::string& dir) {
     const DType kv_dtype = parse_dtype(doc.value("kv_dtype", std::string("bf16")), "kv_dtype");
     M3MSA_CHECK_ARG(index_dtype == DType::kBF16 || index_dtype == DType::kFP8E4M3,
                     "index_dtype must be bf16 or fp8_e4m3, got ", dtype_name(index_dtype));
+    const DType index_q_dtype =
+        parse_dtype(doc.value("index_q_dtype", std::string("bf16")), "index_q_dtype");
+    M3MSA_CHECK_ARG(index_q_dtype == DType::kBF16 ||
+                        (index_q_dtype == DType::kFP8E4M3 && index_dtype == DType::kFP8E4M3),
+                    "index_q_dtype must be bf16, or fp8_e4m3 with index_dtype fp8_e4m3, got ",
+                    dtype_name(index_q_dtype), " with index_dtype ", dtype_name(index_dtype));
     M3MSA_CHECK_ARG(kv_dtype == DType::kBF16 || kv_dtype == DType::kFP8E4M3,
                     "kv_dtype must be bf16 or fp8_e4m3, got ", dtype_name(kv_dtype));
     c.k_scale = doc.value("k_scale", 1.0f);
@@ -206,7 +213,7 @@ LoadedCase load_case(const std::string& dir) {
     const SparseConfig& cfg = c.config;
     const int64_t reqs = c.batch.num_reqs;
     const int64_t rows = c.batch.kind == BatchKind::kDecode ? reqs * c.batch.q_len : -1;
-    dtypes = {{"index_q", DType::kBF16},           {"q", DType::kBF16},
+    dtypes = {{"index_q", index_q_dtype},          {"q", DType::kBF16},
               {"index_cache", index_dtype},        {"kv_cache", kv_dtype},
               {"seq_lens", DType::kI32},           {"cu_seqlens_q", DType::kI32},
               {"context_lens", DType::kI32},       {"index_block_table", DType::kI32},

@@ -2,6 +2,8 @@
 // selection edge case of docs/spec.md section 6.
 #include <gtest/gtest.h>
 
+#include <cstring>
+
 #include <cmath>
 #include <set>
 #include <vector>
@@ -111,6 +113,57 @@ TEST(ReferenceIndexer, ScoresAndSelectionMatchBruteForce) {
         expect_matches_oracle(c, run_select(c));
       }
     }
+  }
+}
+
+// An fp8 index_q beside an fp8 cache scores its decoded values: the same scores and selection, bit
+// for bit, as the bf16 index_q that holds exactly those values (every e4m3 value is a bf16 value),
+// and both match the oracle.
+TEST(ReferenceIndexer, Fp8IndexQScoresItsDecodedValues) {
+  for (int q_len : {1, 3}) {
+    CaseSpec spec;
+    spec.index_dtype = DType::kFP8E4M3;
+    spec.q_len = q_len;
+    spec.seq_lens = {5, 40, 100, 0, 77};
+    spec.seed = 41 + q_len;
+    Case c = make_case(spec);
+    const int H = c.config.index_heads;
+    const int D = c.config.index_dim;
+    HostTensor q8(DType::kFP8E4M3, {c.rows(), H, D});
+    for (int64_t row = 0; row < c.rows(); ++row) {
+      for (int h = 0; h < H; ++h) {
+        for (int d = 0; d < D; ++d) {
+          const uint8_t v = float_to_fp8e4m3(4.0f * c.index_q_at(row, h, d));
+          q8.ptr<uint8_t>()[(row * H + h) * D + d] = v;
+          c.set_index_q(row, h, d, fp8e4m3_to_float(v));  // exact in bf16
+        }
+      }
+    }
+    const int64_t max_blocks = 8;
+    IndexerArgs a8 = c.indexer();
+    a8.index_q = q8.view();
+    HostTensor scores8(DType::kF32, {c.rows(), H, max_blocks});
+    scores8.fill_bytes(0x5A);
+    cpu::score_blocks(c.config, a8, scores8.view(), 2);
+    const HostTensor scores16 = run_scores(c, max_blocks);
+    ASSERT_EQ(std::memcmp(scores8.data(), scores16.data(), scores8.nbytes()), 0)
+        << "q_len " << q_len;
+    for (int64_t row = 0; row < c.rows(); ++row) {
+      for (int h = 0; h < H; ++h) {
+        for (int64_t b = 0; b < std::min<int64_t>(max_blocks, c.nb(row)); ++b) {
+          ASSERT_TRUE(same_float(scores8.ptr<float>()[(row * H + h) * max_blocks + b],
+                                 oracle_score(c, row, h, b)))
+              << "row " << row << " head " << h << " block " << b;
+        }
+      }
+    }
+    HostTensor topk8(DType::kI32, {c.rows(), H, c.config.topk});
+    topk8.fill_bytes(0x5A);
+    a8.topk_idx = topk8.view();
+    cpu::select_topk(c.config, a8, 2);
+    const HostTensor topk16 = run_select(c);
+    EXPECT_EQ(std::memcmp(topk8.data(), topk16.data(), topk8.nbytes()), 0) << "q_len " << q_len;
+    expect_matches_oracle(c, topk8);
   }
 }
 

@@ -70,6 +70,14 @@ TEST(ReferenceValidation, IndexerTensorShapesDtypesStridesDevices) {
     expect_invalid([&] { select(c, a); }, "index_q");
   }
   {
+    // An fp8 index_q is taken only beside an fp8 index cache (base_case's is bf16).
+    ASSERT_EQ(c.index_cache.dtype(), DType::kBF16);
+    HostTensor q8(DType::kFP8E4M3, {rows, H, D});
+    IndexerArgs a = c.indexer(o.topk.view());
+    a.index_q = q8.view();
+    expect_invalid([&] { select(c, a); }, "index_q: an fp8_e4m3 index_q needs an fp8_e4m3");
+  }
+  {
     IndexerArgs a = c.indexer(o.topk.view());
     a.index_q.strides[1] = 1;  // heads interleaved: not row-major
     a.index_q.strides[2] = H;

@@ -32,6 +32,7 @@
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
 #include "m3msa/ops.h"
+#include "m3msa/testing/layouts.h"
 #include "m3msa/testing/splitmix.h"
 
 namespace m3msa::bench {
@@ -45,6 +46,7 @@ struct Config {
   DType kv;
   int64_t context;
   cuda::AttentionTuning tuning;
+  KVLayout layout = KVLayout::kOurs;
 };
 
 struct Result {
@@ -146,10 +148,13 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
     a.out = TensorView::contiguous(
         static_cast<uint8_t*>(out.data()) + s * rows * sc.q_heads * sc.head_dim * 2, DType::kBF16,
         {rows, sc.q_heads, sc.head_dim}, dev);
-    a.kv_cache.data = TensorView::contiguous(cache.data(), c.kv,
-                                             {pages, kvh, 2, sc.block_size, sc.head_dim}, dev);
-    a.kv_cache.k_scale = c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
-    a.kv_cache.v_scale = c.kv == DType::kFP8E4M3 ? 0.25f : 1.0f;
+    // Every layout holds the same elements per page, so one buffer serves all three: only the
+    // addressing differs (vLLM: a token's heads side by side; FlashInfer: K and V in one row).
+    a.kv_cache = kv_cache_from_layout(
+        TensorView::contiguous(
+            cache.data(), c.kv,
+            testkit::kv_layout_shape(c.layout, pages, kvh, sc.block_size, sc.head_dim), dev),
+        c.layout, c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f, c.kv == DType::kFP8E4M3 ? 0.25f : 1.0f);
     a.batch.kind = BatchKind::kDecode;
     a.batch.num_reqs = c.batch;
     a.batch.q_len = c.q_len;
@@ -193,6 +198,7 @@ int run_attention_bench(int argc, char** argv) {
   std::string q_lens = "1,4";
   std::string contexts = "32768,131072";
   std::string kvs = "bf16,fp8";
+  std::string layouts = "ours";
   int reps = 20;
   int launches = 20;
   std::string tunings =
@@ -204,6 +210,10 @@ int run_attention_bench(int argc, char** argv) {
   app.add_option("--q-len", q_lens, "comma-separated query lengths");
   app.add_option("--context", contexts, "comma-separated context lengths (tokens)");
   app.add_option("--kv", kvs, "comma-separated KV dtypes: bf16, fp8");
+  app.add_option("--layout", layouts,
+                 "comma-separated main-cache layouts timed side by side: ours [pages, kv_heads, 2, "
+                 "128, hd], vllm [pages, 2, 128, kv_heads, hd], flashinfer [pages, kv_heads, 128, "
+                 "2 hd] (docs/spec.md section 3)");
   app.add_option("--reps", reps, "graph replays per configuration (median over them)");
   app.add_option("--launches", launches, "launches per graph (at least the number of input sets)");
   app.add_option("--tunings", tunings,
@@ -235,14 +245,21 @@ int run_attention_bench(int argc, char** argv) {
       at = end + 1;
     }
   }
+  std::vector<KVLayout> layout_list;
+  for (size_t at = 0; at <= layouts.size();) {
+    size_t end = layouts.find(',', at);
+    if (end == std::string::npos) end = layouts.size();
+    layout_list.push_back(parse_kv_layout(layouts.substr(at, end - at), "--layout"));
+    at = end + 1;
+  }
   const std::string device = device_description();
   ResultFile results("attention", argc, argv, json_path);
   std::printf(
       "m3msa bench attention on %s; read ceiling %.2f TB/s; M3 shapes: 64 q heads, 4 KV "
       "heads, head_dim 128, topk 16; graph replay, inputs rotated over > 4x L2\n",
       device.c_str(), kReadCeilingTBs);
-  Table table({"kv", "batch", "q_len", "context", "splits", "merge", "median us", "noise", "MB",
-               "TB/s", "% roof"});
+  Table table({"kv", "layout", "batch", "q_len", "context", "splits", "merge", "median us", "noise",
+               "MB", "TB/s", "% roof"});
   for (DType kv : dtypes) {
     std::vector<cuda::AttentionTuning> tuning_list;
     {
@@ -261,53 +278,59 @@ int run_attention_bench(int argc, char** argv) {
         for (int64_t batch : parse_list(batches)) {
           std::set<std::string> seen;  // launches already timed for this configuration
           for (const cuda::AttentionTuning& tuning : tuning_list) {
-            const Config c{static_cast<int>(batch), static_cast<int>(q_len), kv, context, tuning};
-            const cuda::AttentionPlanInfo plan = cuda::attention_plan_info(
-                SparseConfig{}, batch * q_len, false, kv == DType::kFP8E4M3, tuning);
-            const std::string key =
-                fmt::format("{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
-                            plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits);
-            if (!seen.insert(key).second) continue;
-            const Result r = run_config(c, launches, reps, seed);
-            const double us = r.timing.median_us;
-            const double tbs = r.bytes / (us * 1e-6) / 1e12;
-            const std::string merge = r.splits == 1 ? "-" : (r.cluster ? "cluster" : "global");
-            const std::string label =
-                (kv == DType::kBF16 && !tuning.split_p ? "bf16-1P" : kv_name(c)) +
-                (tuning.pdl ? "+pdl" : "");
-            std::vector<std::string> cells = {
-                label,
-                fmt::format("{}", c.batch),
-                fmt::format("{}", c.q_len),
-                fmt::format("{}", context),
-                fmt::format("{}", r.splits),
-                merge,
-                fmt::format("{:.2f}", us),
-                fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
-                fmt::format("{:.1f}", r.bytes / 1e6),
-                fmt::format("{:.2f}", tbs),
-                fmt::format("{:.1f}%", 100.0 * tbs / kReadCeilingTBs)};
-            std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
-            table.add(cells, {{"bench", "attention"},
-                              {"kv", kv_name(c)},
-                              {"tuning", tuning.name()},
-                              {"label", label},
-                              {"batch", c.batch},
-                              {"q_len", c.q_len},
-                              {"context", context},
-                              {"splits", r.splits},
-                              {"merge", merge},
-                              {"input_sets", r.sets},
-                              {"median_us", us},
-                              {"p10_us", r.timing.p10_us},
-                              {"p90_us", r.timing.p90_us},
-                              {"noise", r.timing.noise()},
-                              {"bytes", r.bytes},
-                              {"tb_per_s", tbs},
-                              {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
-                              {"device", device}});
-            table.last_record().update(measured_fields(r.timing, r.bytes));
-            results.write(table.records(), false);
+            for (KVLayout layout : layout_list) {
+              const Config c{
+                  static_cast<int>(batch), static_cast<int>(q_len), kv, context, tuning, layout};
+              const cuda::AttentionPlanInfo plan = cuda::attention_plan_info(
+                  SparseConfig{}, batch * q_len, false, kv == DType::kFP8E4M3, tuning);
+              const std::string key =
+                  fmt::format("{}{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
+                              plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits,
+                              kv_layout_name(layout));
+              if (!seen.insert(key).second) continue;
+              const Result r = run_config(c, launches, reps, seed);
+              const double us = r.timing.median_us;
+              const double tbs = r.bytes / (us * 1e-6) / 1e12;
+              const std::string merge = r.splits == 1 ? "-" : (r.cluster ? "cluster" : "global");
+              const std::string label =
+                  (kv == DType::kBF16 && !tuning.split_p ? "bf16-1P" : kv_name(c)) +
+                  (tuning.pdl ? "+pdl" : "");
+              std::vector<std::string> cells = {
+                  label,
+                  kv_layout_name(layout),
+                  fmt::format("{}", c.batch),
+                  fmt::format("{}", c.q_len),
+                  fmt::format("{}", context),
+                  fmt::format("{}", r.splits),
+                  merge,
+                  fmt::format("{:.2f}", us),
+                  fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
+                  fmt::format("{:.1f}", r.bytes / 1e6),
+                  fmt::format("{:.2f}", tbs),
+                  fmt::format("{:.1f}%", 100.0 * tbs / kReadCeilingTBs)};
+              std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
+              table.add(cells, {{"bench", "attention"},
+                                {"kv", kv_name(c)},
+                                {"tuning", tuning.name()},
+                                {"layout", kv_layout_name(layout)},
+                                {"label", label},
+                                {"batch", c.batch},
+                                {"q_len", c.q_len},
+                                {"context", context},
+                                {"splits", r.splits},
+                                {"merge", merge},
+                                {"input_sets", r.sets},
+                                {"median_us", us},
+                                {"p10_us", r.timing.p10_us},
+                                {"p90_us", r.timing.p90_us},
+                                {"noise", r.timing.noise()},
+                                {"bytes", r.bytes},
+                                {"tb_per_s", tbs},
+                                {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
+                                {"device", device}});
+              table.last_record().update(measured_fields(r.timing, r.bytes));
+              results.write(table.records(), false);
+            }
           }
         }
       }

@@ -72,11 +72,12 @@ int run_replay(const ReplayOptions& o) {
 
   std::printf(
       "m3msa replay %s: %s batch, %d request%s, %lld rows (%lld dead), nb %lld..%lld, "
-      "index %s, kv %s\n",
+      "index %s, kv %s (layout %s)\n",
       o.dir.c_str(), c.batch.kind == BatchKind::kDecode ? "decode" : "prefill", c.batch.num_reqs,
       c.batch.num_reqs == 1 ? "" : "s", static_cast<long long>(rows), static_cast<long long>(dead),
       static_cast<long long>(std::max<int64_t>(min_nb, 0)), static_cast<long long>(max_nb),
-      dtype_name(c.index_cache.dtype()), dtype_name(c.kv_cache.dtype()));
+      dtype_name(c.index_cache.dtype()), dtype_name(c.kv_cache.dtype()),
+      kv_layout_name(c.kv_layout));
   if (!loaded.source.empty()) std::printf("  source: %s\n", loaded.source.c_str());
   std::printf("  backend %s (%s)\n", backend->name().c_str(), why_backend.c_str());
 
@@ -109,7 +110,7 @@ int run_replay(const ReplayOptions& o) {
 
   AttentionArgs att;
   att.q = up(c.q);
-  att.kv_cache = KVCache{up(c.kv_cache), c.k_scale, c.v_scale};
+  att.kv_cache = kv_cache_from_layout(up(c.kv_cache), c.kv_layout, c.k_scale, c.v_scale);
   att.batch = d_batch;
   att.topk_idx = idx.topk_idx;
   att.out = up(out);

@@ -63,11 +63,14 @@ struct DeviceCase {
   BatchMeta batch;
   DeviceTensor seq_lens, cu_seqlens_q, context_lens, index_block_table, kv_block_table,
       slot_mapping, index_slot_mapping, positions, index_q, q, index_cache, kv_cache;
+  KVLayout kv_layout = KVLayout::kOurs;  // how kv_cache is laid out (SyntheticCase::kv_layout)
   float k_scale = 1.0f;
   float v_scale = 1.0f;
 
   IndexCache index_cache_view() const { return {index_cache.view()}; }
-  KVCache kv_cache_view() const { return {kv_cache.view(), k_scale, v_scale}; }
+  KVCache kv_cache_view() const {
+    return kv_cache_from_layout(kv_cache.view(), kv_layout, k_scale, v_scale);
+  }
   IndexerArgs indexer_args(const TensorView& topk_idx) const;
   AttentionArgs attention_args(const TensorView& topk_idx, const TensorView& out) const;
   int64_t num_rows() const { return batch.num_rows(); }

@@ -3,6 +3,8 @@
 // k = topk, rows = batch.num_rows().
 #pragma once
 
+#include <string>
+
 #include "m3msa/batch.h"
 #include "m3msa/cache.h"
 #include "m3msa/config.h"
@@ -29,12 +31,38 @@ struct PreprocessArgs {
   bool has_index_part() const { return index_q_out.defined() || index_cache.data.defined(); }
 };
 
+// How select_topk writes its answer (docs/spec.md section 4). The selected set is the same
+// either way; only its order and where each (row, head) answer goes change.
+enum class SelectionOrder : int {
+  kDescendingKey = 0,   // descending sort key (forced blocks first), then -1
+  kAscendingBlock = 1,  // the same blocks in ascending block id, then -1
+};
+enum class SelectionMajor : int {
+  kTokenMajor = 0,  // topk_idx [rows, H, k]
+  kHeadMajor = 1,   // topk_idx [H, rows, k]
+};
+struct SelectionOptions {
+  SelectionOrder order = SelectionOrder::kDescendingKey;
+  SelectionMajor major = SelectionMajor::kTokenMajor;
+  bool is_default() const {
+    return order == SelectionOrder::kDescendingKey && major == SelectionMajor::kTokenMajor;
+  }
+};
+const char* selection_order_name(SelectionOrder order);  // "descending", "ascending"
+const char* selection_major_name(SelectionMajor major);  // "token", "head"
+SelectionOrder parse_selection_order(const std::string& text, const char* what);
+SelectionMajor parse_selection_major(const std::string& text, const char* what);
+
 // Index scoring + exact top-k block selection (docs/spec.md section 4).
 struct IndexerArgs {
   TensorView index_q;      // [rows, H, D] bf16
   IndexCache index_cache;  // read through batch.index_block_table
   BatchMeta batch;
-  TensorView topk_idx;  // [rows, H, k] i32 out: logical block ids, descending key, -1 padded
+  // i32 out: logical block ids, -1 padded, [rows, H, k] (token-major) or [H, rows, k]
+  // (head-major). The two outer strides are free (a caller's buffer of larger capacity: rows of
+  // stride >= k), k is contiguous; the (row, head) answers must not overlap.
+  TensorView topk_idx;
+  SelectionOptions selection = {};
 };
 
 // Block-sparse GQA attention over the selected blocks (docs/spec.md section 5).

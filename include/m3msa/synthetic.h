@@ -51,12 +51,15 @@ struct SyntheticCase {
   HostTensor index_q;             // [rows, H, D] bf16
   HostTensor q;                   // [rows, QH, HD] bf16
   HostTensor index_cache;         // [pages, block_size, D] bf16 | fp8
-  HostTensor kv_cache;            // [pages, kv_heads, 2, block_size, HD] bf16 | fp8
+  HostTensor kv_cache;            // [pages, kv_heads, 2, block_size, HD] bf16 | fp8 (kv_layout)
+  KVLayout kv_layout = KVLayout::kOurs;  // how kv_cache is laid out (a replayed case may differ)
   float k_scale = 1.0f;
   float v_scale = 1.0f;
 
   IndexCache index_cache_view() const { return {index_cache.view()}; }
-  KVCache kv_cache_view() const { return {kv_cache.view(), k_scale, v_scale}; }
+  KVCache kv_cache_view() const {
+    return kv_cache_from_layout(kv_cache.view(), kv_layout, k_scale, v_scale);
+  }
   IndexerArgs indexer_args(const TensorView& topk_idx) const;
   AttentionArgs attention_args(const TensorView& topk_idx, const TensorView& out) const;
   int64_t num_rows() const { return batch.num_rows(); }

@@ -65,6 +65,11 @@ void check_tensor(const TensorView& view, const char* name, DType dtype,
                   std::initializer_list<int64_t> expected_shape);
 void check_tensor(const TensorView& view, const char* name, std::initializer_list<DType> dtypes,
                   std::initializer_list<int64_t> expected_shape);
+// The same for a strided view: any non-negative strides with stride 1 in the last dimension, the
+// farthest element addressable in int64 bytes.
+void check_strided_tensor(const TensorView& view, const char* name,
+                          std::initializer_list<DType> dtypes,
+                          std::initializer_list<int64_t> expected_shape);
 void check_device(const TensorView& view, const char* name, Device device);
 // The rank is in [0, kMaxDims], every extent >= 0 and the byte size fits int64 (so numel() and
 // nbytes() are exact): kInvalidArgument naming `name` otherwise.

@@ -1,5 +1,5 @@
 """The operations. Every tensor is taken zero-copy (DLPack or the buffer protocol) and must be
-contiguous; outputs are written in place when given (out=...) and allocated like the inputs
+contiguous, except the caches, which are read and written in place through their strides; outputs are written in place when given (out=...) and allocated like the inputs
 otherwise (NumPy on the CPU, torch on the GPU). Every argument is validated before any work, and a
 bad one raises m3msa.Error naming it.
 
@@ -74,6 +74,34 @@ def _arg(tensor):
         if dtype == getattr(torch, "float8_e4m3fn", None):
             return view(tensor.view(torch.uint8), "fp8")
     return tensor
+
+
+_KV_LAYOUTS = ("ours", "vllm", "flashinfer")
+
+
+def _kv_args(kv_cache, kv_layout):
+    """(tensor, second tensor or None, layout) of a main cache given as one tensor in `kv_layout`
+    or as a (k, v) pair of views [pages, kv_heads, block_size, HD] (any strides, HD contiguous)."""
+    if kv_layout not in _KV_LAYOUTS:
+        raise invalid(f"kv_layout: expected one of {', '.join(_KV_LAYOUTS)}, got {kv_layout!r}")
+    if isinstance(kv_cache, (tuple, list)):
+        if len(kv_cache) != 2:
+            raise invalid(f"kv_cache: a pair is (k, v), got {len(kv_cache)} tensors")
+        if kv_layout != "ours":
+            raise invalid(f"kv_layout: a (k, v) pair takes no layout, got {kv_layout!r}")
+        return _arg(kv_cache[0]), _arg(kv_cache[1]), "ours"
+    return _arg(kv_cache), None, kv_layout
+
+
+def _scale(value, name):
+    """A k / v scale as the C++ side takes it: a number, or a one-element float32 tensor read
+    when the operation runs (CPU; CUDA takes numbers)."""
+    if isinstance(value, (int, float, np.floating, np.integer)):
+        return float(value)
+    if hasattr(value, "__dlpack__") or hasattr(value, "__array_interface__"):
+        return _arg(value)
+    raise invalid(f"{name}: expected a number or a one-element float32 tensor, got "
+                  f"{type(value).__name__}")
 
 
 def _native_plan(plan):
@@ -192,35 +220,50 @@ def _check_batch(batch):
         raise invalid(f"batch: expected an m3msa.Batch, got {type(batch).__name__}")
 
 
-def select_topk(config, index_q, index_cache, batch, out=None, *, threads=0, stream=None,
-                plan=None):
+def select_topk(config, index_q, index_cache, batch, out=None, *, order="descending",
+                major="token", threads=0, stream=None, plan=None):
     """Index scoring + exact top-k block selection (docs/spec.md section 4).
 
     index_q:      [rows, H, D] bf16, or fp8 e4m3 beside an fp8 index_cache (CPU only for now;
                   a NumPy uint8 array as m3msa.view(a, 'fp8'))
-    index_cache:  [pages, block_size, D] bf16 | fp8 e4m3, read through batch.index_block_table
-    out:          [rows, H, k] int32 (the topk_idx): logical block ids in descending key order
-                  (forced blocks first), then -1; dead rows all -1.
+    index_cache:  [pages, block_size, D] bf16 | fp8 e4m3, read through batch.index_block_table;
+                  any page and token strides, D contiguous (CUDA: contiguous)
+    out:          int32 (the topk_idx): per (row, head) the selected logical block ids, then -1;
+                  dead rows all -1. [rows, H, k] (major="token") or [H, rows, k] (major="head");
+                  a strided view into a buffer of larger capacity (say buf[:rows, :, :k] or
+                  buf[:, :rows, :k]) is written in place through its strides (CUDA: token-major,
+                  contiguous).
+    order:        "descending" (sort key, forced blocks first) or "ascending" (block id; CPU)
     plan:         an m3msa.CudaPlan for allocation-free, sync-free, capturable GPU calls
     Returns out.
     """
     _check_config(config)
     _check_batch(batch)
     native = _native_plan(plan)
+    if major not in ("token", "head"):
+        raise invalid(f"major: expected 'token' or 'head', got {major!r}")
+    rows, heads, k = batch.num_rows, config.index_heads, config.topk
+    shape = (rows, heads, k) if major == "token" else (heads, rows, k)
     if out is None:
-        out = _empty(index_q, (batch.num_rows, config.index_heads, config.topk), "i32", "out")
-    _m3msa.select_topk(config, _arg(index_q), _arg(index_cache), batch, out, threads,
-                       _resolve_stream(index_q, stream), native)
+        out = _empty(index_q, shape, "i32", "out")
+    _m3msa.select_topk(config, _arg(index_q), _arg(index_cache), batch, out, order, major,
+                       threads, _resolve_stream(index_q, stream), native)
     return out
 
 
 def sparse_attention(config, q, kv_cache, batch, topk_idx, out=None, *, k_scale=1.0, v_scale=1.0,
-                     threads=0, stream=None, plan=None):
+                     kv_layout="ours", threads=0, stream=None, plan=None):
     """Block-sparse GQA attention over the selected blocks (docs/spec.md section 5).
 
     q:         [rows, QH, HD] bf16
-    kv_cache:  [pages, kv_heads, 2, block_size, HD] bf16 | fp8 e4m3 (read = stored * k/v_scale),
-               read through batch.kv_block_table
+    kv_cache:  bf16 | fp8 e4m3 (read = stored * k/v_scale), read in place through
+               batch.kv_block_table: one tensor laid out as kv_layout says, or a (k, v) pair of
+               views [pages, kv_heads, block_size, HD] with any strides (HD contiguous)
+    kv_layout: "ours" [pages, kv_heads, 2, block_size, HD]; "vllm" [pages, 2, block_size,
+               kv_heads, HD]; "flashinfer" [pages, kv_heads, block_size, 2 * HD] (K then V);
+               strided sub-views of each are read in place (CPU; CUDA takes "ours", contiguous)
+    k_scale, v_scale: numbers, or one-element float32 tensors read when the operation runs (CPU;
+               CUDA takes numbers); fp8 caches only
     topk_idx:  [rows, kv_heads, k] int32 from select_topk; None attends densely (causal)
     out:       [rows, QH, HD] bf16 (on NumPy: m3msa.view of uint16 bits, or a uint16 array).
     plan:      an m3msa.CudaPlan for allocation-free, sync-free, capturable GPU calls
@@ -231,31 +274,35 @@ def sparse_attention(config, q, kv_cache, batch, topk_idx, out=None, *, k_scale=
     native = _native_plan(plan)
     if out is None:
         out = _empty(q, (batch.num_rows, config.q_heads, config.head_dim), "bf16", "out")
-    _m3msa.sparse_attention(config, _arg(q), _arg(kv_cache), float(k_scale), float(v_scale), batch,
-                            topk_idx, _typed(out, "bf16"), threads, _resolve_stream(q, stream),
-                            native)
+    kv, kv_v, layout = _kv_args(kv_cache, kv_layout)
+    _m3msa.sparse_attention(config, _arg(q), kv, kv_v, layout, _scale(k_scale, "k_scale"),
+                            _scale(v_scale, "v_scale"), batch, topk_idx, _typed(out, "bf16"),
+                            threads, _resolve_stream(q, stream), native)
     return out
 
 
-def dense_attention(config, q, kv_cache, batch, out=None, *, k_scale=1.0, v_scale=1.0, threads=0,
-                    stream=None, plan=None):
+def dense_attention(config, q, kv_cache, batch, out=None, *, k_scale=1.0, v_scale=1.0,
+                    kv_layout="ours", threads=0, stream=None, plan=None):
     """Dense causal attention over every visible key: sparse_attention without a selection (the
     oracle the sparse path equals when every row sees <= topk blocks)."""
     return sparse_attention(config, q, kv_cache, batch, None, out, k_scale=k_scale,
-                            v_scale=v_scale, threads=threads, stream=stream, plan=plan)
+                            v_scale=v_scale, kv_layout=kv_layout, threads=threads, stream=stream,
+                            plan=plan)
 
 
 def preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, positions, batch,
                kv_cache, index_cache, q_out=None, index_q_out=None, *, k_scale=1.0, v_scale=1.0,
-               threads=0, stream=None, plan=None):
+               kv_layout="ours", threads=0, stream=None, plan=None):
     """Per-token preprocessing (docs/spec.md section 2): Gemma RMSNorm of every head of q, k,
     index_q and index_k, partial NeoX RoPE at `positions`, and the cache inserts.
 
     qkv:           [rows, qkv_width] bf16, [q | k | v | index_q | index_k]
     q_norm, k_norm: [HD] bf16; index_q_norm, index_k_norm: [D] bf16
     positions:     [rows] int64 (< 0: padding, nothing written)
-    kv_cache:      written in place at batch.slot_mapping (k and v)
-    index_cache:   written in place at batch.index_slot_mapping (index_k)
+    kv_cache:      written in place at batch.slot_mapping (k and v); one tensor in kv_layout or
+                   a (k, v) pair of views, as for sparse_attention
+    index_cache:   written in place at batch.index_slot_mapping (index_k); [pages, block_size, D]
+                   with any page and token strides (D contiguous)
     q_out:         [rows, QH, HD] bf16; index_q_out: [rows, H, D] bf16
     Returns (q_out, index_q_out).
     """
@@ -268,9 +315,10 @@ def preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, position
     if index_q_out is None:
         index_q_out = _empty(qkv, (rows, config.index_heads, config.index_dim), "bf16",
                              "index_q_out")
+    kv, kv_v, layout = _kv_args(kv_cache, kv_layout)
     _m3msa.preprocess(config, qkv, q_norm, k_norm, index_q_norm, index_k_norm, positions, batch,
-                      _arg(kv_cache), float(k_scale), float(v_scale), _arg(index_cache),
-                      _typed(q_out, "bf16"), _typed(index_q_out, "bf16"), threads,
+                      kv, kv_v, layout, _scale(k_scale, "k_scale"), _scale(v_scale, "v_scale"),
+                      _arg(index_cache), _typed(q_out, "bf16"), _typed(index_q_out, "bf16"), threads,
                       _resolve_stream(qkv, stream), native)
     return q_out, index_q_out
 

@@ -107,10 +107,12 @@ void run_on_backend(const SparseConfig& config, const Args& args, const TensorVi
 }
 
 void select_topk(const SparseConfig& config, py::handle index_q, py::handle index_cache,
-                 py::handle batch, py::handle topk_idx, int threads, Stream stream,
-                 CudaPlan* plan) {
+                 py::handle batch, py::handle topk_idx, const std::string& order,
+                 const std::string& major, int threads, Stream stream, CudaPlan* plan) {
   ImportScope scope(stream);
   IndexerArgs args;
+  args.selection.order = parse_selection_order(order, "order");
+  args.selection.major = parse_selection_major(major, "major");
   args.index_q = scope.tensor(index_q, "index_q");
   args.index_cache.data = scope.tensor(index_cache, "index_cache");
   args.batch = scope.batch(batch);
@@ -119,13 +121,44 @@ void select_topk(const SparseConfig& config, py::handle index_q, py::handle inde
                  [&](Backend& backend) { backend.select_topk(config, args); });
 }
 
-void sparse_attention(const SparseConfig& config, py::handle q, py::handle kv_cache, float k_scale,
-                      float v_scale, py::handle batch, py::handle topk_idx, py::handle out,
+// The main cache as given from Python: one tensor in `layout` (cache.h KVLayout), or K and V as
+// two views [pages, kv_heads, block_size, head_dim] (kv_v given; the layout must then be "ours").
+// A scale is a Python number (fixed at the call) or a one-element f32 tensor on the cache's
+// device (read when the operation runs: what a captured graph needs).
+KVCache import_kv_cache(ImportScope& scope, py::handle kv_cache, py::handle kv_v,
+                        const std::string& layout, py::handle k_scale, py::handle v_scale,
+                        bool writable) {
+  const KVLayout parsed = parse_kv_layout(layout, "kv_layout");
+  KVCache cache;
+  if (kv_v.is_none()) {
+    cache = kv_cache_from_layout(scope.tensor(kv_cache, "kv_cache", writable), parsed);
+  } else {
+    M3MSA_CHECK_ARG(parsed == KVLayout::kOurs, "kv_layout: a (k, v) pair is read as two views ",
+                    "[pages, kv_heads, block_size, head_dim]; layout '", layout,
+                    "' names a single tensor");
+    cache = KVCache::split(scope.tensor(kv_cache, "kv_cache.k", writable),
+                           scope.tensor(kv_v, "kv_cache.v", writable));
+  }
+  auto scale = [&](py::handle value, float& number, TensorView& tensor, const char* name) {
+    if (py::isinstance<py::float_>(value) || py::isinstance<py::int_>(value)) {
+      number = value.cast<float>();
+    } else {
+      tensor = scope.tensor(value, name);
+    }
+  };
+  scale(k_scale, cache.k_scale, cache.k_scale_tensor, "k_scale");
+  scale(v_scale, cache.v_scale, cache.v_scale_tensor, "v_scale");
+  return cache;
+}
+
+void sparse_attention(const SparseConfig& config, py::handle q, py::handle kv_cache,
+                      py::handle kv_v, const std::string& kv_layout, py::handle k_scale,
+                      py::handle v_scale, py::handle batch, py::handle topk_idx, py::handle out,
                       int threads, Stream stream, CudaPlan* plan) {
   ImportScope scope(stream);
   AttentionArgs args;
   args.q = scope.tensor(q, "q");
-  args.kv_cache = {scope.tensor(kv_cache, "kv_cache"), k_scale, v_scale};
+  args.kv_cache = import_kv_cache(scope, kv_cache, kv_v, kv_layout, k_scale, v_scale, false);
   args.batch = scope.batch(batch);
   args.topk_idx = scope.optional_tensor(topk_idx, "topk_idx");
   args.out = scope.tensor(out, "out", /*writable=*/true);
@@ -135,7 +168,8 @@ void sparse_attention(const SparseConfig& config, py::handle q, py::handle kv_ca
 
 void preprocess(const SparseConfig& config, py::handle qkv, py::handle q_norm, py::handle k_norm,
                 py::handle index_q_norm, py::handle index_k_norm, py::handle positions,
-                py::handle batch, py::handle kv_cache, float k_scale, float v_scale,
+                py::handle batch, py::handle kv_cache, py::handle kv_v,
+                const std::string& kv_layout, py::handle k_scale, py::handle v_scale,
                 py::handle index_cache, py::handle q_out, py::handle index_q_out, int threads,
                 Stream stream, CudaPlan* plan) {
   ImportScope scope(stream);
@@ -147,7 +181,8 @@ void preprocess(const SparseConfig& config, py::handle qkv, py::handle q_norm, p
   args.index_k_norm = scope.tensor(index_k_norm, "index_k_norm");
   args.positions = scope.tensor(positions, "positions");
   args.batch = scope.batch(batch);
-  args.kv_cache = {scope.tensor(kv_cache, "kv_cache", /*writable=*/true), k_scale, v_scale};
+  args.kv_cache = import_kv_cache(scope, kv_cache, kv_v, kv_layout, k_scale, v_scale,
+                                  /*writable=*/true);
   args.index_cache.data = scope.tensor(index_cache, "index_cache", /*writable=*/true);
   args.q_out = scope.tensor(q_out, "q_out", /*writable=*/true);
   args.index_q_out = scope.tensor(index_q_out, "index_q_out", /*writable=*/true);
@@ -590,17 +625,18 @@ PYBIND11_MODULE(_m3msa, m) {
   bind_cuda(m);
   bind_runtime(m);
   m.def("select_topk", &select_topk, py::arg("config"), py::arg("index_q"), py::arg("index_cache"),
-        py::arg("batch"), py::arg("topk_idx"), py::arg("threads"), py::arg("stream").none(true),
-        py::arg("plan").none(true));
+        py::arg("batch"), py::arg("topk_idx"), py::arg("order"), py::arg("major"),
+        py::arg("threads"), py::arg("stream").none(true), py::arg("plan").none(true));
   m.def("sparse_attention", &sparse_attention, py::arg("config"), py::arg("q"), py::arg("kv_cache"),
-        py::arg("k_scale"), py::arg("v_scale"), py::arg("batch"), py::arg("topk_idx").none(true),
-        py::arg("out"), py::arg("threads"), py::arg("stream").none(true),
-        py::arg("plan").none(true));
+        py::arg("kv_v").none(true), py::arg("kv_layout"), py::arg("k_scale"), py::arg("v_scale"),
+        py::arg("batch"), py::arg("topk_idx").none(true), py::arg("out"), py::arg("threads"),
+        py::arg("stream").none(true), py::arg("plan").none(true));
   m.def("preprocess", &preprocess, py::arg("config"), py::arg("qkv"), py::arg("q_norm"),
         py::arg("k_norm"), py::arg("index_q_norm"), py::arg("index_k_norm"), py::arg("positions"),
-        py::arg("batch"), py::arg("kv_cache"), py::arg("k_scale"), py::arg("v_scale"),
-        py::arg("index_cache"), py::arg("q_out"), py::arg("index_q_out"), py::arg("threads"),
-        py::arg("stream").none(true), py::arg("plan").none(true));
+        py::arg("batch"), py::arg("kv_cache"), py::arg("kv_v").none(true), py::arg("kv_layout"),
+        py::arg("k_scale"), py::arg("v_scale"), py::arg("index_cache"), py::arg("q_out"),
+        py::arg("index_q_out"), py::arg("threads"), py::arg("stream").none(true),
+        py::arg("plan").none(true));
   m.def("score_blocks", &score_blocks, py::arg("config"), py::arg("index_q"),
         py::arg("index_cache"), py::arg("batch"), py::arg("scores"), py::arg("threads"));
   m.def("nominate", &nominate, py::arg("config"), py::arg("index_q"), py::arg("index_cache"),

@@ -1,24 +1,62 @@
 #include "m3msa/ops.h"
 
-#include <cmath>
-
 #include "m3msa/error.h"
 
 namespace m3msa {
 
-void validate_index_cache(const IndexCache& cache, const SparseConfig& config, const char* name) {
-  check_tensor(cache.data, name, {DType::kBF16, DType::kFP8E4M3},
-               {-1, config.block_size, config.index_dim});
+const char* selection_order_name(SelectionOrder order) {
+  return order == SelectionOrder::kAscendingBlock ? "ascending" : "descending";
 }
 
-void validate_kv_cache(const KVCache& cache, const SparseConfig& config, const char* name) {
-  check_tensor(cache.data, name, {DType::kBF16, DType::kFP8E4M3},
-               {-1, config.kv_heads, 2, config.block_size, config.head_dim});
-  M3MSA_CHECK_ARG(std::isfinite(cache.k_scale) && cache.k_scale > 0 &&
-                      std::isfinite(cache.v_scale) && cache.v_scale > 0,
-                  name, ": k_scale and v_scale must be finite and > 0, got ", cache.k_scale,
-                  " and ", cache.v_scale);
+const char* selection_major_name(SelectionMajor major) {
+  return major == SelectionMajor::kHeadMajor ? "head" : "token";
 }
+
+SelectionOrder parse_selection_order(const std::string& text, const char* what) {
+  if (text == "descending") return SelectionOrder::kDescendingKey;
+  if (text == "ascending") return SelectionOrder::kAscendingBlock;
+  M3MSA_THROW(ErrorCode::kInvalidArgument, what,
+              ": expected \"descending\" or \"ascending\", got \"", text, "\"");
+}
+
+SelectionMajor parse_selection_major(const std::string& text, const char* what) {
+  if (text == "token") return SelectionMajor::kTokenMajor;
+  if (text == "head") return SelectionMajor::kHeadMajor;
+  M3MSA_THROW(ErrorCode::kInvalidArgument, what, ": expected \"token\" or \"head\", got \"", text,
+              "\"");
+}
+
+namespace {
+
+// topk_idx as the selection options place it; the (row, head) answers of k entries must not
+// overlap, whatever the strides of the two outer axes.
+void check_selection_output(const TensorView& topk, const SelectionOptions& options, int64_t rows,
+                            int64_t heads, int64_t k) {
+  M3MSA_CHECK_ARG(options.order == SelectionOrder::kDescendingKey ||
+                      options.order == SelectionOrder::kAscendingBlock,
+                  "selection.order: unknown value ", static_cast<int>(options.order));
+  M3MSA_CHECK_ARG(
+      options.major == SelectionMajor::kTokenMajor || options.major == SelectionMajor::kHeadMajor,
+      "selection.major: unknown value ", static_cast<int>(options.major));
+  const bool head_major = options.major == SelectionMajor::kHeadMajor;
+  if (head_major) {
+    check_strided_tensor(topk, "topk_idx (head-major)", {DType::kI32}, {heads, rows, k});
+  } else {
+    check_strided_tensor(topk, "topk_idx", {DType::kI32}, {rows, heads, k});
+  }
+  if (topk.numel() == 0) return;
+  // The inner of the two outer axes (by stride) holds k-entry answers; the outer one whole runs.
+  const int inner = topk.strides[0] <= topk.strides[1] ? 0 : 1;
+  const int outer = 1 - inner;
+  const bool inner_ok = topk.shape[inner] <= 1 || topk.strides[inner] >= k;
+  const bool outer_ok = topk.shape[outer] <= 1 ||
+                        topk.strides[outer] >= (topk.shape[inner] - 1) * topk.strides[inner] + k;
+  M3MSA_CHECK_ARG(inner_ok && outer_ok, "topk_idx: strides ", topk.strides[0], ", ",
+                  topk.strides[1], " for shape ", shape_string(topk.sizes()),
+                  " make (row, head) answers of ", k, " entries overlap");
+}
+
+}  // namespace
 
 void validate(const SparseConfig& config, const PreprocessArgs& args, Device device) {
   config.validate();
@@ -35,7 +73,7 @@ void validate(const SparseConfig& config, const PreprocessArgs& args, Device dev
                                    {args.q_norm, "q_norm"},
                                    {args.k_norm, "k_norm"},
                                    {args.positions, "positions"},
-                                   {args.kv_cache.data, "kv_cache"},
+                                   {args.kv_cache.keys(), "kv_cache"},
                                    {args.q_out, "q_out"}}) {
     check_device(view, name, device);
   }
@@ -73,7 +111,7 @@ void validate(const SparseConfig& config, const IndexerArgs& args, Device device
   check_tensor(args.index_q, "index_q",
                fp8_cache && args.index_q.dtype == DType::kFP8E4M3 ? DType::kFP8E4M3 : DType::kBF16,
                {rows, config.index_heads, config.index_dim});
-  check_tensor(args.topk_idx, "topk_idx", DType::kI32, {rows, config.index_heads, config.topk});
+  check_selection_output(args.topk_idx, args.selection, rows, config.index_heads, config.topk);
   check_device(args.index_q, "index_q", device);
   check_device(args.index_cache.data, "index_cache", device);
   check_device(args.topk_idx, "topk_idx", device);
@@ -92,7 +130,7 @@ void validate(const SparseConfig& config, const AttentionArgs& args, Device devi
   }
   check_tensor(args.out, "out", DType::kBF16, {rows, config.q_heads, config.head_dim});
   check_device(args.q, "q", device);
-  check_device(args.kv_cache.data, "kv_cache", device);
+  check_device(args.kv_cache.keys(), "kv_cache", device);
   check_device(args.out, "out", device);
 }
 

@@ -141,8 +141,8 @@ int64_t checked_extent_product(const int64_t* shape, int ndim) {
   return product;
 }
 
-void check_shape_and_layout(const TensorView& view, const char* name,
-                            std::initializer_list<int64_t> expected_shape) {
+void check_shape(const TensorView& view, const char* name,
+                 std::initializer_list<int64_t> expected_shape) {
   // Rank, extents and size first: everything after (and every message) indexes shape[].
   M3MSA_CHECK_ARG(view.ndim >= 0 && view.ndim <= kMaxDims, name, ": ", view.ndim,
                   " dimensions is outside [0, ", kMaxDims, "] (expected shape ",
@@ -160,10 +160,28 @@ void check_shape_and_layout(const TensorView& view, const char* name,
   }
   M3MSA_CHECK_ARG(shape_ok, name, ": expected shape ", expected_shape_string(expected_shape),
                   ", got ", shape_string(view.sizes()));
+}
+
+std::string strides_string(const TensorView& view) {
+  return shape_string({view.strides.begin(), view.strides.begin() + view.ndim});
+}
+
+void check_shape_and_layout(const TensorView& view, const char* name,
+                            std::initializer_list<int64_t> expected_shape) {
+  check_shape(view, name, expected_shape);
   M3MSA_CHECK_ARG(view.is_contiguous(), name,
-                  ": expected a contiguous row-major tensor, got strides ",
-                  shape_string({view.strides.begin(), view.strides.begin() + view.ndim}),
+                  ": expected a contiguous row-major tensor, got strides ", strides_string(view),
                   " for shape ", shape_string(view.sizes()));
+}
+
+void check_dtype(const TensorView& view, const char* name, std::initializer_list<DType> dtypes) {
+  bool ok = false;
+  std::string allowed;
+  for (DType dtype : dtypes) {
+    ok = ok || view.dtype == dtype;
+    allowed += (allowed.empty() ? "" : " or ") + std::string(dtype_name(dtype));
+  }
+  M3MSA_CHECK_ARG(ok, name, ": expected dtype ", allowed, ", got ", dtype_name(view.dtype));
 }
 }  // namespace
 
@@ -190,14 +208,34 @@ void check_tensor(const TensorView& view, const char* name, DType dtype,
 
 void check_tensor(const TensorView& view, const char* name, std::initializer_list<DType> dtypes,
                   std::initializer_list<int64_t> expected_shape) {
-  bool ok = false;
-  std::string allowed;
-  for (DType dtype : dtypes) {
-    ok = ok || view.dtype == dtype;
-    allowed += (allowed.empty() ? "" : " or ") + std::string(dtype_name(dtype));
-  }
-  M3MSA_CHECK_ARG(ok, name, ": expected dtype ", allowed, ", got ", dtype_name(view.dtype));
+  check_dtype(view, name, dtypes);
   check_shape_and_layout(view, name, expected_shape);
+}
+
+void check_strided_tensor(const TensorView& view, const char* name,
+                          std::initializer_list<DType> dtypes,
+                          std::initializer_list<int64_t> expected_shape) {
+  check_dtype(view, name, dtypes);
+  check_shape(view, name, expected_shape);
+  if (view.numel() == 0) return;
+  M3MSA_CHECK_ARG(
+      view.ndim == 0 || view.shape[view.ndim - 1] == 1 || view.strides[view.ndim - 1] == 1, name,
+      ": expected stride 1 in the last dimension, got strides ", strides_string(view),
+      " for shape ", shape_string(view.sizes()));
+  // The farthest element must be addressable in int64 bytes, so offsets computed anywhere (host
+  // or device) cannot wrap.
+  const int64_t limit =
+      std::numeric_limits<int64_t>::max() / static_cast<int64_t>(dtype_size(view.dtype));
+  int64_t last = 0;
+  for (int d = 0; d < view.ndim; ++d) {
+    M3MSA_CHECK_ARG(view.strides[d] >= 0, name, ": negative stride ", view.strides[d],
+                    " in dimension ", d, " (strides ", strides_string(view), ")");
+    const int64_t extent = view.shape[d] - 1;
+    M3MSA_CHECK_ARG(extent == 0 || view.strides[d] <= (limit - last) / extent, name, ": strides ",
+                    strides_string(view), " for shape ", shape_string(view.sizes()),
+                    " address more bytes than int64 holds");
+    last += extent * view.strides[d];
+  }
 }
 
 void check_device(const TensorView& view, const char* name, Device device) {

@@ -87,14 +87,16 @@ void attend_group(const SparseConfig& config, const AttentionArgs& args, int64_t
       static_cast<int>(out_count), query.data());
   const float scale = config.softmax_scale();
   const TensorView& table = args.batch.kv_block_table;
+  const TensorView keys = args.kv_cache.keys();
+  const TensorView values = args.kv_cache.values();
+  const float k_scale = args.kv_cache.host_k_scale();
+  const float v_scale = args.kv_cache.host_v_scale();
   std::vector<float> vec(static_cast<std::size_t>(dim));
 
   std::vector<float> logits(static_cast<std::size_t>(group) * n);
   for (std::size_t i = 0; i < n; ++i) {
-    detail::load_vector(
-        args.kv_cache.data,
-        detail::kv_cache_offset(args.kv_cache, table, req, kv_head, 0, positions[i]), dim,
-        args.kv_cache.k_scale, vec.data());
+    detail::load_vector(keys, detail::kv_cache_offset(keys, table, req, kv_head, positions[i]), dim,
+                        k_scale, vec.data());
     for (int g = 0; g < group; ++g) {
       const float* q = query.data() + static_cast<std::size_t>(g) * dim;
       float dot = 0.0f;
@@ -111,10 +113,8 @@ void attend_group(const SparseConfig& config, const AttentionArgs& args, int64_t
   std::vector<float> sum(static_cast<std::size_t>(group), 0.0f);
   std::vector<float> acc(out_count, 0.0f);
   for (std::size_t i = 0; i < n; ++i) {
-    detail::load_vector(
-        args.kv_cache.data,
-        detail::kv_cache_offset(args.kv_cache, table, req, kv_head, 1, positions[i]), dim,
-        args.kv_cache.v_scale, vec.data());
+    detail::load_vector(values, detail::kv_cache_offset(values, table, req, kv_head, positions[i]),
+                        dim, v_scale, vec.data());
     for (int g = 0; g < group; ++g) {
       const float weight = std::exp(logits[g * n + i] - max_logit[g]);
       sum[g] += weight;

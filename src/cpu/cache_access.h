@@ -38,23 +38,23 @@ inline int64_t table_page(const TensorView& table, int req, int64_t block) {
   return table.ptr<const int32_t>()[int64_t{req} * table.shape[1] + block];
 }
 
-// Element offset of token `pos` of request `req` in the index-K cache [pages, block_size, D].
+// Element offset of token `pos` of request `req` in the index-K cache [pages, block_size, D]
+// (strided pages and tokens, D contiguous).
 inline int64_t index_cache_offset(const IndexCache& cache, const TensorView& table, int req,
                                   int64_t pos) {
   const int64_t block_size = cache.data.shape[1];
   const int64_t page = table_page(table, req, pos / block_size);
-  return (page * block_size + pos % block_size) * cache.data.shape[2];
+  return page * cache.data.strides[0] + (pos % block_size) * cache.data.strides[1];
 }
 
-// Element offset of the K (part 0) or V (part 1) vector of token `pos` of request `req`, KV head
-// `kv_head`, in the main cache [pages, kv_heads, 2, block_size, head_dim].
-inline int64_t kv_cache_offset(const KVCache& cache, const TensorView& table, int req, int kv_head,
-                               int part, int64_t pos) {
-  const int64_t kv_heads = cache.data.shape[1];
-  const int64_t block_size = cache.data.shape[3];
-  const int64_t head_dim = cache.data.shape[4];
+// Element offset of the vector of token `pos` of request `req`, KV head `kv_head`, in `part`: the
+// K or the V view [pages, kv_heads, block_size, head_dim] of the main cache (KVCache::keys(),
+// values()).
+inline int64_t kv_cache_offset(const TensorView& part, const TensorView& table, int req,
+                               int kv_head, int64_t pos) {
+  const int64_t block_size = part.shape[2];
   const int64_t page = table_page(table, req, pos / block_size);
-  return (((page * kv_heads + kv_head) * 2 + part) * block_size + pos % block_size) * head_dim;
+  return page * part.strides[0] + kv_head * part.strides[1] + (pos % block_size) * part.strides[2];
 }
 
 }  // namespace m3msa::cpu::detail

@@ -197,11 +197,18 @@ void select_topk(const SparseConfig& config, const IndexerArgs& args, int thread
   const std::vector<RowPosition> rows = validate_indexer(config, args);
   const int heads = config.index_heads;
   const int k = config.topk;
+  // Where each (row, head) answer goes (SelectionOptions): token- or head-major, any capacity.
+  const bool head_major = args.selection.major == SelectionMajor::kHeadMajor;
+  const int64_t row_stride = args.topk_idx.strides[head_major ? 1 : 0];
+  const int64_t head_stride = args.topk_idx.strides[head_major ? 0 : 1];
+  const bool ascending = args.selection.order == SelectionOrder::kAscendingBlock;
   detail::parallel_for(static_cast<int64_t>(rows.size()), threads, [&](int64_t row) {
-    int32_t* out = args.topk_idx.ptr<int32_t>() + row * heads * k;
+    auto answer = [&](int h) {
+      return args.topk_idx.ptr<int32_t>() + row * row_stride + h * head_stride;
+    };
     const RowPosition& where = rows[static_cast<std::size_t>(row)];
     if (where.pos < 0) {
-      std::fill(out, out + heads * k, -1);
+      for (int h = 0; h < heads; ++h) std::fill(answer(h), answer(h) + k, -1);
       return;
     }
     const int64_t nb = visible_blocks(where.pos, config.block_size);
@@ -210,7 +217,9 @@ void select_topk(const SparseConfig& config, const IndexerArgs& args, int thread
     std::vector<uint64_t> keys(static_cast<std::size_t>(k));
     for (int h = 0; h < heads; ++h) {
       shard_top_keys(config, row_scores.data() + h * nb, nb, 0, 1, keys.data());
-      keys_to_indices(keys.data(), k, out + h * k, k);
+      int32_t* out = answer(h);
+      keys_to_indices(keys.data(), k, out, k);
+      if (ascending) std::sort(out, std::find(out, out + k, -1));
     }
   });
 }

@@ -93,7 +93,8 @@ void insert_index_k(IndexCache& cache, int64_t slot, const float* index_k, int i
                   " does not match index_cache ", describe(data));
   M3MSA_CHECK_ARG(slot < data.shape[0] * data.shape[1], "slot ", slot, " is past index_cache (",
                   data.shape[0], " pages of ", data.shape[1], " tokens)");
-  const int64_t offset = slot * index_dim;
+  const int64_t offset =
+      slot / data.shape[1] * data.strides[0] + slot % data.shape[1] * data.strides[1];
   for (int d = 0; d < index_dim; ++d) {
     if (data.dtype == DType::kBF16) {
       data.ptr<uint16_t>()[offset + d] = float_to_bf16(index_k[d]);
@@ -106,21 +107,23 @@ void insert_index_k(IndexCache& cache, int64_t slot, const float* index_k, int i
 void insert_kv(KVCache& cache, int64_t slot, int kv_head, const float* k, const float* v,
                int head_dim) {
   if (slot < 0) return;
-  const TensorView& data = cache.data;
-  M3MSA_CHECK_ARG(data.ndim == 5 && head_dim == data.shape[4], "head_dim ", head_dim,
-                  " does not match kv_cache ", describe(data));
-  M3MSA_CHECK_ARG(kv_head >= 0 && kv_head < data.shape[1], "kv_head must be in [0, ", data.shape[1],
-                  "), got ", kv_head);
-  const int64_t block_size = data.shape[3];
-  M3MSA_CHECK_ARG(slot < data.shape[0] * block_size, "slot ", slot, " is past kv_cache (",
-                  data.shape[0], " pages of ", block_size, " tokens)");
+  const TensorView parts[2] = {cache.keys(), cache.values()};
+  const TensorView& first = parts[0];
+  M3MSA_CHECK_ARG(first.ndim == 4 && head_dim == first.shape[3], "head_dim ", head_dim,
+                  " does not match kv_cache ", describe(first));
+  M3MSA_CHECK_ARG(kv_head >= 0 && kv_head < first.shape[1], "kv_head must be in [0, ",
+                  first.shape[1], "), got ", kv_head);
+  const int64_t block_size = first.shape[2];
+  M3MSA_CHECK_ARG(slot < first.shape[0] * block_size, "slot ", slot, " is past kv_cache (",
+                  first.shape[0], " pages of ", block_size, " tokens)");
   const int64_t page = slot / block_size;
   const int64_t offset = slot % block_size;
   for (int part = 0; part < 2; ++part) {
+    const TensorView& data = parts[part];
     const float* values = part == 0 ? k : v;
-    const float scale = part == 0 ? cache.k_scale : cache.v_scale;
+    const float scale = part == 0 ? cache.host_k_scale() : cache.host_v_scale();
     const int64_t base =
-        (((page * data.shape[1] + kv_head) * 2 + part) * block_size + offset) * head_dim;
+        page * data.strides[0] + kv_head * data.strides[1] + offset * data.strides[2];
     for (int d = 0; d < head_dim; ++d) {
       if (data.dtype == DType::kBF16) {
         data.ptr<uint16_t>()[base + d] = float_to_bf16(values[d]);

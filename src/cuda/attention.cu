@@ -296,6 +296,7 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   validate(config, args, Device::cuda(device));
+  check_kv_cache_cuda(args.kv_cache, "kv_cache");
   check_supported(config);
   check_contiguous(args.q, "q");
   check_contiguous(args.out, "out");

@@ -143,6 +143,7 @@ DeviceCase upload(const SyntheticCase& host, int device) {
   d.q = to_device(host.q, device);
   d.index_cache = to_device(host.index_cache, device);
   d.kv_cache = to_device(host.kv_cache, device);
+  d.kv_layout = host.kv_layout;
   return d;
 }
 

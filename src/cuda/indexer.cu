@@ -296,6 +296,15 @@ void check_indexer_args_supported(const IndexerArgs& args) {
                         "CUDA indexer: index_q must be bf16 (an fp8_e4m3 index_q is implemented "
                         "by the CPU reference only), got ",
                         dtype_name(args.index_q.dtype));
+  check_index_cache_cuda(args.index_cache, "index_cache");
+  M3MSA_CHECK_SUPPORTED(args.selection.is_default(), "CUDA indexer: selection (order ",
+                        selection_order_name(args.selection.order), ", major ",
+                        selection_major_name(args.selection.major),
+                        "): the CUDA kernels write descending keys, token-major [rows, H, k]; the "
+                        "other forms run on the CPU backend");
+  M3MSA_CHECK_SUPPORTED(args.topk_idx.is_contiguous(),
+                        "topk_idx: the CUDA indexer writes a contiguous [rows, H, k] buffer "
+                        "(views into a larger one run on the CPU backend)");
 }
 
 void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const IndexerArgs& args,

@@ -25,6 +25,8 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, c
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
   validate(config, args, Device::cuda(device));
+  check_kv_cache_cuda(args.kv_cache, "kv_cache");
+  if (args.index_cache.data.defined()) check_index_cache_cuda(args.index_cache, "index_cache");
   M3MSA_CHECK_SUPPORTED(
       config.head_dim <= preprocess::kMaxDim && config.index_dim <= preprocess::kMaxDim,
       "CUDA preprocessing supports head_dim and index_dim <= ", preprocess::kMaxDim, ", got ",

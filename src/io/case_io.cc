@@ -137,6 +137,7 @@ void save_case(const std::string& dir, const SyntheticCase& step,
       {"index_dtype", dtype_name(step.index_cache.dtype())},
       {"index_q_dtype", dtype_name(step.index_q.dtype())},
       {"kv_dtype", dtype_name(step.kv_cache.dtype())},
+      {"kv_layout", kv_layout_name(step.kv_layout)},
       {"k_scale", step.k_scale},
       {"v_scale", step.v_scale},
       {"tensors", tensors},
@@ -147,6 +148,18 @@ void save_case(const std::string& dir, const SyntheticCase& step,
   out.close();
   M3MSA_CHECK(out.good(), ErrorCode::kInternal, path, ": write failed");
 }
+
+namespace {
+// The shape of the main cache of a case in `layout` (pages free).
+std::vector<int64_t> kv_cache_shape(KVLayout layout, const SparseConfig& cfg) {
+  switch (layout) {
+    case KVLayout::kVllm: return {-1, 2, cfg.block_size, cfg.kv_heads, cfg.head_dim};
+    case KVLayout::kFlashInfer: return {-1, cfg.kv_heads, cfg.block_size, 2 * cfg.head_dim};
+    case KVLayout::kOurs: break;
+  }
+  return {-1, cfg.kv_heads, 2, cfg.block_size, cfg.head_dim};
+}
+}  // namespace
 
 LoadedCase load_case(const std::string& dir) {
   const std::string json_path = (fs::path(dir) / "case.json").string();
@@ -205,6 +218,7 @@ LoadedCase load_case(const std::string& dir) {
                     dtype_name(index_q_dtype), " with index_dtype ", dtype_name(index_dtype));
     M3MSA_CHECK_ARG(kv_dtype == DType::kBF16 || kv_dtype == DType::kFP8E4M3,
                     "kv_dtype must be bf16 or fp8_e4m3, got ", dtype_name(kv_dtype));
+    c.kv_layout = parse_kv_layout(doc.value("kv_layout", std::string("ours")), "kv_layout");
     c.k_scale = doc.value("k_scale", 1.0f);
     c.v_scale = doc.value("v_scale", 1.0f);
     if (doc.contains("tensors")) tensors = doc.at("tensors");
@@ -222,7 +236,7 @@ LoadedCase load_case(const std::string& dir) {
     shapes = {{"index_q", {rows, cfg.index_heads, cfg.index_dim}},
               {"q", {rows, cfg.q_heads, cfg.head_dim}},
               {"index_cache", {-1, cfg.block_size, cfg.index_dim}},
-              {"kv_cache", {-1, cfg.kv_heads, 2, cfg.block_size, cfg.head_dim}},
+              {"kv_cache", kv_cache_shape(c.kv_layout, cfg)},
               {"seq_lens", {reqs}},
               {"cu_seqlens_q", {reqs + 1}},
               {"context_lens", {reqs}},

@@ -235,14 +235,16 @@ TEST(CacheScales, ScaleTensorsReplaceTheFloatsInAttentionAndInserts) {
   EXPECT_THROW(validate_kv_cache(bad, c.config, "kv_cache"), Error);
 }
 
-// Runs `fn`, expecting kInvalidArgument whose message holds every one of `words`.
+// Runs `fn`, expecting an Error of `code` (default: invalid argument) whose message holds every
+// one of `words`.
 template <typename Fn>
-void expect_refused(Fn fn, std::initializer_list<const char*> words) {
+void expect_refused(Fn fn, std::initializer_list<const char*> words,
+                    ErrorCode code = ErrorCode::kInvalidArgument) {
   try {
     fn();
     ADD_FAILURE() << "accepted";
   } catch (const Error& e) {
-    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument) << e.what();
+    EXPECT_EQ(e.code(), code) << e.what();
     for (const char* w : words) EXPECT_NE(e.message().find(w), std::string::npos) << e.message();
   }
 }
@@ -275,28 +277,21 @@ TEST(CacheLayout, ViewsNoBackendCanServeAreRefusedByName) {
   EXPECT_EQ(parse_kv_layout("vllm", "layout"), KVLayout::kVllm);
 
   // What the CUDA kernels take on top: the packed, contiguous layouts and host-float scales.
-  auto expect_unsupported = [](auto fn, std::initializer_list<const char*> words) {
-    try {
-      fn();
-      ADD_FAILURE() << "accepted";
-    } catch (const Error& e) {
-      EXPECT_EQ(e.code(), ErrorCode::kUnsupported) << e.what();
-      for (const char* w : words) EXPECT_NE(e.message().find(w), std::string::npos) << e.message();
-    }
-  };
+  const ErrorCode unsupported = ErrorCode::kUnsupported;
   check_kv_cache_cuda(packed, "kv_cache");
-  expect_unsupported(
+  expect_refused(
       [&] { check_kv_cache_cuda(KVCache::split(packed.keys(), packed.values()), "kv_cache"); },
-      {"kv_cache", "packed layout"});
+      {"kv_cache", "packed layout"}, unsupported);
   KVCache scaled = packed;
   scaled.k_scale_tensor = c.kv_cache.view();  // any defined tensor: refused before it is read
-  expect_unsupported([&] { check_kv_cache_cuda(scaled, "kv_cache"); }, {"kv_cache.k_scale_tensor"});
+  expect_refused([&] { check_kv_cache_cuda(scaled, "kv_cache"); }, {"kv_cache.k_scale_tensor"},
+                 unsupported);
   IndexCache index = c.index_cache_view();
   check_index_cache_cuda(index, "index_cache");
   index.data.strides[1] = 2 * cfg.index_dim;
   validate_index_cache(index, cfg, "index_cache");
-  expect_unsupported([&] { check_index_cache_cuda(index, "index_cache"); },
-                     {"index_cache", "contiguous"});
+  expect_refused([&] { check_index_cache_cuda(index, "index_cache"); },
+                 {"index_cache", "contiguous"}, unsupported);
 }
 
 }  // namespace

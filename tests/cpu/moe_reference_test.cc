@@ -16,6 +16,7 @@
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
 #include "m3msa/moe.h"
+#include "m3msa/testing/formats.h"
 #include "m3msa/testing/splitmix.h"
 
 namespace m3msa {
@@ -23,19 +24,8 @@ namespace {
 
 using testkit::SplitMix64;
 
-double fp8_definition(uint8_t code) {
-  const int sign = code >> 7;
-  const int exponent = (code >> 3) & 0xF;
-  const int mantissa = code & 0x7;
-  if (exponent == 0xF && mantissa == 0x7) return std::nan("");
-  const double magnitude = exponent == 0 ? std::ldexp(mantissa / 8.0, -6)
-                                         : std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
-  return sign ? -magnitude : magnitude;
-}
-
-double e8m0_definition(uint8_t code) {
-  return code == 255 ? std::nan("") : std::ldexp(1.0, static_cast<int>(code) - 127);
-}
+using testkit::e8m0_definition;
+using testkit::fp8_e4m3_definition;
 
 // One weight matrix stack of the test: bf16 or MXFP8 storage plus its decoded values in double.
 struct Weights {
@@ -71,7 +61,7 @@ Weights make_weights(SplitMix64& rng, std::vector<int64_t> shape, bool fp8, floa
     w.scales.resize(raw.size() / kMxfp8Block);
     cpu::quantize_mxfp8(raw.data(), n / k, k, w.codes.data(), w.scales.data());
     for (std::size_t i = 0; i < raw.size(); ++i) {
-      w.value[i] = fp8_definition(w.codes[i]) * e8m0_definition(w.scales[i / kMxfp8Block]);
+      w.value[i] = fp8_e4m3_definition(w.codes[i]) * e8m0_definition(w.scales[i / kMxfp8Block]);
     }
   } else {
     w.bf16.resize(raw.size());
@@ -456,7 +446,7 @@ TEST(Mxfp8, QuantizeRoundTrips) {
     EXPECT_LT(amax / scale, 512.0) << "group " << g;
     for (int i = 0; i < kMxfp8Block; ++i) {
       const std::size_t at = g * kMxfp8Block + i;
-      const double back = fp8_definition(codes[at]) * scale;
+      const double back = fp8_e4m3_definition(codes[at]) * scale;
       const float lib = cpu::mxfp8_value(codes.data(), scales.data(), int64_t(at));
       EXPECT_EQ(double(lib), back);
       // e4m3: 3 mantissa bits (relative 2^-4), subnormal step 2^-9, saturation at 448.
@@ -468,9 +458,10 @@ TEST(Mxfp8, QuantizeRoundTrips) {
   // Values that are already codes times the group's scale survive exactly.
   std::vector<float> exact(kMxfp8Block);
   for (int i = 0; i < kMxfp8Block; ++i) {
-    exact[std::size_t(i)] = float(fp8_definition(uint8_t(0x40 + i % 0x38)) * std::ldexp(1.0, -20));
+    exact[std::size_t(i)] =
+        float(fp8_e4m3_definition(uint8_t(0x40 + i % 0x38)) * std::ldexp(1.0, -20));
   }
-  exact[0] = float(fp8_definition(0x7E) * std::ldexp(1.0, -20));  // 448: sets the scale
+  exact[0] = float(fp8_e4m3_definition(0x7E) * std::ldexp(1.0, -20));  // 448: sets the scale
   std::vector<uint8_t> c(kMxfp8Block), s(1);
   cpu::quantize_mxfp8(exact.data(), 1, kMxfp8Block, c.data(), s.data());
   for (int i = 0; i < kMxfp8Block; ++i) {

@@ -7,20 +7,10 @@
 #include <limits>
 
 #include "m3msa/dtype.h"
+#include "m3msa/testing/formats.h"
 
 namespace m3msa {
 namespace {
-
-// The value of an fp8 e4m3 code straight from the format definition.
-double fp8_definition(int code) {
-  const int sign = code >> 7;
-  const int exponent = (code >> 3) & 0xF;
-  const int mantissa = code & 0x7;
-  if (exponent == 0xF && mantissa == 0x7) return std::nan("");
-  const double magnitude = exponent == 0 ? std::ldexp(mantissa / 8.0, -6)
-                                         : std::ldexp(1.0 + mantissa / 8.0, exponent - 7);
-  return sign ? -magnitude : magnitude;
-}
 
 bool is_fp8_nan(uint8_t code) {
   return (code & 0x7F) == 0x7F;
@@ -29,7 +19,7 @@ bool is_fp8_nan(uint8_t code) {
 TEST(ReferenceConversion, Fp8DecodeMatchesDefinitionForAll256Codes) {
   for (int code = 0; code < 256; ++code) {
     const float decoded = fp8e4m3_to_float(static_cast<uint8_t>(code));
-    const double expected = fp8_definition(code);
+    const double expected = testkit::fp8_e4m3_definition(static_cast<uint8_t>(code));
     if (std::isnan(expected)) {
       EXPECT_TRUE(std::isnan(decoded)) << "code " << code;
     } else {

@@ -458,6 +458,18 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
     check_projection(problems, w->o_proj, w->o_proj_scale, prefix + "o_proj", hidden, attn_width,
                      device);
 
+    // The runtime binds the packed cache and float scales (what both engines read); the other
+    // forms of KVCache are taken by the operations, not bound here.
+    if (w->kv_cache.k.defined() || w->kv_cache.v.defined()) {
+      problems.unsupported(prefix +
+                           "kv_cache: the runtime binds the packed layout (KVCache::data); K / V "
+                           "views are taken by the operations only");
+    }
+    if (w->kv_cache.k_scale_tensor.defined() || w->kv_cache.v_scale_tensor.defined()) {
+      problems.unsupported(prefix +
+                           "kv_cache.k_scale_tensor / v_scale_tensor: the runtime takes k_scale "
+                           "and v_scale as floats");
+    }
     if (check_bound(problems, w->kv_cache.data, prefix + "kv_cache",
                     {DType::kBF16, DType::kFP8E4M3},
                     {-1, sc.kv_heads, 2, sc.block_size, sc.head_dim}, device)) {

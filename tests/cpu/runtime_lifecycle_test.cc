@@ -414,6 +414,20 @@ TEST(RuntimeLifecycle, WeightRefusalsNameTheTensorAndTheExpectedAndFoundValues) 
       << text;
   EXPECT_NE(text.find("layer 1 k_norm: not bound (expected bf16[32])"), std::string::npos) << text;
 
+  // Forms of KVCache the operations take but the runtime does not bind: a fallback naming them.
+  ModelWeights scale_tensor = base.weights;
+  HostTensor scale(DType::kF32, {1});
+  scale_tensor.layers[0].kv_cache.k_scale_tensor = scale.view();
+  text = prepare_error(scale_tensor);
+  EXPECT_NE(text.find("layer 1 kv_cache.k_scale_tensor / v_scale_tensor: the runtime takes"),
+            std::string::npos)
+      << text;
+  ModelWeights split_kv = base.weights;
+  split_kv.layers[1].kv_cache.k = base.weights.layers[1].kv_cache.keys();
+  text = prepare_error(split_kv);
+  EXPECT_NE(text.find("layer 2 kv_cache: the runtime binds the packed layout"), std::string::npos)
+      << text;
+
   ModelWeights page_mismatch = base.weights;
   HostTensor other_pages(DType::kBF16, {5, 2, 2, 16, 32});
   page_mismatch.layers[1].kv_cache.data = other_pages.view();

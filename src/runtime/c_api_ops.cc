@@ -32,18 +32,7 @@ void* const kLegacyStream = reinterpret_cast<void*>(uintptr_t{1});
 m3msa::SparseConfig to_sparse_config(const m3msa_sparse_config& c) {
   check_struct_size(c.struct_size, sizeof(m3msa_sparse_config), "m3msa_sparse_config");
   m3msa::SparseConfig s;
-  s.q_heads = c.q_heads;
-  s.kv_heads = c.kv_heads;
-  s.head_dim = c.head_dim;
-  s.index_heads = c.index_heads;
-  s.index_dim = c.index_dim;
-  s.block_size = c.block_size;
-  s.topk = c.topk;
-  s.init_blocks = c.init_blocks;
-  s.local_blocks = c.local_blocks;
-  s.rope_dim = c.rope_dim;
-  s.rope_theta = c.rope_theta;
-  s.rms_eps = c.rms_eps;
+  m3msa::capi::sparse_fields_from_c(c, s);
   s.validate();
   return s;
 }
@@ -70,21 +59,9 @@ const char* m3msa_version_string(void) {
 
 void m3msa_sparse_config_init(m3msa_sparse_config* config) {
   if (config == nullptr) return;
-  const m3msa::SparseConfig s;
   std::memset(config, 0, sizeof(*config));
   config->struct_size = sizeof(*config);
-  config->q_heads = s.q_heads;
-  config->kv_heads = s.kv_heads;
-  config->head_dim = s.head_dim;
-  config->index_heads = s.index_heads;
-  config->index_dim = s.index_dim;
-  config->block_size = s.block_size;
-  config->topk = s.topk;
-  config->init_blocks = s.init_blocks;
-  config->local_blocks = s.local_blocks;
-  config->rope_dim = s.rope_dim;
-  config->rope_theta = s.rope_theta;
-  config->rms_eps = s.rms_eps;
+  m3msa::capi::sparse_fields_to_c(m3msa::SparseConfig{}, *config);
 }
 
 void m3msa_ops_options_init(m3msa_ops_options* options) {

@@ -4,7 +4,8 @@
 # without nvcc the CPU backend is built alone.
 set -euo pipefail
 packages=(cmake ninja-build g++ libgtest-dev libgmock-dev libcli11-dev nlohmann-json3-dev libfmt-dev
-          clang libclang-rt-14-dev python3-numpy pybind11-dev python3-dev)
+          clang libclang-rt-14-dev python3-numpy pybind11-dev python3-dev
+          python3-torch)  # torch: the m3msa.torch / m3msa.vllm tests (they skip without it)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -264,7 +264,8 @@ def sparse_attention(config, q, kv_cache, batch, topk_idx, out=None, *, k_scale=
                strided sub-views of each are read in place (CPU; CUDA takes "ours", contiguous)
     k_scale, v_scale: numbers, or one-element float32 tensors read when the operation runs (CPU;
                CUDA takes numbers); fp8 caches only
-    topk_idx:  [rows, kv_heads, k] int32 from select_topk; None attends densely (causal)
+    topk_idx:  [rows, kv_heads, k] int32 from select_topk, any outer strides (a head-major
+               selection as .transpose(1, 0, 2); CUDA: contiguous); None attends densely (causal)
     out:       [rows, QH, HD] bf16 (on NumPy: m3msa.view of uint16 bits, or a uint16 array).
     plan:      an m3msa.CudaPlan for allocation-free, sync-free, capturable GPU calls
     Returns out.

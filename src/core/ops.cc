@@ -125,7 +125,10 @@ void validate(const SparseConfig& config, const AttentionArgs& args, Device devi
   check_tensor(args.q, "q", DType::kBF16, {rows, config.q_heads, config.head_dim});
   validate_kv_cache(args.kv_cache, config, "kv_cache");
   if (args.topk_idx.defined()) {
-    check_tensor(args.topk_idx, "topk_idx", DType::kI32, {rows, config.kv_heads, config.topk});
+    // Read only, so any strides of the two outer axes serve: a head-major buffer of larger
+    // capacity is passed as a permuted view, with no copy.
+    check_strided_tensor(args.topk_idx, "topk_idx", {DType::kI32},
+                         {rows, config.kv_heads, config.topk});
     check_device(args.topk_idx, "topk_idx", device);
   }
   check_tensor(args.out, "out", DType::kBF16, {rows, config.q_heads, config.head_dim});

@@ -21,6 +21,11 @@
 namespace m3msa::cpu {
 namespace {
 
+// The k entries of (row, kv_head) in a topk_idx [rows, kv_heads, k] of any outer strides.
+const int32_t* selection_entries(const TensorView& topk_idx, int64_t row, int kv_head) {
+  return topk_idx.ptr<const int32_t>() + row * topk_idx.strides[0] + kv_head * topk_idx.strides[1];
+}
+
 // Checks every topk_idx entry against the row it belongs to: -1 or a visible block, the valid
 // entries a prefix, no block twice. GPU kernels rely on all three, so the oracle refuses a
 // selection a kernel would mis-read instead of quietly reading it some other way.
@@ -32,7 +37,7 @@ void validate_selection(const SparseConfig& config, const TensorView& topk_idx,
   for (std::size_t row = 0; row < rows.size(); ++row) {
     const int64_t nb = visible_blocks(rows[row].pos, config.block_size);
     for (int h = 0; h < heads; ++h) {
-      const int32_t* entries = topk_idx.ptr<const int32_t>() + (row * heads + h) * k;
+      const int32_t* entries = selection_entries(topk_idx, static_cast<int64_t>(row), h);
       int valid = 0;
       for (int i = 0; i < k; ++i) {
         const int32_t block = entries[i];
@@ -143,8 +148,7 @@ void attend(const SparseConfig& config, const AttentionArgs& args, bool use_sele
       if (where.pos >= 0 && !use_selection) {
         for (int64_t p = 0; p <= where.pos; ++p) positions.push_back(p);
       } else if (where.pos >= 0) {
-        const int32_t* entries =
-            args.topk_idx.ptr<const int32_t>() + (row * config.kv_heads + kv_head) * config.topk;
+        const int32_t* entries = selection_entries(args.topk_idx, row, kv_head);
         std::vector<int64_t> blocks;
         for (int i = 0; i < config.topk && entries[i] >= 0; ++i) blocks.push_back(entries[i]);
         std::sort(blocks.begin(), blocks.end());

@@ -303,7 +303,12 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
   check_contiguous(args.kv_cache.data, "kv_cache");
   check_contiguous(args.batch.kv_block_table, "batch.kv_block_table");
   const bool dense = !args.topk_idx.defined();
-  if (!dense) check_contiguous(args.topk_idx, "topk_idx");
+  if (!dense && !args.topk_idx.is_contiguous()) {
+    M3MSA_THROW(ErrorCode::kUnsupported,
+                "topk_idx: the CUDA attention reads a contiguous [rows, kv_heads, k] selection "
+                "(the CPU reference takes any outer strides), got ",
+                describe(args.topk_idx));
+  }
   const bool fp8 = args.kv_cache.data.dtype == DType::kFP8E4M3;
 
   const int64_t rows = args.batch.num_rows();

@@ -182,6 +182,44 @@ TEST(ReferenceAttention, SelectionOrderDoesNotMatter) {
   EXPECT_EQ(reftest::bytes_of(run_sparse(c, topk.view())), before);
 }
 
+// An engine that keeps the selection head-major in a buffer of larger capacity ([H, cap, k + 3])
+// passes it as a permuted view: the same blocks, the same bits, no copy. A last axis that is not
+// contiguous is refused by name.
+TEST(ReferenceAttention, StridedSelectionAttendsLikeContiguous) {
+  CaseSpec spec;
+  spec.q_len = 2;
+  spec.seq_lens = {700, 130, 0, 1000};
+  const Case c = make_case(spec);
+  const HostTensor topk = run_select(c);
+  const auto want = reftest::bytes_of(run_sparse(c, topk.view()));
+
+  const int64_t rows = c.rows();
+  const int heads = c.config.kv_heads;
+  const int k = c.config.topk;
+  const int64_t cap = rows + 5;
+  const int64_t width = k + 3;
+  std::vector<int32_t> buffer(static_cast<std::size_t>(heads * cap * width), 7777);
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int h = 0; h < heads; ++h) {
+      std::copy_n(topk.ptr<const int32_t>() + (row * heads + h) * k, k,
+                  buffer.data() + (h * cap + row) * width);
+    }
+  }
+  TensorView view = TensorView::contiguous(buffer.data(), DType::kI32, {rows, heads, k});
+  view.strides = {width, cap * width, 1};
+  EXPECT_EQ(reftest::bytes_of(run_sparse(c, view)), want);
+
+  view.strides[2] = 2;
+  HostTensor out = new_out(c);
+  try {
+    cpu::sparse_attention(c.config, c.attention(view, out.view()), 1);
+    ADD_FAILURE() << "a selection with stride 2 in its last axis was accepted";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ErrorCode::kInvalidArgument);
+    EXPECT_NE(std::string(e.what()).find("topk_idx"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ReferenceAttention, RowsWithoutKeysGiveZeros) {
   for (const KvVariant& kv : kKvVariants) {
     CaseSpec spec;

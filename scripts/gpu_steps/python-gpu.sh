@@ -11,6 +11,8 @@
 #
 #   PYGPU_BUILD  build folder (default build-pygpu)     PYGPU_JOBS  build jobs (default nproc)
 #   PYGPU_TIMEOUT  seconds for the test run (default 300)
+#   PYGPU_BENCH  1 (default): then bench/torch_ops.py (the torch ops and the vLLM entry points
+#                under graph replay against the raw calls) to $OUT/torch_ops.json
 
 pygpu_stage() {  # here, not on the GPU machine: copy the header-only dependencies to carry
   local root
@@ -116,6 +118,16 @@ pygpu_run() {
      timeout "${PYGPU_TIMEOUT:-300}" "$py" -X faulthandler -B -m unittest discover -v -p 'test_*.py') >>"$log" 2>&1
   rc=$?
   grep -E "^(FAIL|ERROR):|^Ran |^OK|^FAILED|skipped '" "$log" | tail -n 40
+  # The torch entry points under graph replay against the raw calls (bench/torch_ops.py);
+  # PYGPU_BENCH=0 skips it.
+  if [[ "${PYGPU_BENCH:-1}" == 1 ]]; then
+    echo "== bench/torch_ops.py" >>"$log"
+    # shellcheck disable=SC2086
+    (PYTHONPATH="$root/$build/python" timeout "${PYGPU_BENCH_TIMEOUT:-240}" "$py" \
+       bench/torch_ops.py --json "$OUT/torch_ops.json" ${QUICK_FLAG:-}) >>"$log" 2>&1 ||
+      echo "bench/torch_ops.py failed (exit $?)" >>"$log"
+    sed -n '/^== bench\/torch_ops.py/,$p' "$log" | tail -n 40
+  fi
   return $rc
 }
 

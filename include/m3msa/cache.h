@@ -70,9 +70,9 @@ KVCache kv_cache_from_layout(const TensorView& cache, KVLayout layout, float k_s
 void validate_index_cache(const IndexCache& cache, const SparseConfig& config, const char* name);
 void validate_kv_cache(const KVCache& cache, const SparseConfig& config, const char* name);
 
-// What the CUDA kernels take (after validate_*): the packed layout and a contiguous index cache,
-// 16-byte aligned, with host-float scales; other layouts, strided views and run-time scales are
-// served by the CPU backend. Error(kUnsupported) naming the cache otherwise.
+// What the CUDA kernels take (after validate_*): any layout and strided view whose base address
+// and outer strides are multiples of 16 bytes, and an index cache whose tokens are contiguous
+// within a page. Error(kUnsupported) naming the cache and the stride otherwise.
 void check_index_cache_cuda(const IndexCache& cache, const char* name);
 void check_kv_cache_cuda(const KVCache& cache, const char* name);
 

@@ -95,7 +95,7 @@ def _kv_args(kv_cache, kv_layout):
 
 def _scale(value, name):
     """A k / v scale as the C++ side takes it: a number, or a one-element float32 tensor read
-    when the operation runs (CPU; CUDA takes numbers)."""
+    when the operation runs (a captured CUDA graph sees each replay's value)."""
     if isinstance(value, (int, float, np.floating, np.integer)):
         return float(value)
     if hasattr(value, "__dlpack__") or hasattr(value, "__array_interface__"):
@@ -227,7 +227,8 @@ def select_topk(config, index_q, index_cache, batch, out=None, *, order="descend
     index_q:      [rows, H, D] bf16, or fp8 e4m3 beside an fp8 index_cache (CPU only for now;
                   a NumPy uint8 array as m3msa.view(a, 'fp8'))
     index_cache:  [pages, block_size, D] bf16 | fp8 e4m3, read through batch.index_block_table;
-                  any page and token strides, D contiguous (CUDA: contiguous)
+                  any page and token strides, D contiguous (CUDA: tokens contiguous within a
+                  page, page stride a multiple of 16 bytes)
     out:          int32 (the topk_idx): per (row, head) the selected logical block ids, then -1;
                   dead rows all -1. [rows, H, k] (major="token") or [H, rows, k] (major="head");
                   a strided view into a buffer of larger capacity (say buf[:rows, :, :k] or
@@ -261,11 +262,11 @@ def sparse_attention(config, q, kv_cache, batch, topk_idx, out=None, *, k_scale=
                views [pages, kv_heads, block_size, HD] with any strides (HD contiguous)
     kv_layout: "ours" [pages, kv_heads, 2, block_size, HD]; "vllm" [pages, 2, block_size,
                kv_heads, HD]; "flashinfer" [pages, kv_heads, block_size, 2 * HD] (K then V);
-               strided sub-views of each are read in place (CPU; CUDA takes "ours", contiguous)
+               strided sub-views of each are read in place (CUDA: strides in whole 16 bytes)
     k_scale, v_scale: numbers, or one-element float32 tensors read when the operation runs (CPU;
                CUDA takes numbers); fp8 caches only
     topk_idx:  [rows, kv_heads, k] int32 from select_topk, any outer strides (a head-major
-               selection as .transpose(1, 0, 2); CUDA: contiguous); None attends densely (causal)
+               selection as .transpose(1, 0, 2)); None attends densely (causal)
     out:       [rows, QH, HD] bf16 (on NumPy: m3msa.view of uint16 bits, or a uint16 array).
     plan:      an m3msa.CudaPlan for allocation-free, sync-free, capturable GPU calls
     Returns out.

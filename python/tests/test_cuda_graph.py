@@ -113,6 +113,39 @@ class CudaGraphTest(CudaTestCase):
                 self.assertAttentionClose(to_numpy_bits(out), expected.array)
         self.assertEqual(plan.device_status(), 0)
 
+    def test_device_scales_are_read_at_each_replay(self):
+        # fp8 KV with k / v scales as device scalars: a captured graph sees each new value.
+        cfg = gpu_config()
+        gen = torch.Generator().manual_seed(5)
+        plan = m3msa.CudaPlan(cfg, max_reqs=REQS, max_q_len=Q_LEN)
+        step = random_step(gen, cfg, torch.bfloat16)
+        kv_fp8 = step.kv_cache.float().to(torch.float8_e4m3fn)
+        topk = m3msa.select_topk(cfg, step.index_q, step.index_cache, step.batch)
+        k_scale = torch.full((1,), 0.5, dtype=torch.float32, device="cuda")
+        v_scale = torch.full((1,), 0.25, dtype=torch.float32, device="cuda")
+        out = torch.empty(REQS * Q_LEN, cfg.q_heads, cfg.head_dim, dtype=torch.bfloat16,
+                          device="cuda")
+
+        def body():
+            m3msa.sparse_attention(cfg, step.q, kv_fp8, step.batch, topk, out, k_scale=k_scale,
+                                   v_scale=v_scale, plan=plan)
+
+        body()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        for k, v in ((0.5, 0.25), (2.0, 0.125), (0.0625, 3.0)):
+            k_scale.fill_(k)
+            v_scale.fill_(v)
+            out.fill_(float("nan"))
+            graph.replay()
+            eager = m3msa.sparse_attention(cfg, step.q, kv_fp8, step.batch, topk, k_scale=k,
+                                           v_scale=v)
+            torch.cuda.synchronize()
+            self.assertTrue(torch.equal(out.view(torch.int16), eager.view(torch.int16)),
+                            f"k_scale {k} v_scale {v}")
+
     def test_unplanned_call_under_capture_is_refused(self):
         cfg = gpu_config()
         step = random_step(torch.Generator().manual_seed(2), cfg, torch.bfloat16)

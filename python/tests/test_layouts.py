@@ -105,18 +105,35 @@ class LayoutTest(TestCase):
 
 @requires_cuda
 class CudaLayoutTest(TestCase):
-    def test_the_gpu_takes_the_packed_layout_and_refuses_the_others_by_name(self):
+    def test_every_layout_equals_the_packed_cache_on_the_gpu(self):
         cfg = gpu_config()
-        case = GpuCase(cfg, kind="decode", q_len=2, num_reqs=3, min_context=100,
-                       max_context=5000, seed=17)
-        topk = m3msa.select_topk(cfg, case.index_q, case.index_cache, case.batch)
-        kv = case.kv_cache  # [pages, kv_heads, 2, bs, hd] torch
-        m3msa.sparse_attention(cfg, case.q, kv, case.batch, topk)
-        vllm = kv.permute(0, 2, 3, 1, 4).contiguous()
-        with self.assertRaisesError("unsupported", "kv_cache", "packed layout"):
-            m3msa.sparse_attention(cfg, case.q, vllm, case.batch, topk, kv_layout="vllm")
-        with self.assertRaisesError("unsupported", "kv_cache", "packed layout"):
-            m3msa.sparse_attention(cfg, case.q, (kv[:, :, 0], kv[:, :, 1]), case.batch, topk)
+        for kv_dtype in ("bf16", "fp8"):
+            case = GpuCase(cfg, kind="decode", q_len=2, num_reqs=5, min_context=100,
+                           max_context=20000, kv_dtype=kv_dtype, seed=17,
+                           **(dict(k_scale=0.5, v_scale=2.0) if kv_dtype == "fp8" else {}))
+            topk = m3msa.select_topk(cfg, case.index_q, case.index_cache, case.batch)
+
+            def attend(kv_cache, **kwargs):
+                out = m3msa.sparse_attention(cfg, case.q, kv_cache, case.batch, topk,
+                                             k_scale=case.k_scale, v_scale=case.v_scale,
+                                             **kwargs)
+                return to_numpy_bits(out)
+
+            kv = case.kv_cache  # [pages, kv_heads, 2, bs, hd] torch
+            want = attend(kv)
+            vllm = kv.permute(0, 2, 3, 1, 4).contiguous()
+            np.testing.assert_array_equal(attend(vllm, kv_layout="vllm"), want)
+            pages, heads, _, bs, hd = kv.shape
+            fi = kv.permute(0, 1, 3, 2, 4).contiguous().reshape(pages, heads, bs, 2 * hd)
+            np.testing.assert_array_equal(attend(fi, kv_layout="flashinfer"), want)
+            # vLLM's K and V as torch views of the cache (K = cache[:, 0], tokens then heads).
+            pair = (vllm[:, 0].permute(0, 2, 1, 3), vllm[:, 1].permute(0, 2, 1, 3))
+            np.testing.assert_array_equal(attend(pair), want)
+            bits = torch.int16 if kv.dtype == torch.bfloat16 else torch.uint8
+            wide = torch.zeros((pages, 2, bs, 2 * heads, hd), dtype=bits, device=kv.device)
+            wide[:, :, :, heads:] = vllm.view(bits)
+            shard = wide.view(kv.dtype)[:, :, :, heads:]
+            np.testing.assert_array_equal(attend(shard, kv_layout="vllm"), want)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """select_topk's output options: order="descending" | "ascending", major="token" | "head", and an
 out= view into a buffer of larger capacity written in place through its strides. The selected set is
-the default one; nothing outside the answers is written. CPU on NumPy; on CUDA (torch; skipped
-without torch or a GPU) the default form, the others refused by name."""
+the default one; nothing outside the answers is written. CPU on NumPy; CUDA on torch (skipped
+without torch or a GPU)."""
 
 import unittest
 
@@ -53,20 +53,22 @@ class SelectionOutputTest(TestCase):
 
 @requires_cuda
 class CudaSelectionOutputTest(TestCase):
-    def test_the_gpu_writes_the_default_form_and_refuses_the_others_by_name(self):
+    def test_orders_majors_and_a_larger_buffer_on_the_gpu(self):
         cfg = gpu_config()
-        case = GpuCase(cfg, kind="decode", q_len=2, num_reqs=3, min_context=1,
-                       max_context=5000, seed=13)
+        case = GpuCase(cfg, kind="decode", q_len=2, num_reqs=5, min_context=1,
+                       max_context=30000, padding_reqs=1, seed=13)
         default = m3msa.select_topk(cfg, case.index_q, case.index_cache, case.batch)
         rows, heads, k = default.shape
-        with self.assertRaisesError("unsupported", "selection", "ascending"):
-            m3msa.select_topk(cfg, case.index_q, case.index_cache, case.batch, order="ascending")
-        with self.assertRaisesError("unsupported", "selection", "head"):
-            m3msa.select_topk(cfg, case.index_q, case.index_cache, case.batch, major="head")
-        buffer = torch.full((rows + 3, heads, k + 2), POISON, dtype=torch.int32, device="cuda")
-        with self.assertRaisesError("unsupported", "topk_idx", "contiguous"):
-            m3msa.select_topk(cfg, case.index_q, case.index_cache, case.batch,
-                              buffer[:rows, :, :k])
+        for order in ("descending", "ascending"):
+            for major in ("token", "head"):
+                shape = (rows + 3, heads, k + 2) if major == "token" else (heads, rows + 3, k + 2)
+                buffer = torch.full(shape, POISON, dtype=torch.int32, device="cuda")
+                view = buffer[:rows, :, :k] if major == "token" else buffer[:, :rows, :k]
+                got = m3msa.select_topk(cfg, case.index_q, case.index_cache, case.batch, view,
+                                        order=order, major=major)
+                want = expected(default.cpu().numpy(), order, major)
+                np.testing.assert_array_equal(got.cpu().numpy(), want, err_msg=f"{order} {major}")
+                self.assertEqual(int((buffer == POISON).sum()), buffer.numel() - want.size)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <string>
 
 #include "m3msa/error.h"
 
@@ -160,31 +161,36 @@ void validate_kv_cache(const KVCache& cache, const SparseConfig& config, const c
                   " and ", cache.v_scale);
 }
 
+namespace {
+
+// A cache view the CUDA kernels address through its strides: 16-byte aligned base and outer
+// strides, so every page, head and token row starts where a vector load or a bulk copy can.
+void check_cuda_view(const TensorView& view, const char* name, const char* const (&axes)[4],
+                     int ndim) {
+  const auto bytes = static_cast<int64_t>(dtype_size(view.dtype));
+  M3MSA_CHECK_SUPPORTED(reinterpret_cast<uintptr_t>(view.data) % 16 == 0, name,
+                        ": the CUDA kernels need a 16-byte aligned base address, got ", view.data);
+  for (int d = 0; d + 1 < ndim; ++d) {
+    M3MSA_CHECK_SUPPORTED(view.shape[d] <= 1 || view.strides[d] * bytes % 16 == 0, name, ": ",
+                          axes[d], " stride ", view.strides[d], " (", view.strides[d] * bytes,
+                          " bytes) is not a multiple of 16 bytes, which the CUDA kernels need");
+  }
+}
+
+}  // namespace
+
 void check_index_cache_cuda(const IndexCache& cache, const char* name) {
-  M3MSA_CHECK_SUPPORTED(cache.data.is_contiguous(), name,
-                        ": the CUDA indexer reads a contiguous [pages, block_size, index_dim] "
-                        "cache (strided views run on the CPU backend), got ",
-                        describe(cache.data));
-  M3MSA_CHECK_SUPPORTED(reinterpret_cast<uintptr_t>(cache.data.data) % 16 == 0, name,
-                        ": the CUDA indexer needs a 16-byte aligned cache, got address ",
-                        cache.data.data);
+  check_cuda_view(cache.data, name, {"page", "token", "", ""}, 3);
+  M3MSA_CHECK_SUPPORTED(
+      cache.data.shape[1] <= 1 || cache.data.strides[1] == cache.data.shape[2], name,
+      ": token stride ", cache.data.strides[1], " is not index_dim = ", cache.data.shape[2],
+      "; the CUDA indexer stages whole pages and needs each page's tokens contiguous");
 }
 
 void check_kv_cache_cuda(const KVCache& cache, const char* name) {
-  M3MSA_CHECK_SUPPORTED(cache.data.defined(), name,
-                        ": the CUDA kernels read the packed layout [pages, kv_heads, 2, "
-                        "block_size, head_dim] (\"ours\"); K / V views and the vllm and flashinfer "
-                        "layouts run on the CPU backend");
-  M3MSA_CHECK_SUPPORTED(cache.data.is_contiguous(), name,
-                        ": the CUDA kernels read a contiguous packed cache (strided views run on "
-                        "the CPU backend), got ",
-                        describe(cache.data));
-  M3MSA_CHECK_SUPPORTED(reinterpret_cast<uintptr_t>(cache.data.data) % 16 == 0, name,
-                        ": the CUDA kernels need a 16-byte aligned cache, got address ",
-                        cache.data.data);
-  M3MSA_CHECK_SUPPORTED(!cache.k_scale_tensor.defined() && !cache.v_scale_tensor.defined(), name,
-                        ".k_scale_tensor / .v_scale_tensor: scales read at run time are taken "
-                        "by the CPU backend; the CUDA kernels take k_scale / v_scale");
+  const std::string n(name);
+  check_cuda_view(cache.keys(), (n + ".k").c_str(), {"page", "head", "token", ""}, 4);
+  check_cuda_view(cache.values(), (n + ".v").c_str(), {"page", "head", "token", ""}, 4);
 }
 
 }  // namespace m3msa

@@ -367,6 +367,11 @@ void CudaCpIndexer::Impl::check_args(const IndexerArgs& args) const {
                   "CP: batch.q_len = ", batch.q_len,
                   " outside [1, CudaCpConfig.max_q_len = ", cp.max_q_len, "]");
   const int64_t rows = batch.num_rows();
+  M3MSA_CHECK_SUPPORTED(args.selection.is_default(),
+                        "CP indexer: the selection is written token-major in descending key order "
+                        "only, got order ",
+                        selection_order_name(args.selection.order), ", major ",
+                        selection_major_name(args.selection.major));
   check_tensor(args.topk_idx, "topk_idx", DType::kI32,
                {rows, static_cast<int64_t>(heads.size()), config.topk});
   check_device(args.topk_idx, "topk_idx", Device::cuda(device));
@@ -414,6 +419,8 @@ void CudaCpIndexer::Impl::launch_score(const IndexerArgs& args, cudaStream_t str
   s.scores = scores.as<float>();
   s.status = &set->ctl()->status;
   s.num_pages = args.index_cache.pages();
+  s.page_bytes = args.index_cache.data.strides[0] *
+                 static_cast<int64_t>(dtype_size(args.index_cache.data.dtype));
   s.table_cols = local_cols;
   s.num_rows = batch.num_rows();
   s.score_cols = local_cols;

@@ -300,24 +300,28 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
   check_supported(config);
   check_contiguous(args.q, "q");
   check_contiguous(args.out, "out");
-  check_contiguous(args.kv_cache.data, "kv_cache");
   check_contiguous(args.batch.kv_block_table, "batch.kv_block_table");
   const bool dense = !args.topk_idx.defined();
-  if (!dense && !args.topk_idx.is_contiguous()) {
-    M3MSA_THROW(ErrorCode::kUnsupported,
-                "topk_idx: the CUDA attention reads a contiguous [rows, kv_heads, k] selection "
-                "(the CPU reference takes any outer strides), got ",
-                describe(args.topk_idx));
-  }
-  const bool fp8 = args.kv_cache.data.dtype == DType::kFP8E4M3;
+  const bool fp8 = args.kv_cache.dtype() == DType::kFP8E4M3;
 
   const int64_t rows = args.batch.num_rows();
   if (rows == 0) return;
 
   AttentionParams p;
   p.q = static_cast<const uint16_t*>(args.q.data);
-  p.kv_cache = args.kv_cache.data.data;
+  const TensorView keys = args.kv_cache.keys();
+  const TensorView values = args.kv_cache.values();
+  p.k_cache = keys.data;
+  p.v_cache = values.data;
+  p.k_page_stride = keys.strides[0];
+  p.k_head_stride = keys.strides[1];
+  p.k_token_stride = keys.strides[2];
+  p.v_page_stride = values.strides[0];
+  p.v_head_stride = values.strides[1];
+  p.v_token_stride = values.strides[2];
   p.topk_idx = dense ? nullptr : static_cast<const int32_t*>(args.topk_idx.data);
+  p.topk_row_stride = dense ? 0 : args.topk_idx.strides[0];
+  p.topk_head_stride = dense ? 0 : args.topk_idx.strides[1];
   p.kv_block_table = static_cast<const int32_t*>(args.batch.kv_block_table.data);
   p.out = static_cast<uint16_t*>(args.out.data);
   p.rows_layout.is_prefill = args.batch.kind == BatchKind::kPrefill ? 1 : 0;
@@ -328,8 +332,6 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
   p.rows_layout.context_lens = static_cast<const int32_t*>(args.batch.context_lens.data);
   p.num_rows = rows;
   p.num_pages = args.kv_cache.pages();
-  p.head_stride = int64_t{2} * config.block_size * config.head_dim;
-  p.page_stride = int64_t{config.kv_heads} * p.head_stride;
   p.table_cols = args.batch.kv_block_table.shape[1];
   p.q_heads = config.q_heads;
   p.kv_heads = config.kv_heads;
@@ -339,6 +341,11 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
   p.scale_log2 = static_cast<float>(static_cast<double>(config.softmax_scale()) * k_scale *
                                     1.4426950408889634);
   p.v_scale = fp8 ? args.kv_cache.v_scale : 1.0f;
+  p.softmax_scale = config.softmax_scale();
+  if (fp8) {
+    p.k_scale_ptr = static_cast<const float*>(args.kv_cache.k_scale_tensor.data);
+    p.v_scale_ptr = static_cast<const float*>(args.kv_cache.v_scale_tensor.data);
+  }
 
   const DeviceShape& shape = device_shape();
   const KernelId id = kernel_id(fp8, tuning);

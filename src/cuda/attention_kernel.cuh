@@ -18,7 +18,9 @@
 // permuted so each thread reads whole chunks of a V row (out_dim() undoes it in the epilogue).
 //
 // Requirements (checked by the launcher): head_dim = block_size = 128, at most 16 query heads per
-// KV head, contiguous tensors; more than one split needs the workspace partials or a cluster.
+// KV head, contiguous q / out / tables; K and V are strided views (page, head, token strides in
+// whole 16-byte units, so every copy stays one aligned 16-byte cp.async); more than one split
+// needs the workspace partials or a cluster.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -63,6 +65,18 @@ struct KvLayout {
 
 // XOR swizzle of the low 3 bits of a row's 16-byte chunk index: conflict-free for both the K reads
 // (rows r, r+1 at chunks c + 4i) and the V reads (rows 0,2,4,6 / 1,3,5,7 at chunks g, g + 8).
+// The logit factor in the exp2 domain and the output factor, from the run-time scales when given
+// (the launcher's host expression otherwise: the same double product, so the same bits).
+__device__ __forceinline__ float logit_scale_log2(const AttentionParams& p) {
+  if (p.k_scale_ptr == nullptr) return p.scale_log2;
+  return static_cast<float>(static_cast<double>(p.softmax_scale) *
+                            static_cast<double>(*p.k_scale_ptr) * 1.4426950408889634);
+}
+
+__device__ __forceinline__ float output_v_scale(const AttentionParams& p) {
+  return p.v_scale_ptr == nullptr ? p.v_scale : *p.v_scale_ptr;
+}
+
 __device__ __forceinline__ int swizzle(int row) {
   return (row & 6) ^ ((row & 1) << 2);
 }
@@ -231,6 +245,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int g = lane >> 2;  // mma group: row (head) g and g + 8, column/token g
   const int c = lane & 3;   // thread in group
 
+  const float scale_log2 = logit_scale_log2(p);
   const int split = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_splits));
   const int64_t unit = blockIdx.x / static_cast<unsigned>(p.num_splits);  // row * kv_heads + kvh
   const int kvh = static_cast<int>(unit % p.kv_heads);
@@ -293,7 +308,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   // pages are read without waiting for the row's position; entries < 0 are skipped (the valid
   // entries form a prefix, so exactly the prefix is read). Dense attention splits the row's nb
   // visible blocks evenly.
-  const int32_t* entries = p.topk_idx != nullptr ? p.topk_idx + unit * p.topk : nullptr;
+  const int32_t* entries =
+      p.topk_idx != nullptr ? p.topk_idx + row * p.topk_row_stride + kvh * p.topk_head_stride
+                            : nullptr;
   int first = 0;
   int last = 0;
   if (entries != nullptr) {
@@ -320,8 +337,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   float m_run[2] = {-INFINITY, -INFINITY};  // heads g, g + 8 (log2 domain)
   float l_run[2] = {0.0f, 0.0f};            // this thread's share of the weight sum
 
-  const uint8_t* cache = static_cast<const uint8_t*>(p.kv_cache);
+  const uint8_t* k_cache = static_cast<const uint8_t*>(p.k_cache);
+  const uint8_t* v_cache = static_cast<const uint8_t*>(p.v_cache);
   const int64_t elem_bytes = kFp8 ? 1 : 2;
+  const int64_t k_token_bytes = p.k_token_stride * elem_bytes;
+  const int64_t v_token_bytes = p.v_token_stride * elem_bytes;
   const int64_t table_base = int64_t{req} * p.table_cols;
 
   // This thread's 16-byte piece of every copy pass: row tid / kRowChunks, chunk tid % kRowChunks.
@@ -331,6 +351,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int copy_row = tid / L::kRowChunks;
   const uint32_t copy_dst =
       copy_row * L::kRowBytes + (((tid % L::kRowChunks) ^ swizzle(copy_row)) << 4);
+  // The same piece in the (strided) cache, from the first token of a chunk.
+  const int64_t k_copy_src = copy_row * k_token_bytes + (tid % L::kRowChunks) * 16;
+  const int64_t v_copy_src = copy_row * v_token_bytes + (tid % L::kRowChunks) * 16;
 
   for (int round = first; round < last; round += kMaxRoundBlocks) {
     const int nblocks = min(kMaxRoundBlocks, last - round);
@@ -361,19 +384,21 @@ __global__ void __launch_bounds__(kThreads, 2)
     auto issue = [&](int ch) {
       if (ch < nchunks && chunk_valid(ch) > 0) {
         const int e = ch >> 1;
-        const uint8_t* tile =
-            cache +
-            (int64_t{s_page[e]} * p.page_stride + int64_t{kvh} * p.head_stride) * elem_bytes;
-        const uint8_t* k_src = tile + (ch & 1) * L::kTileBytes;
-        const uint8_t* v_src = tile + 2 * L::kTileBytes + (ch & 1) * L::kTileBytes;
+        const int64_t page = s_page[e];
+        const int64_t first_token = (ch & 1) * kChunkTokens;
+        const uint8_t* k_src =
+            k_cache + (page * p.k_page_stride + int64_t{kvh} * p.k_head_stride) * elem_bytes +
+            first_token * k_token_bytes + k_copy_src;
+        const uint8_t* v_src =
+            v_cache + (page * p.v_page_stride + int64_t{kvh} * p.v_head_stride) * elem_bytes +
+            first_token * v_token_bytes + v_copy_src;
         const uint32_t stage = smem_base + (ch % L::kStages) * L::kStageBytes + copy_dst;
 #pragma unroll
         for (int it = 0; it < L::kTileBytes / 16 / kThreads; ++it) {
           // Rows advance by a multiple of 8 per iteration, so the swizzle stays the same.
-          const int src = (tid + it * kThreads) * 16;
           const uint32_t dst = stage + it * kCopyRowsPerPass * L::kRowBytes;
-          cp_async16(dst, k_src + src);
-          cp_async16(dst + L::kTileBytes, v_src + src);
+          cp_async16(dst, k_src + it * kCopyRowsPerPass * k_token_bytes);
+          cp_async16(dst + L::kTileBytes, v_src + it * kCopyRowsPerPass * v_token_bytes);
         }
       }
       cp_async_commit();
@@ -427,7 +452,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          float v = s_acc[j][e] * p.scale_log2;
+          float v = s_acc[j][e] * scale_log2;
           if (partial && tok0 + 8 * j + 2 * c + (e & 1) >= valid) v = -INFINITY;
           s_acc[j][e] = v;
           row_max[e >> 1] = fmaxf(row_max[e >> 1], v);
@@ -597,7 +622,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     reinterpret_cast<uint4*>(out)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
   };
 
-  auto write_out = [&](float l_total) { store_out(l_total > 0.0f ? p.v_scale / l_total : 0.0f); };
+  auto write_out = [&](float l_total) {
+    store_out(l_total > 0.0f ? output_v_scale(p) / l_total : 0.0f);
+  };
   if (p.num_splits == 1) {
     write_out(l_cta);
     return;
@@ -694,7 +721,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int sp = 0; sp < p.num_splits; ++sp) {
       l_all += s_sum[sp * kTileHeads + tid] * fast_exp2(s_weight[sp * kTileHeads + tid] - ref);
     }
-    const float scale = l_all > 0.0f ? p.v_scale / l_all : 0.0f;
+    const float scale = l_all > 0.0f ? output_v_scale(p) / l_all : 0.0f;
     for (int sp = 0; sp < p.num_splits; ++sp) {
       s_weight[sp * kTileHeads + tid] = fast_exp2(s_weight[sp * kTileHeads + tid] - ref) * scale;
     }

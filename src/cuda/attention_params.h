@@ -20,10 +20,13 @@ struct AttentionRowLayoutParams {
 // Block-sparse (or dense causal) GQA decode/prefill attention over the paged main KV cache.
 // One CTA = one (row, kv head, split); the 16 query heads of the KV head form one m16 tile.
 struct AttentionParams {
-  const uint16_t* q = nullptr;              // [rows, q_heads, head_dim] bf16
-  const void* kv_cache = nullptr;           // [pages, kv_heads, 2, block_size, head_dim] bf16 | fp8
-  const int32_t* topk_idx = nullptr;        // [rows, kv_heads, topk] i32, -1 ends the valid prefix;
-                                            // null: dense causal attention over every visible block
+  const uint16_t* q = nullptr;        // [rows, q_heads, head_dim] bf16
+  const void* k_cache = nullptr;      // [pages, kv_heads, block_size, head_dim] bf16 | fp8, strided
+  const void* v_cache = nullptr;      // same shape and dtype, strides of its own
+  const int32_t* topk_idx = nullptr;  // [rows, kv_heads, topk] i32, -1 ends the valid prefix;
+                                      // null: dense causal attention over every visible block
+  int64_t topk_row_stride = 0;        // element strides of topk_idx's outer axes (a head-major
+  int64_t topk_head_stride = 0;       // selection is a permuted view); its k entries contiguous
   const int32_t* kv_block_table = nullptr;  // [num_reqs, table_cols] i32 -> page
   uint16_t* out = nullptr;                  // [rows, q_heads, head_dim] bf16
   float* partial_o = nullptr;    // [partial_slots, 16, head_dim] f32, unnormalized output
@@ -31,10 +34,15 @@ struct AttentionParams {
   uint32_t* counters = nullptr;  // [partial_slots] arrival counters, zero between launches
   AttentionRowLayoutParams rows_layout;
   int64_t num_rows = 0;
-  int64_t num_pages = 0;    // pages in the cache (device-side guard on table entries)
-  int64_t page_stride = 0;  // elements per page = kv_heads * 2 * block_size * head_dim
-  int64_t head_stride = 0;  // elements per (page, kv head) = 2 * block_size * head_dim
-  int64_t table_cols = 0;   // kv_block_table.shape[1]
+  int64_t num_pages = 0;  // pages in the cache (device-side guard on table entries)
+  // Element strides of the K and V views (page, kv head, token); multiples of 16 bytes.
+  int64_t k_page_stride = 0;
+  int64_t k_head_stride = 0;
+  int64_t k_token_stride = 0;
+  int64_t v_page_stride = 0;
+  int64_t v_head_stride = 0;
+  int64_t v_token_stride = 0;
+  int64_t table_cols = 0;  // kv_block_table.shape[1]
   int q_heads = 0;
   int kv_heads = 0;
   int group = 0;  // q_heads / kv_heads, <= 16
@@ -44,6 +52,11 @@ struct AttentionParams {
                             //   0: partial_* + counters in global memory, last CTA merges
   float scale_log2 = 0.0f;  // softmax_scale * k_scale * log2(e): logits in the exp2 domain
   float v_scale = 1.0f;     // applied to the normalized output (1 for bf16)
+  // fp8 scales read at run time (null: the two floats above). Given, the kernel forms scale_log2
+  // from softmax_scale and *k_scale_ptr with the launcher's expression, so the bits agree.
+  const float* k_scale_ptr = nullptr;  // [1] f32
+  const float* v_scale_ptr = nullptr;  // [1] f32
+  float softmax_scale = 0.0f;
 };
 
 }  // namespace m3msa::cuda

@@ -40,7 +40,9 @@ __global__ void __launch_bounds__(kThreads)
                                                                      : scored_key(scores[b], block);
   };
   const uint64_t top = warp_top_keys(get, blocks, p.topk, &s_scratch[warp][0]);
-  write_topk_row(p.topk_idx + item * p.topk, top, p.topk);
+  int32_t* out = answer_row(p, row, static_cast<int>(item % p.heads));
+  write_topk_row(out, top, p.topk);
+  order_answer(p, out);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -297,14 +299,6 @@ void check_indexer_args_supported(const IndexerArgs& args) {
                         "by the CPU reference only), got ",
                         dtype_name(args.index_q.dtype));
   check_index_cache_cuda(args.index_cache, "index_cache");
-  M3MSA_CHECK_SUPPORTED(args.selection.is_default(), "CUDA indexer: selection (order ",
-                        selection_order_name(args.selection.order), ", major ",
-                        selection_major_name(args.selection.major),
-                        "): the CUDA kernels write descending keys, token-major [rows, H, k]; the "
-                        "other forms run on the CPU backend");
-  M3MSA_CHECK_SUPPORTED(args.topk_idx.is_contiguous(),
-                        "topk_idx: the CUDA indexer writes a contiguous [rows, H, k] buffer "
-                        "(views into a larger one run on the CPU backend)");
 }
 
 void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const IndexerArgs& args,
@@ -326,11 +320,9 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
                           config.index_heads);
   }
   // 16-byte vector loads and cp.async need 16-byte aligned rows.
-  for (const auto& [view, name] :
-       {std::pair{args.index_q, "index_q"}, std::pair{args.index_cache.data, "index_cache"}}) {
-    M3MSA_CHECK_ARG(reinterpret_cast<uintptr_t>(view.data) % 16 == 0, name,
-                    ": the CUDA indexer needs 16-byte aligned data, got address ", view.data);
-  }
+  M3MSA_CHECK_ARG(reinterpret_cast<uintptr_t>(args.index_q.data) % 16 == 0,
+                  "index_q: the CUDA indexer needs 16-byte aligned data, got address ",
+                  args.index_q.data);
   std::string why;
   M3MSA_CHECK_ARG(indexer_fits_plan(plan, config, args, variant, &why),
                   "indexer call outside its plan: ", why);
@@ -343,6 +335,10 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
   p.index_cache = args.index_cache.data.data;
   p.block_table = batch.index_block_table.ptr<const int32_t>();
   p.topk_idx = args.topk_idx.ptr<int32_t>();
+  const bool head_major = args.selection.major == SelectionMajor::kHeadMajor;
+  p.out_row_stride = args.topk_idx.strides[head_major ? 1 : 0];
+  p.out_head_stride = args.topk_idx.strides[head_major ? 0 : 1];
+  p.out_ascending = args.selection.order == SelectionOrder::kAscendingBlock ? 1 : 0;
   auto* ws = static_cast<uint8_t*>(workspace);
   p.status = reinterpret_cast<uint32_t*>(ws + plan.off_status);
   p.num_units = reinterpret_cast<int32_t*>(ws + plan.off_num_units);
@@ -351,6 +347,8 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
   p.cand = reinterpret_cast<uint64_t*>(ws + plan.off_cand);
   p.scores = reinterpret_cast<float*>(ws + plan.off_scores);
   p.num_pages = args.index_cache.pages();
+  p.page_bytes = args.index_cache.data.strides[0] *
+                 static_cast<int64_t>(dtype_size(args.index_cache.data.dtype));
   M3MSA_CHECK_ARG(plan.min_blocks_per_cta >= 1,
                   "indexer plan: min_blocks_per_cta must be >= 1, got ", plan.min_blocks_per_cta);
   p.min_blocks_per_cta = plan.min_blocks_per_cta;

@@ -253,6 +253,36 @@ __device__ __forceinline__ void write_topk_row(int32_t* out, uint64_t key, int k
   if (lane < k) out[lane] = key != kNoCandidate ? key_block(key) : -1;
 }
 
+// Where the (row, head) answer goes in topk_idx (token- or head-major, rows of any capacity).
+__device__ __forceinline__ int32_t* answer_row(const IndexerParams& p, int64_t row, int head) {
+  return p.topk_idx + row * p.out_row_stride + head * p.out_head_stride;
+}
+
+// Puts a written answer (descending key, then -1) into the order asked for: with out_ascending,
+// its valid prefix by ascending block id (ranks by counting across the warp; ids are distinct).
+// The whole warp calls it after writing `out`.
+__device__ __forceinline__ void order_answer(const IndexerParams& p, int32_t* out) {
+  if (!p.out_ascending) return;
+  __syncwarp();
+  const int lane = static_cast<int>(lane_id());
+  const int32_t block = lane < p.topk ? out[lane] : -1;
+  const uint32_t mine = block >= 0 ? static_cast<uint32_t>(block) : 0xFFFFFFFFu;
+  int rank = 0;
+  for (int j = 0; j < 32; ++j) rank += __shfl_sync(0xFFFFFFFFu, mine, j) < mine ? 1 : 0;
+  __syncwarp();
+  if (block >= 0) out[rank] = block;
+  __syncwarp();
+}
+
+// Every answer of rows [row0, row0 + rows) is -1 (dead rows), the CTA's threads striding.
+__device__ __forceinline__ void write_dead_answers(const IndexerParams& p, int64_t row0, int rows,
+                                                   int tid, int threads) {
+  const int k = p.topk;
+  for (int i = tid; i < rows * p.heads * k; i += threads) {
+    answer_row(p, row0 + i / (p.heads * k), (i / k) % p.heads)[i % k] = -1;
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Units: the decode request / prefill row group a set of query fragments covers
 
@@ -330,8 +360,9 @@ struct Tile {
   uint4 r[kLoads];  // [row half][chunk t + 4i]
 
   // Thread (g, t) of `warp` loads token rows 16 * warp + g and + 8, chunks t, t + 4, ...
-  __device__ __forceinline__ void load(const uint8_t* cache, int page, int warp, int g, int t) {
-    const uint8_t* base = cache + static_cast<int64_t>(page) * kPageBytes +
+  __device__ __forceinline__ void load(const uint8_t* cache, int64_t page_bytes, int page, int warp,
+                                       int g, int t) {
+    const uint8_t* base = cache + static_cast<int64_t>(page) * page_bytes +
                           (kTokensPerWarp * warp + g) * kRowBytes + 16 * t;
     constexpr int kChunks = kLoads / 2;
 #pragma unroll
@@ -523,8 +554,9 @@ __device__ __forceinline__ void write_own_answers(const IndexerParams& p, const 
     const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
     const uint64_t* keys = warp_keys + slot * kCap;
     const uint64_t top = warp_top64([&](int j) { return keys[j]; }, cnt);
-    const int row = unit.row0 + n / H;
-    write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * H + n % H) * k, top, k);
+    int32_t* out = answer_row(p, unit.row0 + n / H, n % H);
+    write_topk_row(out, top, k);
+    order_answer(p, out);
   }
 }
 
@@ -616,8 +648,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int u = blockIdx.x; u < num_units; u += gridDim.x) {
       if (s_prefix[u + 1] != s_prefix[u]) continue;
       const Unit unit = load_unit(p, u);
-      int32_t* out = p.topk_idx + static_cast<int64_t>(unit.row0) * H * k;
-      for (int i = tid; i < unit.rows * H * k; i += kThreads) out[i] = -1;
+      write_dead_answers(p, unit.row0, unit.rows, tid, kThreads);
     }
   }
   if (total == 0) return;
@@ -701,7 +732,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     TileT pipe[kDepth];
 #pragma unroll
     for (int d = 0; d < kDepth; ++d) {
-      if (d < nblk) pipe[d].load(cache, page_of(d), warp, g, t);
+      if (d < nblk) pipe[d].load(cache, p.page_bytes, page_of(d), warp, g, t);
     }
 
     // The loop is unrolled by kDepth so that every pipe slot is a fixed set of registers.
@@ -731,7 +762,7 @@ __global__ void __launch_bounds__(kThreads, 2)
               }
             }
           }
-          pipe[d].load(cache, page_of(ahead), warp, g, t);
+          pipe[d].load(cache, p.page_bytes, page_of(ahead), warp, g, t);
         }
         const int parity = i & 1;
         post_warp_maxima<kNT>(acc, limit, kBlockTokens * lb, &s_red[parity][warp][0], g, t);
@@ -791,8 +822,9 @@ __global__ void __launch_bounds__(kThreads, 2)
             const uint64_t* src = p.cand + region + n * vec_stride;
             const uint64_t top = warp_top_keys([&](int j) { return __ldcg(src + j); }, unit_slots,
                                                k, &s_keys[warp][0]);
-            const int row = unit.row0 + n / H;
-            write_topk_row(p.topk_idx + (static_cast<int64_t>(row) * H + n % H) * k, top, k);
+            int32_t* out = answer_row(p, unit.row0 + n / H, n % H);
+            write_topk_row(out, top, k);
+            order_answer(p, out);
             __syncwarp();
           }
         }
@@ -881,10 +913,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const Unit unit = load_unit(p, r);
   const int nvec = unit.rows * H;
   if (unit.blocks == 0) {  // padding request or unreadable length: every row -1
-    if (split == 0) {
-      int32_t* out = p.topk_idx + static_cast<int64_t>(unit.row0) * H * k;
-      for (int i = tid; i < nvec * k; i += kThreads) out[i] = -1;
-    }
+    if (split == 0) write_dead_answers(p, unit.row0, unit.rows, tid, kThreads);
     return;
   }
   const int per = max(p.min_blocks_per_cta, (unit.blocks + splits - 1) / splits);
@@ -911,7 +940,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int d = 0; d < kRing && d < nblk; ++d) {
       const int page = checked_page(table_row[d]);
       mbar_expect_tx(&s_full[d], kPageBytes);
-      bulk_copy_page(s_ring + d * kPageBytes, cache + static_cast<int64_t>(page) * kPageBytes,
+      bulk_copy_page(s_ring + d * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
                      kPageBytes, &s_full[d]);
     }
   }
@@ -946,7 +975,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int page = checked_page(next_page);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       mbar_expect_tx(&s_full[slot], kPageBytes);
-      bulk_copy_page(s_ring + slot * kPageBytes, cache + static_cast<int64_t>(page) * kPageBytes,
+      bulk_copy_page(s_ring + slot * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
                      kPageBytes, &s_full[slot]);
     }
     if (owner && lb < own_blocks) {
@@ -1020,14 +1049,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   __syncthreads();
   for (int v = warp; v < nvec; v += kWarps) {
-    const int row = unit.row0 + v / H;
-    int32_t* out = p.topk_idx + (static_cast<int64_t>(row) * H + v % H) * k;
+    int32_t* out = answer_row(p, unit.row0 + v / H, v % H);
     const int cnt = s_survivor_count[v];
     if (cnt > kSurvivorCap) {
       const uint64_t* src = region + v * vec_stride;
       const uint64_t top =
           warp_top_keys([&](int j) { return __ldcg(src + j); }, cand_count, k, &s_keys[warp][0]);
       write_topk_row(out, top, k);
+      order_answer(p, out);
       __syncwarp();
       continue;
     }
@@ -1039,6 +1068,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       if (above < k) out[above] = key_block(key);
     }
     for (int i = cnt + lane; i < k; i += 32) out[i] = -1;
+    order_answer(p, out);
   }
 }
 

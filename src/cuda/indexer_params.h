@@ -21,22 +21,27 @@ inline constexpr uint32_t kStatusTooManyUnits = 4u;  // prefill: more row groups
 // kPrefillUnitRows consecutive rows of one prefill request (consecutive positions either way).
 struct IndexerParams {
   const uint16_t* index_q = nullptr;      // [rows, heads, 128] bf16
-  const void* index_cache = nullptr;      // [num_pages, 128, 128] bf16 | fp8 e4m3
+  const void* index_cache = nullptr;      // [num_pages, 128, 128] bf16 | fp8 e4m3, page_bytes apart
   const int32_t* block_table = nullptr;   // [num_reqs, table_cols] i32 -> index-cache page
   const int32_t* seq_lens = nullptr;      // decode:  [num_reqs] i32 (0 = padding request)
   const int32_t* cu_seqlens_q = nullptr;  // prefill: [num_reqs + 1] i32
   const int32_t* context_lens = nullptr;  // prefill: [num_reqs] i32
-  int32_t* topk_idx = nullptr;            // [rows, heads, topk] i32 out (fused / top-k kernels)
-  float* scores = nullptr;                // unfused: [rows, heads, score_cols] f32 block scores
+  int32_t* topk_idx = nullptr;            // i32 out (fused / top-k kernels): answer (row, head) at
+                                // row * out_row_stride + head * out_head_stride, topk entries
+  float* scores = nullptr;       // unfused: [rows, heads, score_cols] f32 block scores
   uint64_t* cand = nullptr;      // [(grid + max_units) * topk * unit_vectors] u64 per-CTA keys
   uint32_t* counters = nullptr;  // [max_units] arrival counters, zero between launches
   uint32_t* status = nullptr;    // [1] kStatus* bits (sticky until the host clears them)
   int4* units = nullptr;         // prefill: [max_units] (req, first row, rows, first pos)
   int32_t* num_units = nullptr;  // prefill: [1] units written by the prep kernel
   int64_t num_pages = 0;
+  int64_t page_bytes = 0;  // bytes between index-cache pages (a multiple of 16; tokens contiguous)
   int64_t table_cols = 0;
   int64_t num_rows = 0;
-  int64_t score_cols = 0;  // unfused: blocks per score row (>= every row's visible blocks)
+  int64_t out_row_stride = 0;   // topk_idx elements between rows (token-major: heads * topk)
+  int64_t out_head_stride = 0;  // topk_idx elements between heads (token-major: topk)
+  int out_ascending = 0;        // 1: each answer's blocks in ascending id (SelectionOrder)
+  int64_t score_cols = 0;       // unfused: blocks per score row (>= every row's visible blocks)
   int num_reqs = 0;
   int q_len = 1;  // decode rows per request
   int heads = 0;  // index heads H (<= 4 per unit of 8 rows; q_len * H <= 32)

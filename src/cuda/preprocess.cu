@@ -41,7 +41,6 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, c
                                    {args.k_norm, "k_norm"},
                                    {args.positions, "positions"},
                                    {args.batch.slot_mapping, "batch.slot_mapping"},
-                                   {args.kv_cache.data, "kv_cache"},
                                    {args.q_out, "q_out"}}) {
     check_contiguous(view, name);
   }
@@ -49,7 +48,6 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, c
     for (const auto& [view, name] : {std::pair{args.index_q_norm, "index_q_norm"},
                                      {args.index_k_norm, "index_k_norm"},
                                      {args.batch.index_slot_mapping, "batch.index_slot_mapping"},
-                                     {args.index_cache.data, "index_cache"},
                                      {args.index_q_out, "index_q_out"}}) {
       check_contiguous(view, name);
     }
@@ -70,8 +68,19 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, c
   p.positions = static_cast<const int64_t*>(args.positions.data);
   p.slot_mapping = static_cast<const int64_t*>(args.batch.slot_mapping.data);
   p.index_slot_mapping = static_cast<const int64_t*>(args.batch.index_slot_mapping.data);
-  p.kv_cache = args.kv_cache.data.data;
+  const TensorView keys = args.kv_cache.keys();
+  const TensorView values = args.kv_cache.values();
+  p.k_cache = keys.data;
+  p.v_cache = values.data;
   p.index_cache = args.index_cache.data.data;
+  for (int d = 0; d < 3; ++d) {
+    p.k_strides[d] = keys.strides[d];
+    p.v_strides[d] = values.strides[d];
+  }
+  if (index) {
+    p.index_strides[0] = args.index_cache.data.strides[0];
+    p.index_strides[1] = args.index_cache.data.strides[1];
+  }
   p.q_out = static_cast<uint16_t*>(args.q_out.data);
   p.index_q_out = static_cast<uint16_t*>(args.index_q_out.data);
   p.num_rows = rows;
@@ -91,11 +100,13 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, c
   p.index_dim = config.index_dim;
   p.block_size = config.block_size;
   p.rope_half = config.rope_dim / 2;
-  p.kv_fp8 = args.kv_cache.data.dtype == DType::kFP8E4M3 ? 1 : 0;
+  p.kv_fp8 = args.kv_cache.dtype() == DType::kFP8E4M3 ? 1 : 0;
   p.index_fp8 = args.index_cache.data.dtype == DType::kFP8E4M3 ? 1 : 0;
   p.rms_eps = config.rms_eps;
   p.k_scale = args.kv_cache.k_scale;
   p.v_scale = args.kv_cache.v_scale;
+  p.k_scale_ptr = static_cast<const float*>(args.kv_cache.k_scale_tensor.data);
+  p.v_scale_ptr = static_cast<const float*>(args.kv_cache.v_scale_tensor.data);
   for (int i = 0; i < p.rope_half; ++i) {
     // The reference's expression, so the table is bit-identical.
     p.inv_freq[i] = std::pow(config.rope_theta, -2.0 * static_cast<double>(i) / config.rope_dim);

@@ -87,20 +87,22 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t slot = kind == kIndexK ? p.index_slot_mapping[row] : p.slot_mapping[row];
     const int64_t slots = kind == kIndexK ? p.index_slots : p.kv_slots;
     if (slot >= 0 && slot < slots) {
+      const int64_t page = slot / p.block_size;
+      const int64_t within = slot - page * p.block_size;
       int64_t offset;
       if (kind == kIndexK) {
-        offset = slot * p.index_dim;
+        offset = page * p.index_strides[0] + within * p.index_strides[1];
       } else {
-        const int64_t page = slot / p.block_size;
-        const int64_t within = slot - page * p.block_size;
-        const int part = kind == kK ? 0 : 1;
-        offset = (((page * p.kv_heads + head) * 2 + part) * p.block_size + within) * p.head_dim;
+        const int64_t* strides = kind == kK ? p.k_strides : p.v_strides;
+        offset = page * strides[0] + head * strides[1] + within * strides[2];
       }
       const bool fp8 = kind == kIndexK ? p.index_fp8 != 0 : p.kv_fp8 != 0;
-      void* base = kind == kIndexK ? p.index_cache : p.kv_cache;
+      void* base = kind == kIndexK ? p.index_cache : kind == kK ? p.k_cache : p.v_cache;
       if (fp8) {
         out_fp8 = static_cast<uint8_t*>(base) + offset;
-        fp8_scale = kind == kK ? p.k_scale : kind == kV ? p.v_scale : 1.0f;
+        fp8_scale = kind == kK   ? (p.k_scale_ptr != nullptr ? *p.k_scale_ptr : p.k_scale)
+                    : kind == kV ? (p.v_scale_ptr != nullptr ? *p.v_scale_ptr : p.v_scale)
+                                 : 1.0f;
       } else {
         out_bf16 = static_cast<uint16_t*>(base) + offset;
       }

@@ -18,14 +18,18 @@ struct PreprocessParams {
   const int64_t* positions = nullptr;           // [rows] i64, < 0: dead row
   const int64_t* slot_mapping = nullptr;        // [rows] i64, < 0: no main-cache write
   const int64_t* index_slot_mapping = nullptr;  // [rows] i64, < 0: no index-cache write
-  void* kv_cache = nullptr;         // [kv_pages, kv_heads, 2, block_size, head_dim] bf16 | fp8
-  void* index_cache = nullptr;      // [index_pages, block_size, index_dim] bf16 | fp8
-  uint16_t* q_out = nullptr;        // [rows, q_heads, head_dim] bf16
+  void* k_cache = nullptr;      // [kv_pages, kv_heads, block_size, head_dim] bf16 | fp8, strided
+  void* v_cache = nullptr;      // same shape and dtype, strides of its own
+  void* index_cache = nullptr;  // [index_pages, block_size, index_dim] bf16 | fp8, strided
+  uint16_t* q_out = nullptr;    // [rows, q_heads, head_dim] bf16
   uint16_t* index_q_out = nullptr;  // [rows, index_heads, index_dim] bf16
   int64_t num_rows = 0;
   int64_t qkv_row_stride = 0;  // elements between rows of qkv (>= qkv_width)
   int64_t kv_slots = 0;        // kv_pages * block_size (device-side guard)
   int64_t index_slots = 0;     // index_pages * block_size
+  int64_t k_strides[3] = {};   // element strides of K: page, kv head, token
+  int64_t v_strides[3] = {};
+  int64_t index_strides[2] = {};  // element strides of the index cache: page, token
   int q_heads = 0;
   int kv_heads = 0;
   int index_heads = 0;
@@ -42,6 +46,8 @@ struct PreprocessParams {
   float rms_eps = 1e-6f;
   float k_scale = 1.0f;
   float v_scale = 1.0f;
+  const float* k_scale_ptr = nullptr;  // [1] f32 read at run time instead of k_scale (fp8 only)
+  const float* v_scale_ptr = nullptr;
   double inv_freq[kMaxRopeHalf] = {};  // theta^(-2i / rope_dim), computed on the host in double
 };
 

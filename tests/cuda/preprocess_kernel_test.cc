@@ -18,6 +18,7 @@
 #include "cuda/preprocess.h"
 #include "m3msa/cpu_reference.h"
 #include "m3msa/dtype.h"
+#include "m3msa/testing/layouts.h"
 
 namespace m3msa {
 namespace {
@@ -258,6 +259,79 @@ TEST(CudaPreprocess, MatchesCpuReference) {
   SparseConfig no_rope = small;
   no_rope.rope_dim = 0;
   run_shape({no_rope, 4, 1, 1, 100, bf16, bf16, 1.0f, 1.0f, 6}, "rope_dim 0");
+}
+
+// The insert writes through the strides of every layout (cache.h KVLayout) and of an index cache
+// with padded pages: the same bytes as the packed caches.
+TEST(CudaPreprocess, InsertsIntoEveryCacheLayoutInPlace) {
+  M3MSA_REQUIRE_GPU();
+  for (DType kv_dtype : {DType::kBF16, DType::kFP8E4M3}) {
+    SparseConfig m3;
+    const PrepShape s{m3, 5, 2, 1, 9000, kv_dtype, DType::kBF16, 0.5f, 2.0f, 21};
+    const SparseConfig& cfg = s.config;
+    HostPrep h = make_prep(s);
+    DevTensor qkv = to_dev(h.qkv), qn = to_dev(h.q_norm), kn = to_dev(h.k_norm),
+              iqn = to_dev(h.iq_norm), ikn = to_dev(h.ik_norm), pos = to_dev(h.positions),
+              seq = to_dev(h.seq_lens), slots = to_dev(h.slots), islots = to_dev(h.index_slots);
+    BatchMeta dev_batch = h.batch;
+    dev_batch.seq_lens = seq.view;
+    dev_batch.slot_mapping = slots.view;
+    dev_batch.index_slot_mapping = islots.view;
+    // The scales as device scalars too (read when the kernel runs): the same bytes.
+    const float scale_values[2] = {s.k_scale, s.v_scale};
+    cuda::DeviceBuffer scale_buffer(sizeof(scale_values));
+    CUDA_CHECK(cudaMemcpy(scale_buffer.data(), scale_values, sizeof(scale_values),
+                          cudaMemcpyHostToDevice));
+    auto run = [&](const HostTensor& kv_host, KVLayout layout, const TensorView& index_view,
+                   bool device_scales = false) {
+      DevTensor kv = to_dev(kv_host), q_out = to_dev(h.q_out), iq_out = to_dev(h.index_q_out);
+      PreprocessArgs a =
+          args_of(cfg, qkv.view, qn.view, kn.view, iqn.view, ikn.view, pos.view, dev_batch, kv.view,
+                  index_view, q_out.view, iq_out.view, s.k_scale, s.v_scale);
+      a.kv_cache = kv_cache_from_layout(kv.view, layout, s.k_scale, s.v_scale);
+      if (device_scales) {
+        auto* base = static_cast<float*>(scale_buffer.data());
+        a.kv_cache.k_scale = a.kv_cache.v_scale = 9.0f;  // overridden by the tensors
+        a.kv_cache.k_scale_tensor = TensorView::contiguous(base, DType::kF32, {1}, Device::cuda(0));
+        a.kv_cache.v_scale_tensor =
+            TensorView::contiguous(base + 1, DType::kF32, {1}, Device::cuda(0));
+      }
+      cuda::launch_preprocess(cfg, a, nullptr);
+      CUDA_CHECK(cudaDeviceSynchronize());
+      const HostTensor got = to_host(kv.view);
+      HostTensor ours(kv_host.dtype(), h.kv_cache.shape());
+      testkit::copy_kv_cache(kv_cache_from_layout(got.view(), layout), KVCache(ours.view()));
+      return ours;
+    };
+    DevTensor ic = to_dev(h.index_cache);
+    const HostTensor want = run(h.kv_cache, KVLayout::kOurs, ic.view);
+    const HostTensor want_index = to_host(ic.view);
+    DevTensor ic_scaled = to_dev(h.index_cache);
+    const HostTensor scaled = run(h.kv_cache, KVLayout::kOurs, ic_scaled.view, true);
+    EXPECT_EQ(std::memcmp(scaled.data(), want.data(), want.nbytes()), 0) << "device scales";
+    for (KVLayout layout : {KVLayout::kVllm, KVLayout::kFlashInfer}) {
+      // The index cache with one padding token row per page.
+      const std::vector<int64_t>& is = h.index_cache.shape();
+      HostTensor padded(h.index_cache.dtype(), {is[0], is[1] + 1, is[2]});
+      padded.fill_bytes(0);
+      TensorView pv = padded.view();
+      pv.shape[1] = is[1];
+      testkit::copy_index_cache(IndexCache{h.index_cache.view()}, IndexCache{pv});
+      DevTensor pic = to_dev(padded);
+      TensorView dv = pv;
+      dv.data = pic.view.data;
+      dv.device = pic.view.device;
+      const HostTensor got = run(testkit::relayout_kv_cache(h.kv_cache, layout), layout, dv);
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), want.nbytes()), 0) << kv_layout_name(layout);
+      const HostTensor got_padded = to_host(pic.view);
+      HostTensor got_index(h.index_cache.dtype(), is);
+      TensorView gv = pv;
+      gv.data = const_cast<void*>(got_padded.data());
+      testkit::copy_index_cache(IndexCache{gv}, IndexCache{got_index.view()});
+      EXPECT_EQ(std::memcmp(got_index.data(), want_index.data(), want_index.nbytes()), 0)
+          << kv_layout_name(layout) << " index cache";
+    }
+  }
 }
 
 }  // namespace

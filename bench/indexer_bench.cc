@@ -45,6 +45,7 @@ struct Config {
   int q_len;
   int min_blocks;  // IndexerPlan::min_blocks_per_cta
   int tp;          // tensor-parallel size whose per-rank shape is timed
+  bool fp8_query;  // index_q in fp8 e4m3 (fp8 cache only: scored on the FP8 tensor cores)
 };
 
 std::string fmt_context(int64_t context) {
@@ -58,6 +59,7 @@ struct Options {
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   std::vector<int> q_lens = {1, 4};
   std::vector<int> tps = {1};
+  std::vector<std::string> q_dtypes = {"bf16"};
   std::vector<int> min_blocks = {1};
   bool quick = false;
   bool no_unfused = false;
@@ -79,6 +81,9 @@ int run_indexer_bench(int argc, char** argv) {
   app.add_option("--tp", opt.tps,
                  "tensor-parallel sizes: one rank's shape each (M3: 4 index heads at TP 1, one "
                  "at TP 4 and 8)")
+      ->delimiter(',');
+  app.add_option("--q-dtypes", opt.q_dtypes,
+                 "index_q dtypes: bf16, fp8 (fp8 runs with the fp8 index cache only)")
       ->delimiter(',');
   app.add_flag("--quick", opt.quick, "batches 1,32 x contexts 4K,128K only");
   app.add_flag("--no-unfused", opt.no_unfused, "skip the unfused baseline");
@@ -128,7 +133,13 @@ int run_indexer_bench(int argc, char** argv) {
       for (int b : opt.batches) {
         for (int64_t ctx : opt.contexts) {
           for (int mb : opt.min_blocks) {
-            for (int tp : opt.tps) configs.push_back({b, ctx, dtype, q, mb, tp});
+            for (int tp : opt.tps) {
+              for (const std::string& qd : opt.q_dtypes) {
+                const bool q8 = parse_dtype(qd, "--q-dtypes") == DType::kFP8E4M3;
+                if (q8 && dtype != DType::kFP8E4M3) continue;  // fp8 queries need an fp8 cache
+                configs.push_back({b, ctx, dtype, q, mb, tp, q8});
+              }
+            }
           }
         }
       }
@@ -138,14 +149,17 @@ int run_indexer_bench(int argc, char** argv) {
   for (const Config& cfg : configs) {
     const bool fp8 = cfg.dtype == DType::kFP8E4M3;
     const SparseConfig config = model.sparse(cfg.tp);
+    // The table's dtype column: the cache's, with "+q8" for fp8 queries on the FP8 tensor cores.
+    const char* shown_dtype = !fp8 ? "bf16" : cfg.fp8_query ? "fp8+q8" : "fp8";
     const int H = config.index_heads;
     const int k = config.topk;
     const int64_t nb = (cfg.context + 127) / 128;
     const int64_t rows = int64_t{cfg.batch} * cfg.q_len;
     const int64_t page_bytes = 128 * 128 * (fp8 ? 1 : 2);
     const int64_t pages_per_copy = cfg.batch * nb;
-    const int64_t bytes_per_launch = pages_per_copy * page_bytes + rows * H * 128 * 2 +
-                                     pages_per_copy * 4 + cfg.batch * 4 + rows * H * k * 4;
+    const int64_t bytes_per_launch = pages_per_copy * page_bytes +
+                                     rows * H * 128 * (cfg.fp8_query ? 1 : 2) + pages_per_copy * 4 +
+                                     cfg.batch * 4 + rows * H * k * 4;
     const int copies = static_cast<int>(std::clamp<int64_t>(
         (opt.rotate_bytes + pages_per_copy * page_bytes - 1) / (pages_per_copy * page_bytes), 1,
         opt.max_copies));
@@ -178,8 +192,8 @@ int run_indexer_bench(int argc, char** argv) {
       HostTensor s(DType::kI32, {cfg.batch});
       for (int r = 0; r < cfg.batch; ++r) s.ptr<int32_t>()[r] = static_cast<int32_t>(cfg.context);
       seqs.push_back(to_device(s));
-      DeviceTensor q(DType::kBF16, {rows, H, 128});
-      fill_random(q.data(), q.numel(), false, 777 + c, stream.get());
+      DeviceTensor q(cfg.fp8_query ? DType::kFP8E4M3 : DType::kBF16, {rows, H, 128});
+      fill_random(q.data(), q.numel(), cfg.fp8_query, 777 + c, stream.get());
       queries.push_back(std::move(q));
     }
     DeviceTensor out_fused(DType::kI32, {rows, H, k});
@@ -240,9 +254,11 @@ int run_indexer_bench(int argc, char** argv) {
     const double tbs = static_cast<double>(bytes_per_launch) / (fused.median_us * 1e-6) / 1e12;
     const double roof = 100.0 * tbs / kReadCeilingTBs;
     const double torch_us =
-        cfg.tp == 1 ? torch.median_us({cfg.batch, cfg.context, fp8 ? "fp8" : "bf16", cfg.q_len})
-                    : 0.0;
+        cfg.tp == 1 && !cfg.fp8_query
+            ? torch.median_us({cfg.batch, cfg.context, fp8 ? "fp8" : "bf16", cfg.q_len})
+            : 0.0;
     nlohmann::json rec = {{"tp", cfg.tp},
+                          {"q_dtype", cfg.fp8_query ? "fp8" : "bf16"},
                           {"index_heads", H},
                           {"batch", cfg.batch},
                           {"context", cfg.context},
@@ -271,8 +287,8 @@ int run_indexer_bench(int argc, char** argv) {
       rec["speedup_vs_torch"] = torch_us / fused.median_us;
     }
     table.add(
-        {std::to_string(cfg.tp), std::to_string(cfg.batch), fmt_context(cfg.context),
-         fp8 ? "fp8" : "bf16", std::to_string(cfg.q_len), std::to_string(cfg.min_blocks),
+        {std::to_string(cfg.tp), std::to_string(cfg.batch), fmt_context(cfg.context), shown_dtype,
+         std::to_string(cfg.q_len), std::to_string(cfg.min_blocks),
          fmt::format("{:.1f}", fused.median_us), fmt::format("{:.0f}%", 100.0 * fused.noise()),
          fmt::format("{:.1f}", bytes_per_launch / 1e6), fmt::format("{:.2f}", tbs),
          fmt::format("{:.0f}%", roof), fmt::format("{:.1f}", span.median_us),
@@ -286,8 +302,8 @@ int run_indexer_bench(int argc, char** argv) {
     std::printf(
         "tp %d batch %4d context %5s %-4s q %d min blocks %d: fused %9.1f us (%3.0f%% roof), span"
         " %9.1f us, unfused %9.1f us [%s]\n",
-        cfg.tp, cfg.batch, fmt_context(cfg.context).c_str(), fp8 ? "fp8" : "bf16", cfg.q_len,
-        cfg.min_blocks, fused.median_us, roof, span.median_us, unfused.median_us, check.c_str());
+        cfg.tp, cfg.batch, fmt_context(cfg.context).c_str(), shown_dtype, cfg.q_len, cfg.min_blocks,
+        fused.median_us, roof, span.median_us, unfused.median_us, check.c_str());
     std::fflush(stdout);
   }
   std::printf("\n");

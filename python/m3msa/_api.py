@@ -224,8 +224,8 @@ def select_topk(config, index_q, index_cache, batch, out=None, *, order="descend
                 major="token", threads=0, stream=None, plan=None):
     """Index scoring + exact top-k block selection (docs/spec.md section 4).
 
-    index_q:      [rows, H, D] bf16, or fp8 e4m3 beside an fp8 index_cache (CPU only for now;
-                  a NumPy uint8 array as m3msa.view(a, 'fp8'))
+    index_q:      [rows, H, D] bf16, or fp8 e4m3 beside an fp8 index_cache (a NumPy uint8
+                  array as m3msa.view(a, 'fp8'))
     index_cache:  [pages, block_size, D] bf16 | fp8 e4m3, read through batch.index_block_table;
                   any page and token strides, D contiguous (CUDA: tokens contiguous within a
                   page, page stride a multiple of 16 bytes)

@@ -241,16 +241,21 @@ std::shared_ptr<BufferSet> create_set(Communicator& comm, int device, CpTranspor
 
 using ScoreKernel = void (*)(const cuda::IndexerParams);
 
-ScoreKernel score_kernel(bool fp8, int tiles) {
+template <int kNT>
+ScoreKernel score_kernel_of(bool fp8, bool q8) {
   using cuda::indexer::indexer_span_kernel;
   constexpr int kScores = cuda::indexer::kModeScores;
+  if (q8) return indexer_span_kernel<true, kNT, kScores, true>;
+  return fp8 ? indexer_span_kernel<true, kNT, kScores> : indexer_span_kernel<false, kNT, kScores>;
+}
+
+// The shard-scoring kernel of one operand pair (as the one-GPU launcher picks it, so a shard's
+// block scores are the one-GPU kernels' bits).
+ScoreKernel score_kernel(bool fp8, bool q8, int tiles) {
   switch (tiles) {
-    case 1:
-      return fp8 ? indexer_span_kernel<true, 1, kScores> : indexer_span_kernel<false, 1, kScores>;
-    case 2:
-      return fp8 ? indexer_span_kernel<true, 2, kScores> : indexer_span_kernel<false, 2, kScores>;
-    default:
-      return fp8 ? indexer_span_kernel<true, 4, kScores> : indexer_span_kernel<false, 4, kScores>;
+    case 1: return score_kernel_of<1>(fp8, q8);
+    case 2: return score_kernel_of<2>(fp8, q8);
+    default: return score_kernel_of<4>(fp8, q8);
   }
 }
 
@@ -412,7 +417,7 @@ void CudaCpIndexer::Impl::launch_score(const IndexerArgs& args, cudaStream_t str
   cuda::launch_cp_exchange_shard_tables(p, cp.max_reqs, stream);
   if (batch.num_reqs == 0) return;
   cuda::IndexerParams s;
-  s.index_q = args.index_q.ptr<const uint16_t>();
+  s.index_q = args.index_q.data;
   s.index_cache = args.index_cache.data.data;
   s.block_table = local_table.as<const int32_t>();
   s.seq_lens = local_seq_lens.as<const int32_t>();
@@ -434,9 +439,10 @@ void CudaCpIndexer::Impl::launch_score(const IndexerArgs& args, cudaStream_t str
   s.max_units = cp.max_reqs;
   s.is_prefill = 0;
   const bool fp8 = args.index_cache.data.dtype == DType::kFP8E4M3;
+  const bool q8 = args.index_q.dtype == DType::kFP8E4M3;
   const int tiles = s.unit_vectors <= 8 ? 1 : s.unit_vectors <= 16 ? 2 : 4;
   const std::size_t smem = score_smem_bytes(cp.max_reqs);
-  score_kernel(fp8, tiles)<<<grid_sm, cuda::indexer::kThreads, smem, stream>>>(s);
+  score_kernel(fp8, q8, tiles)<<<grid_sm, cuda::indexer::kThreads, smem, stream>>>(s);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -563,9 +569,9 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
       std::lock_guard<std::mutex> lock(g_registry_mutex);
       std::size_t& limit = smem_limits()[device];
       if (smem > limit) {
-        for (bool fp8 : {false, true}) {
+        for (auto [fp8, q8] : {std::pair{false, false}, {true, false}, {true, true}}) {
           for (int tiles : {1, 2, 4}) {
-            CUDA_CHECK(cudaFuncSetAttribute(score_kernel(fp8, tiles),
+            CUDA_CHECK(cudaFuncSetAttribute(score_kernel(fp8, q8, tiles),
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem)));
           }

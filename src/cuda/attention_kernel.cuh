@@ -308,9 +308,9 @@ __global__ void __launch_bounds__(kThreads, 2)
   // pages are read without waiting for the row's position; entries < 0 are skipped (the valid
   // entries form a prefix, so exactly the prefix is read). Dense attention splits the row's nb
   // visible blocks evenly.
-  const int32_t* entries =
-      p.topk_idx != nullptr ? p.topk_idx + row * p.topk_row_stride + kvh * p.topk_head_stride
-                            : nullptr;
+  const int32_t* entries = p.topk_idx != nullptr
+                               ? p.topk_idx + row * p.topk_row_stride + kvh * p.topk_head_stride
+                               : nullptr;
   int first = 0;
   int last = 0;
   if (entries != nullptr) {

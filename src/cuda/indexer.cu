@@ -85,38 +85,44 @@ namespace {
 
 using KernelFn = void (*)(const IndexerParams);
 
+// The kernel of one operand pair: a bf16 or fp8 cache against a bf16 index_q, or an fp8 cache
+// against an fp8 index_q (q8, on the FP8 tensor cores).
+template <int kMode, int kNT>
+KernelFn scoring_kernel_of(bool fp8, bool q8) {
+  if (q8) return indexer::indexer_span_kernel<true, kNT, kMode, true>;
+  return fp8 ? indexer::indexer_span_kernel<true, kNT, kMode>
+             : indexer::indexer_span_kernel<false, kNT, kMode>;
+}
+
 template <int kMode>
-KernelFn scoring_kernel(bool fp8, int n_tiles) {
+KernelFn scoring_kernel(bool fp8, bool q8, int n_tiles) {
   switch (n_tiles) {
-    case 1:
-      return fp8 ? indexer::indexer_span_kernel<true, 1, kMode>
-                 : indexer::indexer_span_kernel<false, 1, kMode>;
-    case 2:
-      return fp8 ? indexer::indexer_span_kernel<true, 2, kMode>
-                 : indexer::indexer_span_kernel<false, 2, kMode>;
-    case 4:
-      return fp8 ? indexer::indexer_span_kernel<true, 4, kMode>
-                 : indexer::indexer_span_kernel<false, 4, kMode>;
+    case 1: return scoring_kernel_of<kMode, 1>(fp8, q8);
+    case 2: return scoring_kernel_of<kMode, 2>(fp8, q8);
+    case 4: return scoring_kernel_of<kMode, 4>(fp8, q8);
     default: M3MSA_THROW(ErrorCode::kInternal, "indexer: no kernel for ", n_tiles, " n-tiles");
   }
 }
 
-KernelFn split_kernel(bool fp8, int n_tiles) {
+template <int kNT>
+KernelFn split_kernel_of(bool fp8, bool q8) {
+  if (q8) return indexer::indexer_split_kernel<true, kNT, true>;
+  return fp8 ? indexer::indexer_split_kernel<true, kNT> : indexer::indexer_split_kernel<false, kNT>;
+}
+
+KernelFn split_kernel(bool fp8, bool q8, int n_tiles) {
   switch (n_tiles) {
-    case 1:
-      return fp8 ? indexer::indexer_split_kernel<true, 1> : indexer::indexer_split_kernel<false, 1>;
-    case 2:
-      return fp8 ? indexer::indexer_split_kernel<true, 2> : indexer::indexer_split_kernel<false, 2>;
-    case 4:
-      return fp8 ? indexer::indexer_split_kernel<true, 4> : indexer::indexer_split_kernel<false, 4>;
+    case 1: return split_kernel_of<1>(fp8, q8);
+    case 2: return split_kernel_of<2>(fp8, q8);
+    case 4: return split_kernel_of<4>(fp8, q8);
     default:
       M3MSA_THROW(ErrorCode::kInternal, "indexer: no split kernel for ", n_tiles, " n-tiles");
   }
 }
 
-KernelFn pick_scoring_kernel(bool fp8, int n_tiles, bool scores_only) {
-  return scores_only ? scoring_kernel<indexer::kModeScores>(fp8, n_tiles)
-                     : scoring_kernel<indexer::kModeTopk>(fp8, n_tiles);
+KernelFn pick_scoring_kernel(bool fp8, bool q8, int n_tiles, bool scores_only) {
+  return scores_only ? scoring_kernel<indexer::kModeScores>(fp8, q8, n_tiles)
+                     : scoring_kernel<indexer::kModeTopk>(fp8, q8, n_tiles);
 }
 
 // n8 tiles for `vectors` query vectors (1, 2 or 4).
@@ -143,15 +149,15 @@ void raise_scoring_smem_limit(int device, std::size_t smem) {
   std::lock_guard<std::mutex> lock(g_smem_mutex);
   std::size_t& limit = g_smem_limit[device];
   if (smem <= limit) return;
-  for (bool fp8 : {false, true}) {
+  for (auto [fp8, q8] : {std::pair{false, false}, {true, false}, {true, true}}) {
     for (int tiles : {1, 2, 4}) {
       for (bool scores_only : {false, true}) {
-        CUDA_CHECK(cudaFuncSetAttribute(pick_scoring_kernel(fp8, tiles, scores_only),
+        CUDA_CHECK(cudaFuncSetAttribute(pick_scoring_kernel(fp8, q8, tiles, scores_only),
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
       }
       if (limit == 0) {  // the split kernel's ring is fixed: set once per device
-        CUDA_CHECK(cudaFuncSetAttribute(split_kernel(fp8, tiles),
+        CUDA_CHECK(cudaFuncSetAttribute(split_kernel(fp8, q8, tiles),
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         indexer::kSplitRingBytes));
       }
@@ -294,10 +300,6 @@ bool indexer_fits_plan(const IndexerPlan& plan, const SparseConfig& config, cons
 }
 
 void check_indexer_args_supported(const IndexerArgs& args) {
-  M3MSA_CHECK_SUPPORTED(args.index_q.dtype == DType::kBF16,
-                        "CUDA indexer: index_q must be bf16 (an fp8_e4m3 index_q is implemented "
-                        "by the CPU reference only), got ",
-                        dtype_name(args.index_q.dtype));
   check_index_cache_cuda(args.index_cache, "index_cache");
 }
 
@@ -331,7 +333,7 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
   if (batch.num_reqs == 0 || rows == 0) return;
 
   IndexerParams p;
-  p.index_q = args.index_q.ptr<const uint16_t>();
+  p.index_q = args.index_q.data;
   p.index_cache = args.index_cache.data.data;
   p.block_table = batch.index_block_table.ptr<const int32_t>();
   p.topk_idx = args.topk_idx.ptr<int32_t>();
@@ -364,6 +366,7 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
   p.max_units = plan.max_units;
   p.is_prefill = batch.kind == BatchKind::kPrefill ? 1 : 0;
   const bool fp8 = args.index_cache.data.dtype == DType::kFP8E4M3;
+  const bool q8 = args.index_q.dtype == DType::kFP8E4M3;  // validate(): only beside an fp8 cache
 
   DeviceGuard guard(plan.device);
   const std::size_t smem = dynamic_smem_bytes(plan.max_units);
@@ -378,11 +381,12 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
       // splits * num_reqs <= grid + max_units CTAs' candidates.
       const int splits = std::max(1, plan.grid / batch.num_reqs);
       const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(batch.num_reqs));
-      split_kernel(fp8, tiles)<<<grid, indexer::kThreads, indexer::kSplitRingBytes, stream>>>(p);
+      split_kernel(fp8, q8,
+                   tiles)<<<grid, indexer::kThreads, indexer::kSplitRingBytes, stream>>>(p);
       CUDA_CHECK_LAUNCH();
       return;
     }
-    pick_scoring_kernel(fp8, tiles, unfused)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);
+    pick_scoring_kernel(fp8, q8, tiles, unfused)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
     if (unfused) {
       const int64_t items = rows * config.index_heads;
@@ -398,7 +402,7 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
     indexer::indexer_prefill_units_kernel<<<1, 1024, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH();
     const int tiles = n_tiles_for(p.unit_vectors);
-    pick_scoring_kernel(fp8, tiles, false)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);
+    pick_scoring_kernel(fp8, q8, tiles, false)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
   }
 }

@@ -51,9 +51,9 @@ struct IndexerPlan {
 
 // Throws Error(kUnsupported) naming the first configuration value the CUDA indexer cannot run.
 void check_indexer_supported(const SparseConfig& config);
-// What the CUDA kernels take of a call's arguments beyond validate(): a bf16 index_q and an index
-// cache they can address (check_index_cache_cuda); every selection option is written. Throws
-// Error(kUnsupported) naming the argument.
+// What the CUDA kernels take of a call's arguments beyond validate(): an index cache they can
+// address (check_index_cache_cuda); every index_q dtype and selection option the validation
+// accepts is served. Throws Error(kUnsupported) naming the argument.
 void check_indexer_args_supported(const IndexerArgs& args);
 
 // limits.max_context > 0 also plans the unfused baseline's score tensor.

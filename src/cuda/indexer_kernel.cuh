@@ -93,6 +93,23 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a1
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// D += A * B, m16n8k32, fp8 e4m3 inputs (an fp8 index_q against an fp8 cache), fp32 accumulators.
+__device__ __forceinline__ void mma_fp8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The fp8 x fp8 path (kQ8) runs 4 k-steps of 32: step s takes chunk i = s >> 1 (dims 64i + 16t
+// of thread t's 16-byte chunk) and its half hi = s & 1: logical k 4t..4t+3 <- dims base+0..3,
+// logical k 16+4t..16+4t+3 <- dims base+4..7, base = 64i + 16t + 8hi. The query fragment of
+// thread t is then the 8 contiguous bytes at base.
+__host__ __device__ constexpr int q8_dim_base(int step, int t) {
+  return 64 * (step >> 1) + 16 * t + 8 * (step & 1);
+}
+
 // First physical dimension of the 4 dims that thread t feeds into k-step s (see the file
 // comment): logical k (2t, 2t+1) <- dims base+0..1, logical k (2t+8, 2t+9) <- dims base+2..3.
 template <bool kFp8>
@@ -389,6 +406,16 @@ struct Tile {
     }
   }
 
+  // The A fragment of fp8 k32-step s (kQ8, see q8_dim_base): the tile's own bytes, no widening.
+  __device__ __forceinline__ void fragment_fp8(int s, uint32_t (&a)[4]) const {
+    const int i = s >> 1;
+    const bool hi = (s & 1) != 0;
+    a[0] = hi ? r[i].z : r[i].x;
+    a[1] = hi ? r[2 + i].z : r[2 + i].x;
+    a[2] = hi ? r[i].w : r[i].y;
+    a[3] = hi ? r[2 + i].w : r[2 + i].y;
+  }
+
   // A fragment of k-step s: {row g k(2t..), row g+8 k(2t..), row g k(2t+8..), row g+8 k(2t+8..)}.
   __device__ __forceinline__ void fragment(int s, uint32_t (&a)[4]) const {
     if constexpr (kFp8) {
@@ -421,26 +448,44 @@ struct Tile {
 // CTA of a unit reads them, so fewer, wider requests matter at small batch), then scattered into
 // the B fragments of the token x vector MMAs. `staging` (>= 32 x 128 bf16) is free scratch; the
 // caller's next barrier publishes the fragments.
-template <bool kFp8, int kNT>
+template <bool kFp8, int kNT, bool kQ8 = false>
 __device__ __forceinline__ void stage_query_fragments(const IndexerParams& p, const Unit& unit,
                                                       int nvec, uint4* staging,
                                                       uint2 (&bfrag)[kNT][8][32]) {
+  static_assert(!kQ8 || kFp8, "an fp8 index_q is scored against an fp8 cache only");
+  constexpr int kQBytes = kQ8 ? 1 : 2;
   const int tid = static_cast<int>(threadIdx.x);
   const uint4* src =
-      reinterpret_cast<const uint4*>(p.index_q + static_cast<int64_t>(unit.row0) * p.heads * kDim);
-  for (int i = tid; i < nvec * (kDim / 8); i += kThreads) staging[i] = src[i];
+      reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(p.index_q) +
+                                     static_cast<int64_t>(unit.row0) * p.heads * kDim * kQBytes);
+  for (int i = tid; i < nvec * (kDim * kQBytes / 16); i += kThreads) staging[i] = src[i];
   __syncthreads();
-  const uint16_t* q_all = reinterpret_cast<const uint16_t*>(staging);
-  for (int i = tid; i < kNT * 8 * 32; i += kThreads) {
-    const int nt = i >> 8;
-    const int s = (i >> 5) & 7;
-    const int ln = i & 31;
-    const int n = nt * 8 + (ln >> 2);
-    uint2 frag = make_uint2(0u, 0u);
-    if (n < nvec) {
-      frag = *reinterpret_cast<const uint2*>(q_all + n * kDim + dim_base<kFp8>(s, ln & 3));
+  if constexpr (kQ8) {
+    const uint8_t* q_all = reinterpret_cast<const uint8_t*>(staging);
+    for (int i = tid; i < kNT * 4 * 32; i += kThreads) {
+      const int nt = i >> 7;
+      const int s = (i >> 5) & 3;
+      const int ln = i & 31;
+      const int n = nt * 8 + (ln >> 2);
+      uint2 frag = make_uint2(0u, 0u);
+      if (n < nvec) {
+        frag = *reinterpret_cast<const uint2*>(q_all + n * kDim + q8_dim_base(s, ln & 3));
+      }
+      bfrag[nt][s][ln] = frag;
     }
-    bfrag[nt][s][ln] = frag;
+  } else {
+    const uint16_t* q_all = reinterpret_cast<const uint16_t*>(staging);
+    for (int i = tid; i < kNT * 8 * 32; i += kThreads) {
+      const int nt = i >> 8;
+      const int s = (i >> 5) & 7;
+      const int ln = i & 31;
+      const int n = nt * 8 + (ln >> 2);
+      uint2 frag = make_uint2(0u, 0u);
+      if (n < nvec) {
+        frag = *reinterpret_cast<const uint2*>(q_all + n * kDim + dim_base<kFp8>(s, ln & 3));
+      }
+      bfrag[nt][s][ln] = frag;
+    }
   }
 }
 
@@ -460,20 +505,33 @@ __device__ __forceinline__ void vector_limits(int (&limit)[kNT][2], const Unit& 
 }
 
 // Scores of the warp's 16 tokens against every query vector (fp32 accumulators).
-template <bool kFp8, int kNT>
+template <bool kFp8, int kNT, bool kQ8 = false>
 __device__ __forceinline__ void score_tile(const Tile<kFp8>& tile, const uint2 (&bfrag)[kNT][8][32],
                                            float (&acc)[kNT][4]) {
   const int lane = static_cast<int>(lane_id());
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
+  if constexpr (kQ8) {
 #pragma unroll
-  for (int s = 0; s < 8; ++s) {
-    uint32_t a[4];
-    tile.fragment(s, a);
+    for (int s = 0; s < 4; ++s) {
+      uint32_t a[4];
+      tile.fragment_fp8(s, a);
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      const uint2 b = bfrag[nt][s][lane];
-      mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
+      for (int nt = 0; nt < kNT; ++nt) {
+        const uint2 b = bfrag[nt][s][lane];
+        mma_fp8(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int s = 0; s < 8; ++s) {
+      uint32_t a[4];
+      tile.fragment(s, a);
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const uint2 b = bfrag[nt][s][lane];
+        mma_bf16(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
+      }
     }
   }
 }
@@ -602,7 +660,7 @@ __device__ __forceinline__ bool arrive_last(uint32_t* counter, int ctas, int& la
 // units' block prefix sums ((max_units + 1) ints).
 // Requires: index_dim = block_size = 128, unit_vectors <= 8 * kNT, topk <= 32, counters zero
 // before the launch (left zero after it), prefill units prepared by indexer_prefill_units_kernel.
-template <bool kFp8, int kNT, int kMode>
+template <bool kFp8, int kNT, int kMode, bool kQ8 = false>
 __global__ void __launch_bounds__(kThreads, 2)
     indexer_span_kernel(const __grid_constant__ IndexerParams p) {
   using TileT = Tile<kFp8>;
@@ -707,8 +765,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       return __shfl_sync(0xFFFFFFFFu, src, i & 31);
     };
     // s_keys is free here and only used after the next barrier.
-    stage_query_fragments<kFp8, kNT>(p, unit, nvec, reinterpret_cast<uint4*>(&s_keys[0][0]),
-                                     s_bfrag);
+    stage_query_fragments<kFp8, kNT, kQ8>(p, unit, nvec, reinterpret_cast<uint4*>(&s_keys[0][0]),
+                                          s_bfrag);
     int limit[kNT][2];
     vector_limits<kNT>(limit, unit, nvec, H, warp, g, t);
     // Owner lane `lane` (< 4) of warp `warp` keeps vector warp + 8 * lane.
@@ -745,7 +803,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int lb = lb_begin + i;
 
         float acc[kNT][4];
-        score_tile<kFp8, kNT>(pipe[d], s_bfrag, acc);
+        score_tile<kFp8, kNT, kQ8>(pipe[d], s_bfrag, acc);
         // The slot is consumed: refill it with block i + kDepth (before the barrier below, so the
         // loads fly while the CTA reduces and selects).
         const int ahead = i + kDepth;
@@ -884,7 +942,7 @@ __device__ __forceinline__ void bulk_copy_page(void* dst, const void* src, uint3
       : "memory");
 }
 
-template <bool kFp8, int kNT>
+template <bool kFp8, int kNT, bool kQ8 = false>
 __global__ void __launch_bounds__(kThreads, 2)
     indexer_split_kernel(const __grid_constant__ IndexerParams p) {
   using TileT = Tile<kFp8>;
@@ -945,7 +1003,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   // Query vectors -> B fragments (staged through s_keys, free until the first block).
-  stage_query_fragments<kFp8, kNT>(p, unit, nvec, reinterpret_cast<uint4*>(&s_keys[0][0]), s_bfrag);
+  stage_query_fragments<kFp8, kNT, kQ8>(p, unit, nvec, reinterpret_cast<uint4*>(&s_keys[0][0]),
+                                        s_bfrag);
   int limit[kNT][2];
   vector_limits<kNT>(limit, unit, nvec, H, warp, g, t);
   const int own_n = warp + kWarps * lane;
@@ -966,7 +1025,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     TileT tile;
     tile.load_shared(s_ring + slot * kPageBytes, warp, g, t);
     float acc[kNT][4];
-    score_tile<kFp8, kNT>(tile, s_bfrag, acc);
+    score_tile<kFp8, kNT, kQ8>(tile, s_bfrag, acc);
     const int lb = lb_begin + i;
     const int parity = i & 1;
     post_warp_maxima<kNT>(acc, limit, kBlockTokens * lb, &s_red[parity][warp][0], g, t);

@@ -20,7 +20,7 @@ inline constexpr uint32_t kStatusTooManyUnits = 4u;  // prefill: more row groups
 // A "unit" is what one set of query fragments covers: the rows of one decode request, or up to
 // kPrefillUnitRows consecutive rows of one prefill request (consecutive positions either way).
 struct IndexerParams {
-  const uint16_t* index_q = nullptr;      // [rows, heads, 128] bf16
+  const void* index_q = nullptr;          // [rows, heads, 128] bf16 | fp8 e4m3 (fp8 cache only)
   const void* index_cache = nullptr;      // [num_pages, 128, 128] bf16 | fp8 e4m3, page_bytes apart
   const int32_t* block_table = nullptr;   // [num_reqs, table_cols] i32 -> index-cache page
   const int32_t* seq_lens = nullptr;      // decode:  [num_reqs] i32 (0 = padding request)

@@ -276,22 +276,34 @@ TEST(CacheLayout, ViewsNoBackendCanServeAreRefusedByName) {
   expect_refused([&] { parse_kv_layout("nhd", "layout"); }, {"layout", "nhd"});
   EXPECT_EQ(parse_kv_layout("vllm", "layout"), KVLayout::kVllm);
 
-  // What the CUDA kernels take on top: the packed, contiguous layouts and host-float scales.
+  // What the CUDA kernels take on top: strides they can address (whole 16 bytes, an index
+  // cache's tokens contiguous within a page); the split form, other layouts and run-time scales
+  // are served.
   const ErrorCode unsupported = ErrorCode::kUnsupported;
   check_kv_cache_cuda(packed, "kv_cache");
-  expect_refused(
-      [&] { check_kv_cache_cuda(KVCache::split(packed.keys(), packed.values()), "kv_cache"); },
-      {"kv_cache", "packed layout"}, unsupported);
+  check_kv_cache_cuda(KVCache::split(packed.keys(), packed.values()), "kv_cache");
   KVCache scaled = packed;
-  scaled.k_scale_tensor = c.kv_cache.view();  // any defined tensor: refused before it is read
-  expect_refused([&] { check_kv_cache_cuda(scaled, "kv_cache"); }, {"kv_cache.k_scale_tensor"},
+  scaled.k_scale_tensor = c.kv_cache.view();
+  check_kv_cache_cuda(scaled, "kv_cache");
+  KVCache odd = KVCache::split(packed.keys(), packed.values());
+  odd.k.strides[2] = cfg.head_dim + 4;  // 8 bytes past a 16-byte row
+  validate_kv_cache(odd, cfg, "kv_cache");
+  expect_refused([&] { check_kv_cache_cuda(odd, "kv_cache"); }, {"kv_cache.k", "token stride"},
+                 unsupported);
+  odd = KVCache::split(packed.keys(), packed.values());
+  odd.v.data = static_cast<uint8_t*>(odd.v.data) + 2;
+  expect_refused([&] { check_kv_cache_cuda(odd, "kv_cache"); }, {"kv_cache.v", "aligned"},
                  unsupported);
   IndexCache index = c.index_cache_view();
   check_index_cache_cuda(index, "index_cache");
   index.data.strides[1] = 2 * cfg.index_dim;
   validate_index_cache(index, cfg, "index_cache");
   expect_refused([&] { check_index_cache_cuda(index, "index_cache"); },
-                 {"index_cache", "contiguous"}, unsupported);
+                 {"index_cache", "token stride"}, unsupported);
+  index = c.index_cache_view();
+  index.data.strides[0] += 4;
+  expect_refused([&] { check_index_cache_cuda(index, "index_cache"); },
+                 {"index_cache", "page stride"}, unsupported);
 }
 
 }  // namespace

@@ -89,6 +89,9 @@ enum class IndexerVariant : int {
   kUnfused = 1,  // baseline: [rows, H, max_blocks] f32 scores to memory, then a top-k kernel
   kSpan = 2,     // decode through the span kernel too (the batch's blocks laid end to end over
                  // the grid, last-CTA merge per request); kept for comparison
+  kSplitMerge =
+      3,  // decode: the split kernel writes candidates only, and a second kernel, launched
+          // programmatically dependent, merges them with one CTA per query vector
 };
 
 class CudaBackend : public Backend {

@@ -110,6 +110,22 @@ KernelFn split_kernel_of(bool fp8, bool q8) {
   return fp8 ? indexer::indexer_split_kernel<true, kNT> : indexer::indexer_split_kernel<false, kNT>;
 }
 
+// The merge of IndexerVariant::kSplitMerge, programmatically dependent on the split kernel just
+// queued on `stream` (its CTAs may start early and wait for the candidates on the device).
+void launch_split_merge(const IndexerParams& p, int num_reqs, cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(static_cast<unsigned>(p.unit_vectors), static_cast<unsigned>(num_reqs));
+  cfg.blockDim = dim3(indexer::kThreads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = 1;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, indexer::indexer_split_merge_kernel, p));
+}
+
 KernelFn split_kernel(bool fp8, bool q8, int n_tiles) {
   switch (n_tiles) {
     case 1: return split_kernel_of<1>(fp8, q8);
@@ -375,15 +391,20 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
     p.unit_vectors = batch.q_len * config.index_heads;
     const int tiles = n_tiles_for(p.unit_vectors);
     const bool unfused = variant == IndexerVariant::kUnfused;
-    if (variant == IndexerVariant::kFused && batch.num_reqs <= 65535) {  // grid.y limit
+    const bool split_merge = variant == IndexerVariant::kSplitMerge;
+    if ((variant == IndexerVariant::kFused || split_merge) &&
+        batch.num_reqs <= 65535) {  // grid.y limit
       // Every request gets an equal share of the plan's CTAs (the grid depends on num_reqs and
       // the plan only, so a captured graph replays any lengths); the workspace holds
       // splits * num_reqs <= grid + max_units CTAs' candidates.
       const int splits = std::max(1, plan.grid / batch.num_reqs);
+      p.separate_merge = split_merge ? 1 : 0;
+      p.split_ctas = splits;
       const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(batch.num_reqs));
       split_kernel(fp8, q8,
                    tiles)<<<grid, indexer::kThreads, indexer::kSplitRingBytes, stream>>>(p);
       CUDA_CHECK_LAUNCH();
+      if (split_merge) launch_split_merge(p, batch.num_reqs, stream);
       return;
     }
     pick_scoring_kernel(fp8, q8, tiles, unfused)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);

@@ -41,6 +41,8 @@ struct IndexerParams {
   int64_t out_row_stride = 0;   // topk_idx elements between rows (token-major: heads * topk)
   int64_t out_head_stride = 0;  // topk_idx elements between heads (token-major: topk)
   int out_ascending = 0;        // 1: each answer's blocks in ascending id (SelectionOrder)
+  int separate_merge = 0;       // split kernel: candidates only, indexer_split_merge_kernel merges
+  int split_ctas = 0;           // the split kernel's grid.x (the merge recomputes its ranges)
   int64_t score_cols = 0;       // unfused: blocks per score row (>= every row's visible blocks)
   int num_reqs = 0;
   int q_len = 1;  // decode rows per request

@@ -1,10 +1,11 @@
 // The split decode indexer (the default, IndexerVariant::kFused) against the span kernel
-// (IndexerVariant::kSpan) bit for bit (same scoring order, same keys) and against the CPU
-// reference (near-tie rule), over the shapes that stress its own parts: ranges of one block per
-// CTA, ranges longer than the ring, requests one CTA finishes alone, merges of many slices per
-// vector, all-equal scores (every candidate ties on the score bits) and other range splits. The
-// contracts every decode path keeps (NaN ranking, graph replay with new metadata, device guards)
-// are tested on the default path, this kernel, in indexer_test.cc.
+// (IndexerVariant::kSpan) and against its merge in a kernel of its own (kSplitMerge) bit for bit
+// (same scoring order, same keys) and against the CPU reference (near-tie rule), over the shapes
+// that stress its own parts: ranges of one block per CTA, ranges longer than the ring, requests one
+// CTA finishes alone, merges of many slices per vector, all-equal scores (every candidate ties on
+// the score bits) and other range splits. The contracts every decode path keeps (NaN ranking, graph
+// replay with new metadata, device guards) are tested on the default path, this kernel, in
+// indexer_test.cc.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -41,6 +42,11 @@ void expect_split_equals_span_and_cpu(const SyntheticCase& c, const std::string&
   const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
   EXPECT_EQ(std::memcmp(split.data(), span.data(), split.nbytes()), 0)
       << what << ": split and span selections differ";
+  uint32_t merge_status = 0;
+  const HostTensor merged = run_gpu(c, IndexerVariant::kSplitMerge, &merge_status);
+  EXPECT_EQ(merge_status, 0u) << what;
+  EXPECT_EQ(std::memcmp(split.data(), merged.data(), split.nbytes()), 0)
+      << what << ": the separate merge (kSplitMerge) differs from the in-kernel one";
   if (check_cpu) {
     const Comparison cmp = compare_selections(c, split, run_cpu(c));
     EXPECT_EQ(cmp.failures, 0) << what << ": " << cmp.summary();

@@ -282,26 +282,31 @@ TEST(CudaIndexer, GraphReplayWithNewMetadataEqualsEager) {
       }
       std::memcpy(b.index_cache.data(), a.index_cache.data(), a.index_cache.nbytes());
 
-      GpuIndexer gpu(a.config, limits_for(a));
-      DeviceCase da = upload(a);
-      DeviceTensor out(DType::kI32, {a.num_rows(), a.config.index_heads, a.config.topk});
-      const IndexerArgs args_a = da.indexer_args(out.view());
-      cuda::Graph graph = cuda::Graph::capture(gpu.stream(), [&] { gpu.launch(a.config, args_a); });
-      graph.launch(gpu.stream());  // replay on A first (also exercises counter reuse)
-      gpu.sync();
-      // Overwrite A's metadata with B's and replay.
-      copy_to_device(b.seq_lens, da.seq_lens.view());
-      copy_to_device(b.index_block_table, da.index_block_table.view());
-      copy_to_device(b.index_q, da.index_q.view());
-      fill_device_bytes(out.view(), kPoisonByte);
-      graph.launch(gpu.stream());
-      gpu.sync();
-      HostTensor replayed;
-      copy_to_host(out.view(), replayed);
       const HostTensor eager = run_gpu(b);
-      ASSERT_EQ(std::memcmp(replayed.data(), eager.data(), eager.nbytes()), 0)
-          << dtype_name(dtype) << ", " << shape.reqs << " requests";
-      EXPECT_EQ(gpu.status(), 0u);
+      // The separate merge's programmatic dependency is captured as a graph edge too.
+      for (IndexerVariant variant : {IndexerVariant::kFused, IndexerVariant::kSplitMerge}) {
+        GpuIndexer gpu(a.config, limits_for(a));
+        DeviceCase da = upload(a);
+        DeviceTensor out(DType::kI32, {a.num_rows(), a.config.index_heads, a.config.topk});
+        const IndexerArgs args_a = da.indexer_args(out.view());
+        cuda::Graph graph =
+            cuda::Graph::capture(gpu.stream(), [&] { gpu.launch(a.config, args_a, variant); });
+        graph.launch(gpu.stream());  // replay on A first (also exercises counter reuse)
+        gpu.sync();
+        // Overwrite A's metadata with B's and replay.
+        copy_to_device(b.seq_lens, da.seq_lens.view());
+        copy_to_device(b.index_block_table, da.index_block_table.view());
+        copy_to_device(b.index_q, da.index_q.view());
+        fill_device_bytes(out.view(), kPoisonByte);
+        graph.launch(gpu.stream());
+        gpu.sync();
+        HostTensor replayed;
+        copy_to_host(out.view(), replayed);
+        ASSERT_EQ(std::memcmp(replayed.data(), eager.data(), eager.nbytes()), 0)
+            << dtype_name(dtype) << ", " << shape.reqs << " requests, variant "
+            << static_cast<int>(variant);
+        EXPECT_EQ(gpu.status(), 0u);
+      }
       // And B is right.
       const Comparison cmp = compare_selections(b, eager, run_cpu(b));
       EXPECT_EQ(cmp.failures, 0) << cmp.summary();

@@ -79,6 +79,53 @@ __global__ void __launch_bounds__(1024)
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// The split kernel's merge as a kernel of its own (IndexerVariant::kSplitMerge)
+//
+// Purpose: the exact top k of each query vector from the split kernel's candidates, every vector
+// on its own CTA instead of the request's last CTA taking them one after another, and no arrival
+// round trip. Launched programmatically dependent on the split kernel (which releases it at its
+// start), so the CTAs are resident and wait in griddepcontrol.wait until the candidates are
+// visible. Each warp takes the top k of an eighth of the vector's candidates (warp_top_keys); warp
+// 0 takes the top k of those 8 x k. The keys are unique, so the answer equals the in-kernel merge.
+// Grid: (unit_vectors, num_reqs); 256 threads. Requests the split kernel answered itself (dead,
+// or all blocks on one CTA) are skipped.
+__global__ void __launch_bounds__(kThreads)
+    indexer_split_merge_kernel(const __grid_constant__ IndexerParams p) {
+  __shared__ __align__(16) uint64_t s_scratch[kWarps][kScratch];
+  __shared__ uint64_t s_top[kWarps][kMaxTopk];
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  const int n = static_cast<int>(blockIdx.x);
+  const int r = static_cast<int>(blockIdx.y);
+  const Unit unit = load_unit(p, r);
+  const int nvec = unit.rows * p.heads;
+  if (n >= nvec || unit.blocks == 0) return;
+  const int splits = p.split_ctas;
+  const int per = max(p.min_blocks_per_cta, (unit.blocks + splits - 1) / splits);
+  const int active = (unit.blocks + per - 1) / per;
+  if (active == 1) return;
+  const int k = p.topk;
+  const int count = active * min(k, per);
+  const int64_t vec_stride = static_cast<int64_t>(splits) * k;
+  const uint64_t* src = p.cand + static_cast<int64_t>(r) * p.unit_vectors * vec_stride +
+                        static_cast<int64_t>(n) * vec_stride;
+  const int warp = static_cast<int>(threadIdx.x) >> 5;
+  const int lane = static_cast<int>(lane_id());
+  const int chunk = (count + kWarps - 1) / kWarps;
+  const int lo = min(count, warp * chunk);
+  const int hi = min(count, lo + chunk);
+  const uint64_t mine =
+      warp_top_keys([&](int j) { return __ldcg(src + lo + j); }, hi - lo, k, &s_scratch[warp][0]);
+  if (lane < k) s_top[warp][lane] = mine;
+  __syncthreads();
+  if (warp != 0) return;
+  const uint64_t top =
+      warp_top_keys([&](int j) { return s_top[j / k][j % k]; }, kWarps * k, k, &s_scratch[0][0]);
+  int32_t* out = answer_row(p, unit.row0 + n / p.heads, n % p.heads);
+  write_topk_row(out, top, k);
+  order_answer(p, out);
+}
+
 }  // namespace indexer
 
 namespace {

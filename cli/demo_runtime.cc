@@ -490,9 +490,10 @@ int run_runtime_demo(const RuntimeDemoOptions& o) {
                     values.bad ? " - first: " + values.first : ""));
     if (check.moe) {
       report(moe_values.bad == 0 && moe_values.checked > 0,
-             fmt::format("MoE{} outputs (hidden) per row within relative L2 {:g} of the "
-                         "oracle's, every element within {:g}",
-                         check.dense_layers ? " and dense MLP" : "", kMoeRowL2Tol, kMoeAbsCap),
+             fmt::format("MoE outputs (hidden) per row within relative L2 {:g} of the oracle's, "
+                         "every element within {:g}{}",
+                         kMoeRowL2Tol, kMoeAbsCap,
+                         check.dense_layers ? " (and the dense layers' MLP outputs)" : ""),
              fmt::format("{} values ({} not bit-identical), {} rows failed, worst {:.3f} of the "
                          "tolerance{}",
                          moe_values.checked, moe_values.differ, moe_values.bad, moe_values.worst,

@@ -221,6 +221,22 @@ RankModel make_rank_model(const MasterModel& master, int rank, int world, bool f
   return out;
 }
 
+int64_t kv_tiles_differing(const ModelConfig& m, int rank, int world, const HostTensor& rank_kv,
+                           const HostTensor& one_kv) {
+  const SparseConfig sc = m.sparse(world);
+  const int64_t tile = int64_t{2} * m.block_size * m.head_dim;
+  const int kv0 = rank_layout(m, rank, world).first_kv_head;
+  int64_t differing = 0;
+  for (int64_t p = 0; p < rank_kv.shape()[0]; ++p) {
+    for (int h = 0; h < sc.kv_heads; ++h) {
+      differing += std::memcmp(rank_kv.ptr<uint16_t>() + (p * sc.kv_heads + h) * tile,
+                               one_kv.ptr<uint16_t>() + (p * m.kv_heads + kv0 + h) * tile,
+                               sizeof(uint16_t) * static_cast<std::size_t>(tile)) != 0;
+    }
+  }
+  return differing;
+}
+
 StepMeta make_step(const std::vector<int32_t>& seq_lens, int q_len, int block_size,
                    int64_t max_blocks, const std::vector<int32_t>& index_perm,
                    const std::vector<int32_t>& kv_perm) {

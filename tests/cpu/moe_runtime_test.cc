@@ -91,9 +91,11 @@ Scenario make_scenario(bool fp8, uint64_t seed, bool dense_layers = false) {
   return s;
 }
 
-// [rank][step]: the last layer's hidden. `stats`: rank 0's before close.
-std::vector<std::vector<std::vector<uint16_t>>> run_runtime(const Scenario& s, int world,
-                                                            RuntimeStats* stats = nullptr) {
+// [rank][step]: the last layer's hidden. `stats`: rank 0's before close; `models`: every rank's
+// model (its caches) after the run.
+std::vector<std::vector<std::vector<uint16_t>>> run_runtime(
+    const Scenario& s, int world, RuntimeStats* stats = nullptr,
+    std::vector<testkit::RankModel>* models = nullptr) {
   std::vector<std::vector<std::vector<uint16_t>>> out(static_cast<std::size_t>(world));
   std::vector<testkit::RankModel> ranks;
   for (int r = 0; r < world; ++r) ranks.push_back(testkit::make_rank_model(s.master, r, world));
@@ -126,6 +128,7 @@ std::vector<std::vector<std::vector<uint16_t>>> run_runtime(const Scenario& s, i
   for (const auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
+  if (models != nullptr) *models = std::move(ranks);
   return out;
 }
 
@@ -208,7 +211,8 @@ void expect_close(const Scenario& s, std::size_t step, const std::vector<uint16_
 void check_scenario(bool fp8, uint64_t seed, bool dense_layers = false) {
   const Scenario s = make_scenario(fp8, seed, dense_layers);
   RuntimeStats stats;
-  const auto one = run_runtime(s, 1, &stats);
+  std::vector<testkit::RankModel> one_model;
+  const auto one = run_runtime(s, 1, &stats, &one_model);
   const auto oracle = run_oracle(s);
   for (std::size_t step = 0; step < s.steps.size(); ++step) {
     expect_close(
@@ -221,7 +225,18 @@ void check_scenario(bool fp8, uint64_t seed, bool dense_layers = false) {
   EXPECT_EQ(stats.indexer_layers_run, steps * s.config.model.num_sparse_layers());
   EXPECT_EQ(static_cast<int>(stats.bound_layers.size()), dense_layers ? 4 : 2);
   for (int world : {2, 4}) {
-    const auto tp = run_runtime(s, world);
+    std::vector<testkit::RankModel> tp_models;
+    const auto tp = run_runtime(s, world, nullptr, &tp_models);
+    // The first layer's input does not depend on TP, nor do its projection rows: its KV cache is
+    // bit-identical to TP 1's (a dense layer's when they are bound).
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(testkit::kv_tiles_differing(s.config.model, r, world,
+                                            tp_models[static_cast<std::size_t>(r)].kv_caches[0],
+                                            one_model[0].kv_caches[0]),
+                0)
+          << "TP " << world << " rank " << r << " layer " << s.master.layers[0].layer
+          << " kv cache";
+    }
     for (int r = 0; r < world; ++r) {
       for (std::size_t step = 0; step < s.steps.size(); ++step) {
         EXPECT_EQ(tp[static_cast<std::size_t>(r)][step], tp[0][step])

@@ -83,6 +83,12 @@ struct RankModel {
 RankModel make_rank_model(const MasterModel& master, int rank, int world, bool fp8_qkv = false,
                           bool context_parallel = false);
 
+// Pages x KV heads of rank `rank` of `world` whose K / V tile differs from the TP = 1 cache's
+// tile of the same global head ([pages, KVH, 2, bs, HD] bf16 both): 0 when the rank wrote
+// exactly what TP = 1 wrote.
+int64_t kv_tiles_differing(const ModelConfig& m, int rank, int world, const HostTensor& rank_kv,
+                           const HostTensor& one_kv);
+
 // One decode step's metadata. Request r owns pages perm[r * max_blocks + b] for logical block b
 // (a different shuffle per cache, so mixing the tables up shows). A request of seq_len 0 is
 // padding (dead rows: position and slots -1).

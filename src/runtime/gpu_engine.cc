@@ -502,9 +502,8 @@ class GpuEngineImpl final : public GpuEngine {
       }
     }
 
-    // 5. Sparse (dense: causal) attention; 6. output projection (this rank's heads) and the TP
-    // reduce;
-    // 7. x2 = x + o, h2 = norm(x2).
+    // 5. Sparse attention (a dense layer: dense causal attention); 6. output projection (this
+    // rank's heads) and the TP reduce; 7. x2 = x + o, h2 = norm(x2).
     AttentionArgs att;
     att.q = pre.q_out;
     att.kv_cache = w.kv_cache;

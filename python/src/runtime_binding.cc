@@ -112,8 +112,9 @@ LayerWeights import_layer(ImportScope& scope, py::handle layer, std::size_t inde
   tensor("qkv_proj_scale", w.qkv_proj_scale, true, false);
   tensor("q_norm", w.q_norm, false, false);
   tensor("k_norm", w.k_norm, false, false);
-  tensor("index_q_norm", w.index_q_norm, false, false);
-  tensor("index_k_norm", w.index_k_norm, false, false);
+  // The index part is absent from a dense layer (the runtime names what a layer lacks).
+  tensor("index_q_norm", w.index_q_norm, true, false);
+  tensor("index_k_norm", w.index_k_norm, true, false);
   tensor("input_norm", w.input_norm, false, false);
   tensor("post_attention_norm", w.post_attention_norm, false, false);
   tensor("o_proj", w.o_proj, false, false);
@@ -121,7 +122,7 @@ LayerWeights import_layer(ImportScope& scope, py::handle layer, std::size_t inde
   tensor("kv_cache", w.kv_cache.data, false, true);
   w.kv_cache.k_scale = float_field(layer, "k_scale", 1.0f);
   w.kv_cache.v_scale = float_field(layer, "v_scale", 1.0f);
-  tensor("index_cache", w.index_cache.data, false, true);
+  tensor("index_cache", w.index_cache.data, true, true);
   tensor("mlp_gate_up", w.mlp_gate_up, true, false);
   tensor("mlp_down", w.mlp_down, true, false);
   // The mixture of experts (docs/spec.md section 8): optional, and absent from objects that
@@ -141,6 +142,11 @@ LayerWeights import_layer(ImportScope& scope, py::handle layer, std::size_t inde
   moe_tensor("shared_w13_scale", w.shared_expert.w13_scale);
   moe_tensor("shared_w2", w.shared_expert.w2);
   moe_tensor("shared_w2_scale", w.shared_expert.w2_scale);
+  // A dense layer's MLP (the shared expert's format).
+  moe_tensor("dense_w13", w.dense_mlp.w13);
+  moe_tensor("dense_w13_scale", w.dense_mlp.w13_scale);
+  moe_tensor("dense_w2", w.dense_mlp.w2);
+  moe_tensor("dense_w2_scale", w.dense_mlp.w2_scale);
   return w;
 }
 

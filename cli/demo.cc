@@ -658,9 +658,11 @@ Command add_demo_command(CLI::App& parent) {
       app->add_flag("--moe", rt.moe,
                     "the mixture of experts after every sparse layer instead of the dense MLP "
                     "(16 experts of width 256, top-4, one shared expert; docs/spec.md section "
-                    "8); runtime only"),
+                    "8), and the dense layers 0..first_sparse_layer-1 (dense attention, dense "
+                    "MLP of width 1024) in front; runtime only"),
       app->add_option("--moe-weights", rt.moe_weights,
-                      "--moe: the experts' format (mxfp8: e4m3 + e8m0 scale per 32); runtime only")
+                      "--moe: the experts' and the dense MLPs' format (mxfp8: e4m3 + e8m0 scale "
+                      "per 32); runtime only")
           ->check(CLI::IsMember({"mxfp8", "bf16"})),
   };
   // The ops-level demo only.

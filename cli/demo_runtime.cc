@@ -61,7 +61,7 @@ RunResult start_run(const Spec& spec, const char* backend, int tp, bool record) 
     const std::size_t topk_values =
         static_cast<std::size_t>(spec.rows() * m.index_heads * m.sparse(tp).topk);
     out.records.assign(static_cast<std::size_t>(spec.steps),
-                       std::vector<LayerRecord>(static_cast<std::size_t>(m.num_sparse_layers())));
+                       std::vector<LayerRecord>(static_cast<std::size_t>(spec.run_layers())));
     for (auto& step : out.records) {
       for (auto& rec : step) rec.topk.assign(topk_values, -1);
     }
@@ -73,7 +73,7 @@ RunResult run_cpu(const Spec& spec, int tp, int threads, bool record,
                   const std::function<void(const std::string&)>& progress) {
   RunResult out = start_run(spec, "cpu", tp, record);
   const ModelConfig& m = spec.model;
-  const int layers = m.num_sparse_layers();
+  const int layers = spec.run_layers();
   const int64_t rows = spec.rows();
   const int64_t H = m.hidden;
   const SparseConfig sc = m.sparse(tp);
@@ -121,14 +121,14 @@ RunResult run_cpu(const Spec& spec, int tp, int threads, bool record,
           rec->in_hidden = hidden;
           rec->in_residual = residual;
         }
-        rt.forward_layer(m.first_sparse_layer + l, hv, rv, step.positions.view());
+        rt.forward_layer(spec.first_layer() + l, hv, rv, step.positions.view());
         if (!rec) continue;
         const Runtime::LayerTrace trace = rt.last_layer_trace();
         const int32_t* topk = trace.topk.ptr<const int32_t>();
         const int kv0 = rank_layout(m, r, tp).first_kv_head;
         {
           std::lock_guard<std::mutex> lock(mutex);
-          for (int64_t row = 0; row < rows; ++row) {
+          for (int64_t row = 0; row < rows && !spec.is_dense(l); ++row) {
             for (int h = 0; h < sc.kv_heads; ++h) {  // this rank's heads
               std::memcpy(&rec->topk[static_cast<std::size_t>((row * IH + kv0 + h) * k)],
                           topk + (row * sc.kv_heads + h) * k, sizeof(int32_t) * k);
@@ -279,6 +279,7 @@ int run_runtime_demo(const RuntimeDemoOptions& o) {
     model.experts_per_token = kDemoExpertsPerToken;
     model.moe_intermediate = kDemoExpertWidth;
     model.shared_experts = 1;
+    model.dense_intermediate = kDemoDenseWidth;
   } else if ((model.intermediate / tp) % 64 != 0 || model.intermediate % tp != 0) {
     throw UsageError(fmt::format("--intermediate {}: must be a multiple of 64 * TP ({})",
                                  model.intermediate, 64 * tp));
@@ -297,10 +298,18 @@ int run_runtime_demo(const RuntimeDemoOptions& o) {
   spec.context_parallel = o.cp;
   spec.moe = o.moe;
   spec.moe_fp8 = o.moe_weights == "mxfp8";
+  spec.dense_layers = o.moe;
   const std::string ffn_text =
       o.moe ? fmt::format("MoE {} experts x {} (top-{}, 1 shared, {})", model.num_experts,
                           model.moe_intermediate, model.experts_per_token, o.moe_weights)
             : fmt::format("dense SwiGLU-OAI MLP {}", model.intermediate);
+  const std::string dense_text =
+      spec.dense_layers
+          ? fmt::format(" after {} dense layer{} (dense attention, dense MLP {})",
+                        model.first_sparse_layer, model.first_sparse_layer == 1 ? "" : "s",
+                        model.dense_intermediate)
+          : std::string();
+  const int run_layers = spec.run_layers();
   auto run = [&](const Spec& s, bool record) {
     return cuda ? run_cuda(s, tp, threads, record, note) : run_cpu(s, tp, threads, record, note);
   };
@@ -313,14 +322,14 @@ int run_runtime_demo(const RuntimeDemoOptions& o) {
       o.cp ? "on (the indexer over the TP ranks)" : "off");
   std::printf(
       "  model: hidden %d%s, %d q heads / %d KV heads x %d, %d index heads x %d, block %d, "
-      "top-%d, %s, %d sparse layer%s, weights %s\n",
+      "top-%d, %s, %d sparse layer%s%s, weights %s\n",
       model.hidden,
       o.hidden > 0 ? ""
       : cuda       ? " (M3's)"
                    : " (CPU default; M3's is 6144: --hidden 6144)",
       model.q_heads, model.kv_heads, model.head_dim, model.index_heads, model.index_dim,
       model.block_size, model.topk, ffn_text.c_str(), o.layers, o.layers == 1 ? "" : "s",
-      fp8 ? "fp8 e4m3 (qkv_proj, o_proj; per-channel scales)" : "bf16");
+      dense_text.c_str(), fp8 ? "fp8 e4m3 (qkv_proj, o_proj; per-channel scales)" : "bf16");
   std::printf(
       "  batch %d x q-len %d = %lld rows per step, contexts %s tokens, %d steps, seed %llu; per "
       "rank: weights %s, caches %s\n",
@@ -376,9 +385,9 @@ int run_runtime_demo(const RuntimeDemoOptions& o) {
     }
     const std::string lens = lo == hi ? std::to_string(hi) : fmt::format("{}..{}", hi, lo);
     std::printf("%-5d %5lld %-16s %8.3f ms %8.3f ms\n", s + 1, static_cast<long long>(spec.rows()),
-                lens.c_str(), ms, ms / o.layers);
+                lens.c_str(), ms, ms / run_layers);
     jsteps.push_back(
-        {{"step", s + 1}, {"rows", spec.rows()}, {"ms", ms}, {"ms_per_layer", ms / o.layers}});
+        {{"step", s + 1}, {"rows", spec.rows()}, {"ms", ms}, {"ms_per_layer", ms / run_layers}});
   }
   j["steps"] = jsteps;
   std::printf("(time: begin_step through the last layer's output, eager, %s)\n",
@@ -406,12 +415,14 @@ int run_runtime_demo(const RuntimeDemoOptions& o) {
     check.context_parallel = o.cp;
     check.moe = spec.moe;
     check.moe_fp8 = spec.moe_fp8;
+    check.dense_layers = spec.dense_layers;
     std::printf(
-        "\ncheck (small configuration: hidden %d, %s, 2 layers, 2 requests x q-len %d, "
+        "\ncheck (small configuration: hidden %d, %s, 2 sparse layers%s, 2 requests x q-len %d, "
         "contexts %s, 2 steps, weights %s; %s at TP %d, every layer replayed by the oracle from "
         "the same input):\n",
         small.hidden, o.moe ? ffn_text.c_str() : fmt::format("MLP {}", small.intermediate).c_str(),
-        o.q_len, contexts_text(check).c_str(), o.weights.c_str(), backend_name.c_str(), tp);
+        dense_text.c_str(), o.q_len, contexts_text(check).c_str(), o.weights.c_str(),
+        backend_name.c_str(), tp);
     const auto check_start = Clock::now();
     const RunResult sut = run(check, true);
     note("check: the oracle");
@@ -423,12 +434,12 @@ int run_runtime_demo(const RuntimeDemoOptions& o) {
     const double abs_tol = kAbsTol + (tp > 1 ? kTpAbsTol : 0.0);
     const double rel_tol = kRelTol + (tp > 1 ? kTpRelTol : 0.0);
     testkit::ValueCheck values, moe_values;
-    int64_t sel_fail = 0, swapped_rows = 0, lists = 0;
+    int64_t sel_fail = 0, swapped_rows = 0, lists = 0, sparse_layers_checked = 0;
     std::string sel_first;
     for (int s = 0; s < check.steps; ++s) {
       const Step step = make_step(check, s);
       oracle->begin_step(step);
-      for (int l = 0; l < small.num_sparse_layers(); ++l) {
+      for (int l = 0; l < check.run_layers(); ++l) {
         const LayerRecord& rec =
             sut.records[static_cast<std::size_t>(s)][static_cast<std::size_t>(l)];
         std::vector<uint16_t> hidden = rec.in_hidden;
@@ -437,17 +448,21 @@ int run_runtime_demo(const RuntimeDemoOptions& o) {
         HostTensor scores(DType::kF32, {rows, sc.index_heads, check.max_blocks});
         oracle->layer(l, step, hidden, residual, topk, scores);
         std::vector<bool> swapped(static_cast<std::size_t>(rows), false);
-        sel_fail += testkit::compare_selection_near_tie(sc, rec.topk, topk, scores, step.batch,
-                                                        swapped, sel_first);
-        lists += rows * sc.index_heads;
+        const bool dense = check.is_dense(l);  // no selection
+        if (!dense) {
+          sel_fail += testkit::compare_selection_near_tie(sc, rec.topk, topk, scores, step.batch,
+                                                          swapped, sel_first);
+          lists += rows * sc.index_heads;
+          ++sparse_layers_checked;
+        }
         for (bool b : swapped) swapped_rows += b;
-        const std::string where =
-            fmt::format("step {} layer {}", s + 1, small.first_sparse_layer + l);
+        const std::string where = fmt::format("step {} layer {}", s + 1, check.first_layer() + l);
         testkit::compare_close(values, rec.out_residual, residual, rows, small.hidden, abs_tol,
                                rel_tol, swapped, where + " residual");
         if (check.moe) {
           testkit::compare_rows_l2(moe_values, rec.out_hidden, hidden, rows, small.hidden,
-                                   kMoeRowL2Tol, kMoeAbsCap, swapped, where + " MoE output");
+                                   kMoeRowL2Tol, kMoeAbsCap, swapped,
+                                   where + (dense ? " dense MLP output" : " MoE output"));
         } else {
           testkit::compare_close(values, rec.out_hidden, hidden, rows, small.hidden, abs_tol,
                                  rel_tol, swapped, where + " hidden");
@@ -458,7 +473,7 @@ int run_runtime_demo(const RuntimeDemoOptions& o) {
     std::printf("  oracle: %s (check run + oracle: %.2f s)\n", oracle->name().c_str(),
                 seconds_since(check_start));
     j["check_s"] = seconds_since(check_start);
-    const int64_t total_rows = rows * check.steps * small.num_sparse_layers();
+    const int64_t total_rows = rows * sparse_layers_checked;
     report(
         sel_fail == 0,
         "selections equal the oracle's (or swap near-tied blocks only, 1e-3 of the k-th score)",
@@ -476,8 +491,9 @@ int run_runtime_demo(const RuntimeDemoOptions& o) {
     if (check.moe) {
       report(moe_values.bad == 0 && moe_values.checked > 0,
              fmt::format("MoE outputs (hidden) per row within relative L2 {:g} of the oracle's, "
-                         "every element within {:g}",
-                         kMoeRowL2Tol, kMoeAbsCap),
+                         "every element within {:g}{}",
+                         kMoeRowL2Tol, kMoeAbsCap,
+                         check.dense_layers ? " (and the dense layers' MLP outputs)" : ""),
              fmt::format("{} values ({} not bit-identical), {} rows failed, worst {:.3f} of the "
                          "tolerance{}",
                          moe_values.checked, moe_values.differ, moe_values.bad, moe_values.worst,

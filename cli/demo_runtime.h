@@ -53,6 +53,8 @@ inline constexpr int kM3Hidden = 6144;
 inline constexpr int kDemoExperts = 16;
 inline constexpr int kDemoExpertsPerToken = 4;
 inline constexpr int kDemoExpertWidth = 256;
+// The dense layers' MLP with --moe: 4 expert widths, as M3's 12288 is 4 x 3072.
+inline constexpr int kDemoDenseWidth = 4 * kDemoExpertWidth;
 
 int run_runtime_demo(const RuntimeDemoOptions& options);
 

@@ -97,7 +97,7 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record,
                    const std::function<void(const std::string&)>& progress) {
   RunResult out = start_run(spec, "cuda", tp, record);
   const ModelConfig& m = spec.model;
-  const int layers = m.num_sparse_layers();
+  const int layers = spec.run_layers();
   const int64_t rows = spec.rows();
   const int64_t H = m.hidden;
   const SparseConfig sc = m.sparse(tp);
@@ -162,16 +162,16 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record,
           download(d_hidden.view(), rec->in_hidden);
           download(d_residual.view(), rec->in_residual);
         }
-        rt.forward_layer(m.first_sparse_layer + l, d_hidden.view(), d_residual.view(),
+        rt.forward_layer(spec.first_layer() + l, d_hidden.view(), d_residual.view(),
                          d_positions.view());
         if (!rec) continue;
         cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-        download(rt.last_layer_trace().topk, topk);
+        if (!spec.is_dense(l)) download(rt.last_layer_trace().topk, topk);
         download(d_hidden.view(), hidden);
         download(d_residual.view(), residual);
         const int kv0 = rank_layout(m, r, tp).first_kv_head;
         std::lock_guard<std::mutex> lock(mutex);
-        for (int64_t row = 0; row < rows; ++row) {
+        for (int64_t row = 0; row < rows && !spec.is_dense(l); ++row) {
           for (int h = 0; h < sc.kv_heads; ++h) {  // this rank's heads
             std::memcpy(&rec->topk[static_cast<std::size_t>((row * IH + kv0 + h) * k)],
                         topk.data() + (row * sc.kv_heads + h) * k, sizeof(int32_t) * k);

@@ -334,6 +334,8 @@ struct Model {
   std::vector<bool> mlp;  // per sparse layer
   std::vector<bool> moe;  // per sparse layer (never with the MLP)
   bool moe_fp8 = false;   // MXFP8 experts (else bf16)
+  bool dense = false;     // the dense layers [0, first_sparse_layer) are bound too
+  int first_bound() const { return dense ? 0 : config.first_sparse_layer; }
 };
 
 Model make_model(FuzzedDataProvider& in) {
@@ -371,6 +373,9 @@ Model make_model(FuzzedDataProvider& in) {
     model.moe.push_back(!model.mlp[static_cast<std::size_t>(i)] && ((moe_bits >> i) & 1) != 0);
   }
   model.moe_fp8 = in.ConsumeBool();
+  // The dense layers (docs/spec.md section 8): their MLP in the experts' format.
+  m.dense_intermediate = in.PickValueInArray<int>({32, 64});
+  model.dense = m.first_sparse_layer > 0 && in.ConsumeBool();
   return model;
 }
 
@@ -402,6 +407,7 @@ void edit_model(FuzzedDataProvider& in, ModelConfig& m) {
     case 19: m.moe_intermediate = hostile_int(in, 128); break;
     case 20: m.shared_experts = hostile_int(in, 2); break;
     case 21: m.routed_scaling = hostile_float(in); break;
+    case 22: m.dense_intermediate = hostile_int(in, 128); break;
     default: break;
   }
 }
@@ -579,6 +585,59 @@ Bound make_weights(FuzzedDataProvider& in, Arena& arena, Values& values, const M
     }
     out.weights.layers.push_back(w);
   }
+  // The dense layers (model.dense): q | k | v, no index part, the dense MLP; hostile edits
+  // sometimes (an index tensor bound, a sparse layer's FFN, a missing or misshapen MLP part).
+  std::vector<LayerWeights> dense_layers;
+  for (int id = 0; model.dense && id < m.first_sparse_layer; ++id) {
+    LayerWeights w = out.weights.layers.front();  // norms, o_proj, kv_cache as a sparse layer's
+    w.layer = id;
+    const int64_t DW = int64_t{sc.q_heads + 2 * sc.kv_heads} * sc.head_dim;
+    const DType qkv_dtype = w.qkv_proj.dtype == DType::kFP8E4M3 ? DType::kFP8E4M3 : DType::kBF16;
+    w.qkv_proj = make_tensor(in, arena, qkv_dtype, {DW, H}, reals(values, in_scale),
+                             qkv_dtype == DType::kBF16 ? DType::kFP8E4M3 : DType::kBF16)
+                     .view;
+    if (qkv_dtype == DType::kFP8E4M3) {
+      Content scales{[&](int64_t) { return 0.03125f; }, {}};
+      w.qkv_proj_scale = make_tensor(in, arena, DType::kF32, {DW}, scales, DType::kBF16).view;
+    } else {
+      w.qkv_proj_scale = {};
+    }
+    const int hostile = in.ConsumeIntegralInRange<int>(0, 15);
+    if (hostile != 15) w.index_q_norm = {};
+    if (hostile != 14) w.index_k_norm = {};
+    if (hostile != 13) w.index_cache = {};
+    if (hostile != 12) w.mlp_gate_up = w.mlp_down = {};
+    if (hostile != 11) {
+      w.router_weight = w.router_bias = {};
+      w.experts = w.shared_expert = {};
+    }
+    const DType wd = model.moe_fp8 ? DType::kFP8E4M3 : DType::kBF16;
+    const DType alt = model.moe_fp8 ? DType::kBF16 : DType::kFP8E4M3;
+    const int64_t D =
+        hostile == 10 ? std::max(m.dense_intermediate, 8) + 32 : std::max(m.dense_intermediate, 8);
+    const Content e8m0{{}, [](int64_t i) { return int64_t{118} + i % 8; }};
+    if (hostile != 9) {
+      w.dense_mlp.w13 =
+          make_tensor(in, arena, wd, {2 * D, H}, reals(values, 4.0f * in_scale), alt).view;
+    }
+    w.dense_mlp.w2 = make_tensor(in, arena, wd, {H, D}, reals(values, 0.25f), alt).view;
+    if (model.moe_fp8 || hostile == 8) {
+      w.dense_mlp.w13_scale =
+          make_tensor(in, arena, DType::kU8, {2 * D, H / kMxfp8Block}, e8m0, DType::kI32).view;
+      if (hostile != 7) {
+        w.dense_mlp.w2_scale =
+            make_tensor(in, arena, DType::kU8, {H, std::max<int64_t>(D / kMxfp8Block, 1)}, e8m0,
+                        DType::kI32)
+                .view;
+      }
+    }
+    dense_layers.push_back(w);
+  }
+  if (in.ConsumeIntegralInRange<int>(0, 15) == 15 && !dense_layers.empty()) {
+    dense_layers.pop_back();  // a partial set of dense layers
+  }
+  out.weights.layers.insert(out.weights.layers.begin(), dense_layers.begin(), dense_layers.end());
+
   // Layer ids: missing, twice, out of order, a dense or out-of-range id.
   std::vector<LayerWeights>& layers = out.weights.layers;
   switch (in.ConsumeIntegralInRange<int>(0, 15)) {
@@ -799,9 +858,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
                    device_name(rt.device()).c_str(), stats.tp_size);
         std::vector<int> sparse;
         for (int l = m.first_sparse_layer; l < m.num_layers; ++l) sparse.push_back(l);
-        FUZZ_CHECK(stats.bound_layers == sparse,
-                   "bound %zu layers, the model has %zu sparse layers", stats.bound_layers.size(),
-                   sparse.size());
+        std::vector<int> all = sparse;
+        for (int l = m.first_sparse_layer - 1; l >= 0; --l) all.insert(all.begin(), l);
+        FUZZ_CHECK(stats.bound_layers == sparse || stats.bound_layers == all,
+                   "bound %zu layers, the model has %zu sparse and %d dense layers",
+                   stats.bound_layers.size(), sparse.size(), m.first_sparse_layer);
         FUZZ_CHECK(stats.buckets == config.token_buckets);
         FUZZ_CHECK(stats.bucket_steps.size() == config.token_buckets.size());
         for (const LayerWeights& w : bound.weights.layers) {  // R6
@@ -897,11 +958,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
     }
 
-    // forward_layer calls: the sparse layers in order, or hostile ids.
+    // forward_layer calls: the bound layers in order, or hostile ids.
     const ModelConfig& real = model.config;
     const int calls = in.ConsumeIntegralInRange<int>(0, 7) == 7
                           ? in.ConsumeIntegralInRange<int>(0, 4)
-                          : real.num_sparse_layers();
+                          : real.num_layers - model.first_bound();
     const BatchMeta& fixed = rt.step_metadata();
     const int64_t rows = open ? fixed.num_rows() : in.ConsumeIntegralInRange<int64_t>(0, 4);
     const int64_t H = real.hidden;
@@ -924,7 +985,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const Made positions =
         make_tensor(in, arena, DType::kI64, {rows}, position_content, DType::kI32, 40);
     for (int call = 0; call < calls; ++call) {
-      int layer = real.first_sparse_layer + call;
+      int layer = model.first_bound() + call;
       if (in.ConsumeIntegralInRange<int>(0, 15) == 15) layer = hostile_int(in, real.num_layers + 1);
       TensorView h = hidden.view;
       TensorView res = residual.view;
@@ -945,7 +1006,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           (H * sc.qkv_width() + H * sc.q_heads * sc.head_dim +
            3 * H * std::max(real.intermediate, 1) +
            3 * H * int64_t{real.experts_per_token + real.shared_experts} * real.moe_intermediate +
+           3 * H * int64_t{std::max(real.dense_intermediate, 8) + 32} +
            H * int64_t{real.num_experts} +
+           int64_t{sc.q_heads} * sc.head_dim * model.kv_pages * real.block_size +
            int64_t{sc.index_heads} * sc.index_dim * model.index_pages * real.block_size);
       if (open && work + cost > kWorkBudget) break;
       work += cost;
@@ -981,7 +1044,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       }
       ++layers_ok;
       FUZZ_CHECK(open, "forward_layer ran without an accepted step");
-      FUZZ_CHECK(layer >= m.first_sparse_layer && layer < m.num_layers, "ran layer %d", layer);
+      const bool dense_layer = layer < m.first_sparse_layer;
+      FUZZ_CHECK((layer >= m.first_sparse_layer || rt.stats().bound_layers.front() == 0) &&
+                     layer >= 0 && layer < m.num_layers,
+                 "ran layer %d", layer);
       FUZZ_CHECK(h.dtype == DType::kBF16 && res.dtype == DType::kBF16 && pos.dtype == DType::kI64);
       FUZZ_CHECK(h.ndim == 2 && h.shape[0] == rows && h.shape[1] == H && h.data != res.data);
       if (finite_in) {
@@ -990,7 +1056,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         FUZZ_CHECK(all_finite_bf16(res, rows * H, std::numeric_limits<float>::max()),
                    "layer %d: residual is not finite for finite, small inputs", layer);
       }
-      // The selection: -1 or a block the row can see.
+      // The selection: -1 or a block the row can see (a dense layer selects nothing).
+      if (dense_layer) continue;
       const Runtime::LayerTrace trace = rt.last_layer_trace();
       FUZZ_CHECK(trace.topk.ndim == 3 && trace.topk.shape[0] == rows);
       const int64_t per_row = trace.topk.shape[1] * trace.topk.shape[2];

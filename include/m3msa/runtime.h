@@ -1,5 +1,6 @@
 // The fused decode runtime (docs/runtime.md is the contract): an engine hands each
-// sparse layer of the decode steps it can serve to this runtime.
+// sparse layer of the decode steps it can serve to this runtime, and optionally the dense layers
+// [0, first_sparse_layer) before them (all of them or none).
 //
 // Lifecycle (every rank of the TP group calls the same functions in the same order):
 //   prepare(model, config, comm, step)  eager steps only; staged, every stage agreed by all ranks:
@@ -9,7 +10,7 @@
 //       everywhere (retry on a later step); otherwise kActive.
 //   begin_step(batch)   per step; false (a counted refusal) for shapes outside the buckets,
 //       otherwise the metadata is copied into fixed buffers whose addresses never change.
-//   forward_layer(i, hidden, residual, positions)   one sparse layer, in place.
+//   forward_layer(i, hidden, residual, positions)   one bound layer, in place.
 //   detach(replacement) all ranks; the replacement cache storage must be empty; then close().
 //   close()             idempotent, agreed across ranks, never run from the destructor.
 //
@@ -56,6 +57,12 @@
 //   with MoE weights:    p = cpu::moe(h2) (router, routed and shared experts, docs/spec.md
 //                        section 8); hidden <- bf16(all_reduce_sum_fp32(p)), residual <- x2
 //   (the engine's convention: the next layer's input is hidden + residual).
+// A dense layer (id < first_sparse_layer, LayerWeights::dense_mlp bound) is the same chain without
+// the index part: qkv = [q | k | v], cpu::preprocess without index_q or an index-K insert, dense
+// causal attention over every visible key (cpu::sparse_attention without topk_idx), o_proj, the
+// reduce and the post-attention norm as above, then
+//   dense MLP:           p = cpu::dense_mlp(h2) (activation_limit = model.activation_limit);
+//                        hidden <- bf16(all_reduce_sum_fp32(p)), residual <- x2
 #pragma once
 
 #include <array>
@@ -164,6 +171,11 @@ struct RankLayout {
   RowRange o_proj_cols;  // columns of the global o_proj [hidden, q_heads * head_dim]
   RowRange mlp_rows;     // rows of the global MLP gate and up [intermediate, hidden] (each), and
                          // columns of the global mlp_down [hidden, intermediate]
+  // A dense layer (no index segments): its qkv_proj stacks q_rows, k_rows and v_rows only, this
+  // many rows; its MLP's gate and up rows (each) of the global [dense_intermediate, hidden], and
+  // the columns of the global down [hidden, dense_intermediate].
+  int64_t dense_qkv_width = 0;
+  RowRange dense_mlp_rows;
 };
 
 // The layout of rank `tp_rank` of `tp_size`. kInvalidArgument where ModelConfig::sparse refuses
@@ -177,8 +189,11 @@ RankLayout rank_layout(const ModelConfig& model, int tp_rank, int tp_size,
 // QH = sc.q_heads, KVH = sc.kv_heads, and sc.index_heads index_q heads (H / P without CP, all H
 // with CP). The index-K head is replicated (every rank projects it and holds the whole index-K
 // cache).
+// A dense layer (id in [0, first_sparse_layer)) binds qkv_proj [RankLayout::dense_qkv_width,
+// hidden] rows [q | k | v] (no index segments), q_norm, k_norm, input_norm, post_attention_norm,
+// o_proj, kv_cache and dense_mlp; nothing else (no index norms, no index cache, no MLP, no MoE).
 struct LayerWeights {
-  int layer = -1;             // model layer id in [first_sparse_layer, num_layers)
+  int layer = -1;             // model layer id in [0, num_layers)
   TensorView qkv_proj;        // [W, hidden] bf16 | fp8_e4m3, rows [q | k | v | index_q | index_k]
   TensorView qkv_proj_scale;  // [W] f32 per output channel, fp8 only (value = stored * scale)
   TensorView q_norm;          // [head_dim] bf16
@@ -203,6 +218,9 @@ struct LayerWeights {
   TensorView router_bias;       // [E] f32 e_score_correction_bias (used only to pick)
   ExpertWeights experts;        // w13 [E, 2 I_r, hidden] rows [gate | up], w2 [E, hidden, I_r]
   ExpertWeights shared_expert;  // w13 [2 S_r, hidden], w2 [hidden, S_r]
+  // The dense layers' SwiGLU-OAI MLP (docs/spec.md section 8, "Dense MLP"), in the format of the
+  // shared expert: D_r = model.dense_intermediate / P; bf16, or MXFP8 (+ e8m0 scales).
+  ExpertWeights dense_mlp;  // w13 [2 D_r, hidden] rows [gate | up], w2 [hidden, D_r]
   bool has_moe() const { return router_weight.defined() || experts.defined(); }
 };
 
@@ -212,14 +230,16 @@ LayerWeights map_tensors(const LayerWeights& layer,
                          const std::function<TensorView(const TensorView&)>& fn);
 
 struct ModelWeights {
-  std::vector<LayerWeights> layers;  // exactly one entry per sparse layer, any order
+  // Exactly one entry per sparse layer, and either one per dense layer [0, first_sparse_layer) or
+  // none (the engine then runs the dense layers itself); any order.
+  std::vector<LayerWeights> layers;
 };
 
 // New cache storage handed to detach(): it must be empty (not given, or zero elements).
 struct LayerCaches {
   int layer = -1;
   KVCache kv_cache;
-  IndexCache index_cache;
+  IndexCache index_cache;  // none for a dense layer
 };
 
 // The engine's state at a prepare call.
@@ -319,7 +339,8 @@ class Runtime {
   // unpadded batch; pad_to_reqs * q_len must fit the largest token bucket.
   bool begin_step(const BatchMeta& batch, int pad_to_reqs);
 
-  // Runs sparse layer `layer` of the accepted step, in place:
+  // Runs bound layer `layer` (a sparse layer, or a dense one when the dense layers are bound) of
+  // the accepted step, in place:
   //   hidden   [rows, hidden] bf16: in, the layer input; out, h2 (or the MLP output)
   //   residual [rows, hidden] bf16: in, the residual (zeros for the first layer); out, x2
   //   positions [rows] i64: each row's position (< 0: padding row)
@@ -362,8 +383,8 @@ class Runtime {
     TensorView normed;   // [rows, hidden] bf16, input_norm(hidden + residual)
     TensorView qkv;      // [rows, qkv_width] bf16
     TensorView q;        // [rows, QH, HD] bf16 after norm + RoPE
-    TensorView index_q;  // [rows, H, D] bf16 after norm + RoPE
-    TensorView topk;     // [rows, H, k] i32 selected blocks
+    TensorView index_q;  // [rows, H, D] bf16 after norm + RoPE (not written by a dense layer)
+    TensorView topk;     // [rows, H, k] i32 selected blocks (not written by a dense layer)
     TensorView attn;     // [rows, QH, HD] bf16 attention output
   };
   LayerTrace last_layer_trace() const;
@@ -382,9 +403,10 @@ class Runtime {
 };
 
 // CUDA graphs of whole decode steps (CUDA backend): one graph per padded shape (requests x q_len)
-// holding forward_layer of every bound sparse layer in ascending order, over fixed device buffers
-// that this object owns, so the graph replays any step's metadata staged by begin_step. Layers
-// are chained through the engine's convention (the next layer's input is hidden + residual).
+// holding forward_layer of every bound layer (dense, then sparse) in ascending order, over fixed
+// device buffers that this object owns, so the graph replays any step's metadata staged by
+// begin_step. Layers are chained through the engine's convention (the next layer's input is hidden
+// + residual).
 //
 // Per step: write the step's rows into hidden() / residual() / positions() (rows
 // [0, batch.num_rows())), call run(batch): it pads the step to the token bucket (when the bucket

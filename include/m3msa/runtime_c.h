@@ -118,6 +118,9 @@ typedef struct m3msa_layer_weights {
   m3msa_tensor router_weight, router_bias;
   m3msa_tensor experts_w13, experts_w13_scale, experts_w2, experts_w2_scale;
   m3msa_tensor shared_w13, shared_w13_scale, shared_w2, shared_w2_scale;
+  /* A dense layer's MLP (layer < first_sparse_layer; all zero on a sparse layer): w13 / w2 bf16
+   * or fp8 e4m3 with u8 e8m0 scales (MXFP8). A dense layer binds no index tensors. */
+  m3msa_tensor dense_w13, dense_w13_scale, dense_w2, dense_w2_scale;
 } m3msa_layer_weights;
 
 /* BatchMeta (batch.h); kind: 0 decode, 1 prefill. */
@@ -131,7 +134,8 @@ typedef struct m3msa_batch {
   m3msa_tensor slot_mapping, index_slot_mapping;
 } m3msa_batch;
 
-/* LayerCaches for detach (the replacement storage; must be empty). */
+/* LayerCaches for detach (the replacement storage; must be empty; a dense layer has no
+ * index_cache). */
 typedef struct m3msa_layer_caches {
   int32_t layer;
   m3msa_tensor kv_cache;

@@ -26,8 +26,8 @@ class Communicator:
 
 
 class LayerWeights:
-    """One sparse layer's tensors for this rank, bound without copies (runtime.h LayerWeights;
-    shapes with sc = config.model.sparse(P), W = sc.qkv_width):
+    """One layer's tensors for this rank, bound without copies (runtime.h LayerWeights; shapes
+    with sc = config.model.sparse(P), W = sc.qkv_width):
 
         qkv_proj [W, hidden] bf16 | fp8 (+ qkv_proj_scale [W] f32), q_norm / k_norm [head_dim],
         index_q_norm / index_k_norm [index_dim], input_norm / post_attention_norm [hidden] (bf16),
@@ -40,6 +40,12 @@ class LayerWeights:
     [2 S_r, hidden] and shared_w2 [hidden, S_r], bf16 or fp8 e4m3 (MXFP8) with uint8 e8m0
     *_scale tensors, one per 32 elements along the last axis.
 
+    A dense layer (layer < first_sparse_layer; the dense layers are bound all or none) has no
+    index part (index_q_norm, index_k_norm and index_cache stay None), qkv_proj rows [q | k | v]
+    only, and its dense MLP instead of an FFN above, D_r = dense_intermediate / P: dense_w13
+    [2 D_r, hidden] and dense_w2 [hidden, D_r], bf16 or fp8 e4m3 (MXFP8) with dense_w13_scale /
+    dense_w2_scale.
+
     The runtime reads them (and writes the caches) for as long as it is bound: keep them alive
     and in place until detach() or close()."""
 
@@ -48,15 +54,16 @@ class LayerWeights:
                  "kv_cache", "k_scale", "v_scale", "index_cache", "mlp_gate_up", "mlp_down",
                  "router_weight", "router_bias", "experts_w13", "experts_w13_scale", "experts_w2",
                  "experts_w2_scale", "shared_w13", "shared_w13_scale", "shared_w2",
-                 "shared_w2_scale")
+                 "shared_w2_scale", "dense_w13", "dense_w13_scale", "dense_w2", "dense_w2_scale")
 
-    def __init__(self, layer, *, qkv_proj, q_norm, k_norm, index_q_norm, index_k_norm,
-                 input_norm, post_attention_norm, o_proj, kv_cache, index_cache,
+    def __init__(self, layer, *, qkv_proj, q_norm, k_norm, input_norm, post_attention_norm,
+                 o_proj, kv_cache, index_q_norm=None, index_k_norm=None, index_cache=None,
                  qkv_proj_scale=None, o_proj_scale=None, k_scale=1.0, v_scale=1.0,
                  mlp_gate_up=None, mlp_down=None, router_weight=None, router_bias=None,
                  experts_w13=None, experts_w13_scale=None, experts_w2=None,
                  experts_w2_scale=None, shared_w13=None, shared_w13_scale=None, shared_w2=None,
-                 shared_w2_scale=None):
+                 shared_w2_scale=None, dense_w13=None, dense_w13_scale=None, dense_w2=None,
+                 dense_w2_scale=None):
         self.layer = int(layer)
         self.qkv_proj, self.qkv_proj_scale = _arg(qkv_proj), qkv_proj_scale
         self.q_norm, self.k_norm = q_norm, k_norm
@@ -71,6 +78,8 @@ class LayerWeights:
         self.experts_w2, self.experts_w2_scale = experts_w2, experts_w2_scale
         self.shared_w13, self.shared_w13_scale = shared_w13, shared_w13_scale
         self.shared_w2, self.shared_w2_scale = shared_w2, shared_w2_scale
+        self.dense_w13, self.dense_w13_scale = _arg(dense_w13), dense_w13_scale
+        self.dense_w2, self.dense_w2_scale = _arg(dense_w2), dense_w2_scale
 
 
 class Runtime:

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "config_fields.h"
 #include "dispatch.h"
 #include "interop.h"
 #include "m3msa/backend.h"
@@ -500,81 +501,19 @@ void bind_cuda(py::module_& m) {
 
 // ---- Configurations ----
 
-std::string repr(const SparseConfig& c) {
-  std::ostringstream out;
-  out << "SparseConfig(q_heads=" << c.q_heads << ", kv_heads=" << c.kv_heads
-      << ", head_dim=" << c.head_dim << ", index_heads=" << c.index_heads
-      << ", index_dim=" << c.index_dim << ", block_size=" << c.block_size << ", topk=" << c.topk
-      << ", init_blocks=" << c.init_blocks << ", local_blocks=" << c.local_blocks
-      << ", rope_dim=" << c.rope_dim << ", rope_theta=" << c.rope_theta << ", rms_eps=" << c.rms_eps
-      << ")";
-  return out.str();
-}
-
-bool same(const SparseConfig& a, const SparseConfig& b) {
-  return repr(a) == repr(b);
-}
-
-// The attention fields (ModelConfig inherits them: runtime_binding.cc), and the value protocol:
-// repr, ==, copy.
-void bind_attention_fields(py::class_<SparseConfig>& cls) {
-  using Config = SparseConfig;
-  cls.def_readwrite("q_heads", &Config::q_heads)
-      .def_readwrite("kv_heads", &Config::kv_heads)
-      .def_readwrite("head_dim", &Config::head_dim)
-      .def_readwrite("index_heads", &Config::index_heads)
-      .def_readwrite("index_dim", &Config::index_dim)
-      .def_readwrite("block_size", &Config::block_size)
-      .def_readwrite("topk", &Config::topk)
-      .def_readwrite("init_blocks", &Config::init_blocks)
-      .def_readwrite("local_blocks", &Config::local_blocks)
-      .def_readwrite("rope_dim", &Config::rope_dim)
-      .def_readwrite("rope_theta", &Config::rope_theta)
-      .def_readwrite("rms_eps", &Config::rms_eps)
-      .def("__repr__", [](const Config& c) { return repr(c); })
-      .def("__eq__", [](const Config& a, const Config& b) { return same(a, b); })
-      .def("__copy__", [](const Config& c) { return c; })
-      .def("__deepcopy__", [](const Config& c, py::handle) { return c; });
-}
-
 void bind_configs(py::module_& m) {
-  const SparseConfig s;
   py::class_<SparseConfig> sparse(
       m, "SparseConfig",
       "What one sparse layer's kernels need, with head counts local to one "
       "rank. Defaults: MiniMax-M3 at TP=1 (docs/spec.md section 1).");
-  sparse
-      .def(py::init([](int q_heads, int kv_heads, int head_dim, int index_heads, int index_dim,
-                       int block_size, int topk, int init_blocks, int local_blocks, int rope_dim,
-                       double rope_theta, float rms_eps) {
-             SparseConfig c;
-             c.q_heads = q_heads;
-             c.kv_heads = kv_heads;
-             c.head_dim = head_dim;
-             c.index_heads = index_heads;
-             c.index_dim = index_dim;
-             c.block_size = block_size;
-             c.topk = topk;
-             c.init_blocks = init_blocks;
-             c.local_blocks = local_blocks;
-             c.rope_dim = rope_dim;
-             c.rope_theta = rope_theta;
-             c.rms_eps = rms_eps;
-             return c;
-           }),
-           py::kw_only(), py::arg("q_heads") = s.q_heads, py::arg("kv_heads") = s.kv_heads,
-           py::arg("head_dim") = s.head_dim, py::arg("index_heads") = s.index_heads,
-           py::arg("index_dim") = s.index_dim, py::arg("block_size") = s.block_size,
-           py::arg("topk") = s.topk, py::arg("init_blocks") = s.init_blocks,
-           py::arg("local_blocks") = s.local_blocks, py::arg("rope_dim") = s.rope_dim,
-           py::arg("rope_theta") = s.rope_theta, py::arg("rms_eps") = s.rms_eps)
-      .def_property_readonly("group_size", &SparseConfig::group_size, "query heads per KV head")
+  const ConfigFields<SparseConfig> fields = sparse_config_fields();
+  bind_config_fields(sparse, "SparseConfig", fields, fields);
+  sparse.def_property_readonly("group_size", &SparseConfig::group_size, "query heads per KV head")
       .def_property_readonly("softmax_scale", &SparseConfig::softmax_scale, "1 / sqrt(head_dim)")
       .def_property_readonly("qkv_width", &SparseConfig::qkv_width,
                              "width of one token's fused projection [q | k | v | index_q | "
                              "index_k]")
       .def("validate", &SparseConfig::validate, "Raises m3msa.Error naming the first bad field.");
-  bind_attention_fields(sparse);
 }
 
 void bind_view(py::module_& m) {

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "config_fields.h"
 #include "dispatch.h"
 #include "interop.h"
 #include "m3msa/comm.h"
@@ -112,8 +113,9 @@ LayerWeights import_layer(ImportScope& scope, py::handle layer, std::size_t inde
   tensor("qkv_proj_scale", w.qkv_proj_scale, true, false);
   tensor("q_norm", w.q_norm, false, false);
   tensor("k_norm", w.k_norm, false, false);
-  tensor("index_q_norm", w.index_q_norm, false, false);
-  tensor("index_k_norm", w.index_k_norm, false, false);
+  // The index part is absent from a dense layer (the runtime names what a layer lacks).
+  tensor("index_q_norm", w.index_q_norm, true, false);
+  tensor("index_k_norm", w.index_k_norm, true, false);
   tensor("input_norm", w.input_norm, false, false);
   tensor("post_attention_norm", w.post_attention_norm, false, false);
   tensor("o_proj", w.o_proj, false, false);
@@ -121,7 +123,7 @@ LayerWeights import_layer(ImportScope& scope, py::handle layer, std::size_t inde
   tensor("kv_cache", w.kv_cache.data, false, true);
   w.kv_cache.k_scale = float_field(layer, "k_scale", 1.0f);
   w.kv_cache.v_scale = float_field(layer, "v_scale", 1.0f);
-  tensor("index_cache", w.index_cache.data, false, true);
+  tensor("index_cache", w.index_cache.data, true, true);
   tensor("mlp_gate_up", w.mlp_gate_up, true, false);
   tensor("mlp_down", w.mlp_down, true, false);
   // The mixture of experts (docs/spec.md section 8): optional, and absent from objects that
@@ -141,88 +143,44 @@ LayerWeights import_layer(ImportScope& scope, py::handle layer, std::size_t inde
   moe_tensor("shared_w13_scale", w.shared_expert.w13_scale);
   moe_tensor("shared_w2", w.shared_expert.w2);
   moe_tensor("shared_w2_scale", w.shared_expert.w2_scale);
+  // A dense layer's MLP (the shared expert's format).
+  moe_tensor("dense_w13", w.dense_mlp.w13);
+  moe_tensor("dense_w13_scale", w.dense_mlp.w13_scale);
+  moe_tensor("dense_w2", w.dense_mlp.w2);
+  moe_tensor("dense_w2_scale", w.dense_mlp.w2_scale);
   return w;
 }
 
-// ModelConfig is a SparseConfig with global head counts (config.h): the attention fields come
-// from the SparseConfig binding (module.cc); this adds the model's own fields and a value
-// protocol (repr, ==, copy) that covers them.
-std::string model_repr(const ModelConfig& c) {
-  std::ostringstream out;
-  out << "ModelConfig(hidden=" << c.hidden << ", num_layers=" << c.num_layers
-      << ", first_sparse_layer=" << c.first_sparse_layer << ", q_heads=" << c.q_heads
-      << ", kv_heads=" << c.kv_heads << ", head_dim=" << c.head_dim
-      << ", index_heads=" << c.index_heads << ", index_dim=" << c.index_dim
-      << ", block_size=" << c.block_size << ", topk=" << c.topk << ", init_blocks=" << c.init_blocks
-      << ", local_blocks=" << c.local_blocks << ", rope_dim=" << c.rope_dim
-      << ", rope_theta=" << c.rope_theta << ", rms_eps=" << c.rms_eps
-      << ", intermediate=" << c.intermediate << ", num_experts=" << c.num_experts
-      << ", experts_per_token=" << c.experts_per_token
-      << ", moe_intermediate=" << c.moe_intermediate << ", shared_experts=" << c.shared_experts
-      << ", dense_intermediate=" << c.dense_intermediate << ", routed_scaling=" << c.routed_scaling
-      << ", activation_limit=" << c.activation_limit << ")";
-  return out.str();
-}
-
+// ModelConfig is a SparseConfig with global head counts (config.h): it inherits the attention
+// fields' attributes from the SparseConfig binding (module.cc) and adds its own; its constructor,
+// repr and == cover both.
 void bind_model_config(py::module_& m) {
-  const ModelConfig d;
-  py::class_<ModelConfig, SparseConfig>(
+  using M = ModelConfig;
+  const ConfigFields<M> own = {{"hidden", &M::hidden},
+                               {"num_layers", &M::num_layers},
+                               {"first_sparse_layer", &M::first_sparse_layer},
+                               {"intermediate", &M::intermediate},
+                               {"num_experts", &M::num_experts},
+                               {"experts_per_token", &M::experts_per_token},
+                               {"moe_intermediate", &M::moe_intermediate},
+                               {"shared_experts", &M::shared_experts},
+                               {"dense_intermediate", &M::dense_intermediate},
+                               {"routed_scaling", &M::routed_scaling},
+                               {"activation_limit", &M::activation_limit}};
+  ConfigFields<M> all(own.begin(), own.begin() + 3);  // hidden, num_layers, first_sparse_layer
+  for (const auto& f : widen_fields<M>(sparse_config_fields())) all.push_back(f);
+  all.insert(all.end(), own.begin() + 3, own.end());
+  py::class_<ModelConfig, SparseConfig> model(
       m, "ModelConfig",
       "The whole model, with global head counts (a SparseConfig at TP=1 plus the model's own "
-      "fields). Defaults: MiniMax-M3.")
-      .def(py::init([](int hidden, int num_layers, int first_sparse_layer, int q_heads,
-                       int kv_heads, int head_dim, int index_heads, int index_dim, int block_size,
-                       int topk, int init_blocks, int local_blocks, int rope_dim, double rope_theta,
-                       float rms_eps, int intermediate) {
-             ModelConfig c;
-             c.hidden = hidden;
-             c.num_layers = num_layers;
-             c.first_sparse_layer = first_sparse_layer;
-             c.q_heads = q_heads;
-             c.kv_heads = kv_heads;
-             c.head_dim = head_dim;
-             c.index_heads = index_heads;
-             c.index_dim = index_dim;
-             c.block_size = block_size;
-             c.topk = topk;
-             c.init_blocks = init_blocks;
-             c.local_blocks = local_blocks;
-             c.rope_dim = rope_dim;
-             c.rope_theta = rope_theta;
-             c.rms_eps = rms_eps;
-             c.intermediate = intermediate;
-             return c;
-           }),
-           py::kw_only(), py::arg("hidden") = d.hidden, py::arg("num_layers") = d.num_layers,
-           py::arg("first_sparse_layer") = d.first_sparse_layer, py::arg("q_heads") = d.q_heads,
-           py::arg("kv_heads") = d.kv_heads, py::arg("head_dim") = d.head_dim,
-           py::arg("index_heads") = d.index_heads, py::arg("index_dim") = d.index_dim,
-           py::arg("block_size") = d.block_size, py::arg("topk") = d.topk,
-           py::arg("init_blocks") = d.init_blocks, py::arg("local_blocks") = d.local_blocks,
-           py::arg("rope_dim") = d.rope_dim, py::arg("rope_theta") = d.rope_theta,
-           py::arg("rms_eps") = d.rms_eps, py::arg("intermediate") = d.intermediate)
-      .def_readwrite("hidden", &ModelConfig::hidden)
-      .def_readwrite("num_layers", &ModelConfig::num_layers)
-      .def_readwrite("first_sparse_layer", &ModelConfig::first_sparse_layer)
-      .def_readwrite("intermediate", &ModelConfig::intermediate)
-      .def_readwrite("num_experts", &ModelConfig::num_experts)
-      .def_readwrite("experts_per_token", &ModelConfig::experts_per_token)
-      .def_readwrite("moe_intermediate", &ModelConfig::moe_intermediate)
-      .def_readwrite("shared_experts", &ModelConfig::shared_experts)
-      .def_readwrite("dense_intermediate", &ModelConfig::dense_intermediate)
-      .def_readwrite("routed_scaling", &ModelConfig::routed_scaling)
-      .def_readwrite("activation_limit", &ModelConfig::activation_limit)
-      .def_property_readonly("num_sparse_layers", &ModelConfig::num_sparse_layers)
+      "fields). Defaults: MiniMax-M3.");
+  bind_config_fields(model, "ModelConfig", own, all);
+  model.def_property_readonly("num_sparse_layers", &ModelConfig::num_sparse_layers)
       .def("sparse", &ModelConfig::sparse, py::arg("tp_size") = 1,
            py::arg("context_parallel") = false,
            "The per-rank SparseConfig under tensor parallelism of tp_size ranks (with "
            "context_parallel: the CP view, every index head on every rank).")
-      .def("validate", &ModelConfig::validate)
-      .def("__repr__", &model_repr)
-      .def("__eq__", [](const ModelConfig& a,
-                        const ModelConfig& b) { return model_repr(a) == model_repr(b); })
-      .def("__copy__", [](const ModelConfig& c) { return c; })
-      .def("__deepcopy__", [](const ModelConfig& c, py::handle) { return c; });
+      .def("validate", &ModelConfig::validate);
 }
 
 void bind_config(py::module_& m) {

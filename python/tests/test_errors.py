@@ -51,6 +51,27 @@ class ErrorTest(TestCase):
         with self.assertRaisesError("invalid_argument", "config.index_heads"):
             small_config(index_heads=3).validate()
 
+    def test_config_constructors_take_every_field_by_name(self):
+        model = m3msa.ModelConfig(hidden=512, num_experts=8, experts_per_token=2,
+                                  moe_intermediate=256, dense_intermediate=1024, topk=8,
+                                  routed_scaling=1.5)
+        self.assertEqual((model.hidden, model.num_experts, model.experts_per_token,
+                          model.moe_intermediate, model.dense_intermediate, model.topk,
+                          model.routed_scaling), (512, 8, 2, 256, 1024, 8, 1.5))
+        self.assertEqual(model.q_heads, m3msa.ModelConfig().q_heads)  # the others: defaults
+        self.assertIn("num_experts=8", repr(model))
+        self.assertEqual(model, m3msa.ModelConfig(num_experts=8, hidden=512, experts_per_token=2,
+                                                  moe_intermediate=256, dense_intermediate=1024,
+                                                  topk=8, routed_scaling=1.5))
+        self.assertNotEqual(model, m3msa.ModelConfig())
+        self.assertEqual(small_config(), small_config())
+        with self.assertRaisesRegex(TypeError, "unexpected keyword argument 'topc'"):
+            m3msa.SparseConfig(topc=3)
+        with self.assertRaisesRegex(TypeError, "ModelConfig.num_experts: expected an int"):
+            m3msa.ModelConfig(num_experts=8.0)
+        with self.assertRaisesRegex(TypeError, "SparseConfig.rms_eps: expected a number"):
+            m3msa.SparseConfig(rms_eps=True)
+
     def test_wrong_python_types(self):
         with self.assertRaisesError("invalid_argument", "config"):
             m3msa.select_topk({"topk": 4}, self.c.index_q, self.c.index_cache, self.c.batch)

@@ -250,6 +250,72 @@ class RuntimeTest(TestCase):
         with self.assertRaisesError("invalid_argument", "experts.w13"):
             m3msa.Runtime().prepare(bad, config)
 
+    def test_dense_layer(self):
+        # Layer 0 bound as a dense layer (qkv_proj [q | k | v], no index part, a bf16 dense MLP of
+        # width 32) before the sparse layers: forward_layer(0) against dense attention and the
+        # MLP composed from the ops and NumPy; a dense layer with an index cache is refused by name.
+        rng = np.random.default_rng(10)
+        model = Model(rng)
+        model.model.dense_intermediate = 32
+        sc, hidden_size, inter = model.sc, 64, 32
+        width = (sc.q_heads + 2 * sc.kv_heads) * sc.head_dim
+
+        def weight(*shape, scale=1.0):
+            return m3msa.as_bf16(rng.standard_normal(shape) * scale)
+
+        dense = m3msa.LayerWeights(
+            0, qkv_proj=weight(width, hidden_size, scale=hidden_size ** -0.5),
+            q_norm=weight(sc.head_dim, scale=0.2), k_norm=weight(sc.head_dim, scale=0.2),
+            input_norm=weight(hidden_size, scale=0.2),
+            post_attention_norm=weight(hidden_size, scale=0.2),
+            o_proj=weight(hidden_size, sc.q_heads * sc.head_dim, scale=0.1),
+            kv_cache=weight(PAGES, sc.kv_heads, 2, sc.block_size, sc.head_dim),
+            dense_w13=weight(2 * inter, hidden_size, scale=hidden_size ** -0.5),
+            dense_w2=weight(hidden_size, inter, scale=inter ** -0.5))
+        config = runtime_config(model=model.model)
+        runtime = m3msa.Runtime()
+        self.assertEqual(runtime.prepare([dense] + model.layers, config), "active")
+        self.assertEqual(runtime.stats()["bound_layers"], [0, 1, 2])
+        batch, positions = decode_step(np.random.default_rng(11), [40, 17], 2)
+        rows = batch.num_rows
+        hidden = m3msa.as_bf16(rng.standard_normal((rows, 64)))
+        residual = m3msa.as_bf16(rng.standard_normal((rows, 64)) * 0.5)
+        self.assertTrue(runtime.begin_step(batch))
+        inputs = (oracle.bf16_decode(hidden.array), oracle.bf16_decode(residual.array))
+        kv = m3msa.view(np.asarray(dense.kv_cache.array).copy(), "bf16")
+        runtime.forward_layer(0, hidden, residual, positions)
+        f = lambda t: oracle.bf16_decode(t.array).astype(np.float64)  # noqa: E731
+        x = bf16(inputs[0].astype(np.float32) + inputs[1].astype(np.float32))
+        h = bf16(gemma_rms_norm(x, oracle.bf16_decode(dense.input_norm.array), sc.rms_eps))
+        # The ops take the sparse layout: zero index columns, index results thrown away.
+        qkv = np.zeros((rows, sc.qkv_width), np.float32)
+        qkv[:, :width] = bf16(h.astype(np.float64) @ f(dense.qkv_proj).T)
+        scratch = m3msa.as_bf16(np.zeros((PAGES, sc.block_size, sc.index_dim)))
+        norm = m3msa.as_bf16(np.zeros(sc.index_dim))
+        q, _ = m3msa.preprocess(sc, m3msa.as_bf16(qkv), dense.q_norm, dense.k_norm, norm, norm,
+                                positions, batch, kv, scratch, threads=THREADS)
+        a = m3msa.dense_attention(sc, q, kv, batch, threads=THREADS)
+        x2 = bf16(x + bf16(f(a).reshape(rows, -1) @ f(dense.o_proj).T))
+        h2 = bf16(gemma_rms_norm(x2, oracle.bf16_decode(dense.post_attention_norm.array),
+                                 sc.rms_eps)).astype(np.float64)
+        w13 = f(dense.dense_w13)
+        g = np.minimum(bf16(h2 @ w13[:inter].T), 7.0)
+        u = np.clip(bf16(h2 @ w13[inter:].T), -7.0, 7.0)
+        act = bf16(g / (1.0 + np.exp(-1.702 * g)) * (u + 1.0)).astype(np.float64)
+        for got, want, name in ((residual, x2, "residual"),
+                                (hidden, bf16(act @ f(dense.dense_w2).T), "dense MLP output"),
+                                (dense.kv_cache, oracle.bf16_decode(kv.array), "kv cache")):
+            ok, message = oracle.bf16_close(oracle.bf16_decode(got.array), want, ulps=4.0,
+                                            floor=2.0 ** -6)
+            self.assertTrue(ok, f"layer 0 {name}: {message}")
+        for layer in model.layers:
+            runtime.forward_layer(layer.layer, hidden, residual, positions)
+        self.assertEqual(runtime.stats()["layers_run"], 3)
+        runtime.close()
+        dense.index_cache = model.layers[0].index_cache
+        with self.assertRaisesError("invalid_argument", "layer 0 index_cache"):
+            m3msa.Runtime().prepare([dense] + model.layers, config)
+
     def test_two_ranks_as_threads(self):
         # pipeline_parallel_size 2 is unsupported on every rank: both fall back together (the
         # outcome is agreed through the group), each Python thread driving one rank.

@@ -137,4 +137,66 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
   CUDA_CHECK_LAUNCH();
 }
 
+std::size_t dense_mlp_workspace_bytes(int intermediate, int rows) {
+  return align256(static_cast<std::size_t>(rows) * static_cast<std::size_t>(intermediate) * 2);
+}
+
+MoeParams dense_mlp_params(const DenseMlpArgs& a, void* workspace) {
+  validate(a);
+  const Device device = a.x.device;
+  M3MSA_CHECK_ARG(device.type == DeviceType::kCUDA, "x: expected a tensor on a GPU, got one on ",
+                  device_name(device));
+  const std::pair<const TensorView*, const char*> tensors[] = {{&a.mlp.w13, "mlp.w13"},
+                                                               {&a.mlp.w13_scale, "mlp.w13_scale"},
+                                                               {&a.mlp.w2, "mlp.w2"},
+                                                               {&a.mlp.w2_scale, "mlp.w2_scale"},
+                                                               {&a.out, "out"}};
+  for (const auto& [view, name] : tensors) {
+    if (view->defined()) check_device(*view, name, device);
+  }
+  // The shared-expert slot of the moe kernels with no routed expert (num_experts 0, topk 0): the
+  // expert CTAs take every row, and y, whose one slot per row is then [rows, hidden], is out.
+  MoeParams p;
+  p.x = a.x.ptr<const uint16_t>();
+  p.fp8 = a.mlp.w13.dtype == DType::kFP8E4M3;
+  p.shared = {a.mlp.w13.data, a.mlp.w13_scale.ptr<const uint8_t>(), a.mlp.w2.data,
+              a.mlp.w2_scale.ptr<const uint8_t>(), narrow_int(a.mlp.w2.shape[1], "mlp width")};
+  p.rows = narrow_int(a.x.shape[0], "x rows");
+  p.hidden = narrow_int(a.x.shape[1], "hidden");
+  p.num_experts = 0;
+  p.topk = 0;
+  p.limit = a.activation_limit;
+  p.act_shared = static_cast<uint16_t*>(workspace);
+  p.out = a.out.ptr<float>();
+  p.y = p.out;
+  return p;
+}
+
+void launch_dense_mlp(const MoeParams& p, cudaStream_t stream) {
+  M3MSA_CHECK_ARG(p.rows >= 0 && p.rows <= kMoeMaxRows, "dense mlp: rows must be in [0, ",
+                  kMoeMaxRows, "], got ", p.rows);
+  M3MSA_CHECK_ARG(p.num_experts == 0 && p.topk == 0 && p.y == p.out,
+                  "dense mlp: expected the params of dense_mlp_params");
+  M3MSA_CHECK_ARG(p.hidden > 0 && p.hidden % 8 == 0,
+                  "dense mlp: hidden must be a multiple of 8, got ", p.hidden);
+  M3MSA_CHECK_ARG(p.shared.inter > 0 && p.shared.inter % 8 == 0,
+                  "dense mlp: the intermediate must be a multiple of 8, got ", p.shared.inter);
+  M3MSA_CHECK_ARG(p.x && p.shared.w13 && p.shared.w2 && p.out && p.act_shared,
+                  "dense mlp: null pointer");
+  M3MSA_CHECK_ARG(!p.fp8 || (p.shared.w13_scale && p.shared.w2_scale),
+                  "dense mlp: MXFP8 weights without scales");
+  const void* aligned[] = {p.x, p.shared.w13, p.shared.w2, p.act_shared};
+  for (const void* ptr : aligned) {
+    M3MSA_CHECK_ARG(aligned16(ptr),
+                    "dense mlp: the activations and weights must be 16-byte aligned");
+  }
+  if (p.rows == 0) return;
+  const dim3 gate_up_grid((p.shared.inter + moe::kGateUpTile - 1) / moe::kGateUpTile, 1);
+  moe::moe_gate_up_kernel<<<gate_up_grid, moe::kThreads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+  const dim3 down_grid((p.hidden + moe::kDownTile - 1) / moe::kDownTile, 1);
+  moe::moe_down_kernel<<<down_grid, moe::kThreads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
 }  // namespace m3msa::cuda

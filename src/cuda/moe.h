@@ -29,4 +29,11 @@ MoeParams moe_params(const MoeConfig& config, const MoeArgs& args, void* workspa
 // The three launches on `stream`.
 void launch_moe(const MoeParams& p, cudaStream_t stream);
 
+// A dense layer's MLP (docs/spec.md section 8, "Dense MLP") on the same kernels: the shared-expert
+// slot alone (no router, no routed experts), its down projection written straight to args.out
+// (the expert function with weight 1: no combine). Two launches. Workspace: the activations.
+std::size_t dense_mlp_workspace_bytes(int intermediate, int rows);
+MoeParams dense_mlp_params(const DenseMlpArgs& args, void* workspace);
+void launch_dense_mlp(const MoeParams& p, cudaStream_t stream);
+
 }  // namespace m3msa::cuda

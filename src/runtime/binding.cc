@@ -313,12 +313,15 @@ void check_model_support(const RuntimeConfig& config, int tp_size, Problems& pro
   // there is nothing more to refuse here; the exchange itself is agreed when the ranks connect.
 }
 
-void check_readiness(const ModelWeights& model, Problems& problems) {
+void check_readiness(const ModelConfig& config, const ModelWeights& model, Problems& problems) {
   for (const LayerWeights& layer : model.layers) {
     const std::string prefix = "layer " + std::to_string(layer.layer) + " ";
+    // A dense layer has no index cache (check_weights refuses one that binds it).
+    const bool dense = layer.layer >= 0 && layer.layer < config.first_sparse_layer;
     const std::pair<const TensorView*, const char*> caches[] = {
         {&layer.kv_cache.data, "kv_cache"}, {&layer.index_cache.data, "index_cache"}};
     for (const auto& [view, name] : caches) {
+      if (dense && view == &layer.index_cache.data) continue;
       if (!view->defined()) {
         problems.not_ready(prefix + name + " is not bound");
       } else if (const std::string bad = invalid_extents(*view, prefix + name); !bad.empty()) {
@@ -383,6 +386,86 @@ void check_moe(const ModelConfig& m, int tp_size, const LayerWeights& w, const s
   }
 }
 
+// The weights of a dense layer's MLP (the shared expert's format) and nothing of a sparse layer's
+// index part or FFN.
+void check_dense_layer(const ModelConfig& m, int tp_size, const LayerWeights& w,
+                       const std::string& prefix, Device device, Problems& problems) {
+  const std::pair<const TensorView*, const char*> sparse_only[] = {
+      {&w.index_q_norm, "index_q_norm"},
+      {&w.index_k_norm, "index_k_norm"},
+      {&w.index_cache.data, "index_cache"},
+      {&w.mlp_gate_up, "mlp_gate_up"},
+      {&w.mlp_down, "mlp_down"},
+      {&w.router_weight, "router_weight"},
+      {&w.router_bias, "router_bias"},
+      {&w.experts.w13, "experts.w13"},
+      {&w.experts.w2, "experts.w2"},
+      {&w.shared_expert.w13, "shared_expert.w13"},
+      {&w.shared_expert.w2, "shared_expert.w2"}};
+  for (const auto& [view, name] : sparse_only) {
+    if (view->defined()) {
+      problems.error(ErrorCode::kInvalidArgument,
+                     prefix + name + ": bound on a dense layer (layers [0, " +
+                         std::to_string(m.first_sparse_layer) +
+                         ") have no index part and their FFN is dense_mlp), found " +
+                         describe(*view));
+    }
+  }
+  if (m.dense_intermediate == 0) {
+    problems.error(ErrorCode::kInvalidArgument,
+                   prefix + "dense_mlp: a dense layer is bound but model.dense_intermediate is 0");
+    return;
+  }
+  if (m.dense_intermediate % tp_size != 0) {
+    problems.unsupported(prefix + "dense_mlp: tensor parallel size " + std::to_string(tp_size) +
+                         " does not divide model.dense_intermediate " +
+                         std::to_string(m.dense_intermediate));
+    return;
+  }
+  if (!w.dense_mlp.defined()) {
+    problems.error(ErrorCode::kInvalidArgument,
+                   prefix + "dense_mlp: not bound (expected w13 [" +
+                       std::to_string(2 * (m.dense_intermediate / tp_size)) + ", " +
+                       std::to_string(m.hidden) + "] and w2 [" + std::to_string(m.hidden) + ", " +
+                       std::to_string(m.dense_intermediate / tp_size) + "], bf16 or MXFP8)");
+    return;
+  }
+  try {
+    validate_expert_weights(w.dense_mlp, "dense_mlp", 0, m.dense_intermediate / tp_size, m.hidden,
+                            &device);
+  } catch (const Error& e) {
+    problems.error(ErrorCode::kInvalidArgument, prefix + e.message());
+  }
+}
+
+// Layer ids as "a, b, c" (at most 8, then "...").
+std::string list_ids(const std::vector<int>& ids) {
+  constexpr std::size_t kListed = 8;
+  std::string out;
+  for (std::size_t i = 0; i < ids.size() && i < kListed; ++i) {
+    out += (i ? ", " : "") + std::to_string(ids[i]);
+  }
+  if (ids.size() > kListed) out += ", ...";
+  return out;
+}
+
+// The pages of every bound cache of one kind must agree: one block table addresses them all.
+struct PageAgreement {
+  const char* name;
+  int64_t pages = -1;
+  int layer = -1;
+  void check(int64_t found, int id, const std::string& prefix, Problems& problems) {
+    if (pages < 0) {
+      pages = found;
+      layer = id;
+    } else if (found != pages) {
+      problems.error(ErrorCode::kInvalidArgument,
+                     prefix + name + ": expected " + std::to_string(pages) + " pages (as layer " +
+                         std::to_string(layer) + "), found " + std::to_string(found));
+    }
+  }
+};
+
 }  // namespace
 
 void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights& model,
@@ -391,15 +474,17 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
   const SparseConfig sc = m.sparse(tp_size, config.context_parallel);
   const int first = m.first_sparse_layer;
   const int count = m.num_sparse_layers();
-  std::vector<const LayerWeights*> slots(static_cast<std::size_t>(count), nullptr);
+  std::vector<const LayerWeights*> slots(static_cast<std::size_t>(m.num_layers), nullptr);
   for (const LayerWeights& layer : model.layers) {
-    if (layer.layer < first || layer.layer >= m.num_layers) {
+    if (layer.layer < 0 || layer.layer >= m.num_layers) {
       problems.error(ErrorCode::kInvalidArgument,
-                     "layer " + std::to_string(layer.layer) + ": not a sparse layer (expected [" +
-                         std::to_string(first) + ", " + std::to_string(m.num_layers) + "))");
+                     "layer " + std::to_string(layer.layer) +
+                         ": not a layer of the model (expected dense layers [0, " +
+                         std::to_string(first) + ") or sparse layers [" + std::to_string(first) +
+                         ", " + std::to_string(m.num_layers) + "))");
       continue;
     }
-    const LayerWeights*& slot = slots[static_cast<std::size_t>(layer.layer - first)];
+    const LayerWeights*& slot = slots[static_cast<std::size_t>(layer.layer)];
     if (slot != nullptr) {
       problems.error(ErrorCode::kInvalidArgument,
                      "layer " + std::to_string(layer.layer) + ": bound twice");
@@ -426,32 +511,40 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
     return;
   }
 
+  // The dense layers: all of [0, first) or none.
+  std::vector<int> dense_missing;
+  for (int id = 0; id < first; ++id) {
+    if (slots[static_cast<std::size_t>(id)] == nullptr) dense_missing.push_back(id);
+  }
+  if (static_cast<int>(dense_missing.size()) < first && !dense_missing.empty()) {
+    problems.error(ErrorCode::kInvalidArgument,
+                   std::to_string(first - static_cast<int>(dense_missing.size())) + " of the " +
+                       std::to_string(first) +
+                       " dense layers are bound (all of them or none): missing layer " +
+                       list_ids(dense_missing));
+  }
+
+  const RankLayout layout = rank_layout(m, 0, tp_size, config.context_parallel);
   const int64_t hidden = m.hidden;
-  const int64_t width = sc.qkv_width();
   const int64_t attn_width = int64_t{sc.q_heads} * sc.head_dim;
   const int64_t mlp_width = m.intermediate / tp_size;
-  int64_t kv_pages = -1;
-  int64_t index_pages = -1;
-  int kv_pages_layer = -1;
-  int index_pages_layer = -1;
+  PageAgreement kv_pages{"kv_cache"};
+  PageAgreement index_pages{"index_cache"};
   std::vector<int> missing;  // sparse layers not bound (reported once, whatever their number)
-  for (int i = 0; i < count; ++i) {
-    const int id = first + i;
+  for (int id = 0; id < m.num_layers; ++id) {
     const std::string prefix = "layer " + std::to_string(id) + " ";
-    const LayerWeights* w = slots[static_cast<std::size_t>(i)];
+    const LayerWeights* w = slots[static_cast<std::size_t>(id)];
+    const bool dense = id < first;
     if (w == nullptr) {
-      missing.push_back(id);
+      if (!dense) missing.push_back(id);
       continue;
     }
-    // With CP the width counts every index_q head (runtime.h, LayerWeights).
-    check_projection(problems, w->qkv_proj, w->qkv_proj_scale, prefix + "qkv_proj", width, hidden,
-                     device);
+    // With CP the width counts every index_q head (runtime.h, LayerWeights); a dense layer has no
+    // index segments.
+    check_projection(problems, w->qkv_proj, w->qkv_proj_scale, prefix + "qkv_proj",
+                     dense ? layout.dense_qkv_width : sc.qkv_width(), hidden, device);
     check_bound(problems, w->q_norm, prefix + "q_norm", {DType::kBF16}, {sc.head_dim}, device);
     check_bound(problems, w->k_norm, prefix + "k_norm", {DType::kBF16}, {sc.head_dim}, device);
-    check_bound(problems, w->index_q_norm, prefix + "index_q_norm", {DType::kBF16}, {sc.index_dim},
-                device);
-    check_bound(problems, w->index_k_norm, prefix + "index_k_norm", {DType::kBF16}, {sc.index_dim},
-                device);
     check_bound(problems, w->input_norm, prefix + "input_norm", {DType::kBF16}, {hidden}, device);
     check_bound(problems, w->post_attention_norm, prefix + "post_attention_norm", {DType::kBF16},
                 {hidden}, device);
@@ -479,28 +572,25 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
                            std::to_string(w->kv_cache.k_scale) + " and " +
                            std::to_string(w->kv_cache.v_scale));
       }
-      // One block table addresses every layer's cache: the page counts must agree.
-      if (kv_pages < 0) {
-        kv_pages = w->kv_cache.pages();
-        kv_pages_layer = id;
-      } else if (w->kv_cache.pages() != kv_pages) {
-        problems.error(ErrorCode::kInvalidArgument,
-                       prefix + "kv_cache: expected " + std::to_string(kv_pages) +
-                           " pages (as layer " + std::to_string(kv_pages_layer) + "), found " +
-                           std::to_string(w->kv_cache.pages()));
-      }
+      kv_pages.check(w->kv_cache.pages(), id, prefix, problems);
     }
+    if (dense) {
+      check_dense_layer(m, tp_size, *w, prefix, device, problems);
+      continue;
+    }
+
+    check_bound(problems, w->index_q_norm, prefix + "index_q_norm", {DType::kBF16}, {sc.index_dim},
+                device);
+    check_bound(problems, w->index_k_norm, prefix + "index_k_norm", {DType::kBF16}, {sc.index_dim},
+                device);
     if (check_bound(problems, w->index_cache.data, prefix + "index_cache",
                     {DType::kBF16, DType::kFP8E4M3}, {-1, sc.block_size, sc.index_dim}, device)) {
-      if (index_pages < 0) {
-        index_pages = w->index_cache.pages();
-        index_pages_layer = id;
-      } else if (w->index_cache.pages() != index_pages) {
-        problems.error(ErrorCode::kInvalidArgument,
-                       prefix + "index_cache: expected " + std::to_string(index_pages) +
-                           " pages (as layer " + std::to_string(index_pages_layer) + "), found " +
-                           std::to_string(w->index_cache.pages()));
-      }
+      index_pages.check(w->index_cache.pages(), id, prefix, problems);
+    }
+    if (w->dense_mlp.defined()) {
+      problems.error(ErrorCode::kInvalidArgument,
+                     prefix + "dense_mlp: bound on a sparse layer (only the dense layers [0, " +
+                         std::to_string(first) + ") have it)");
     }
 
     const bool has_gate_up = w->mlp_gate_up.defined();
@@ -521,19 +611,16 @@ void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights&
     if (w->has_moe()) check_moe(m, tp_size, *w, prefix, device, problems);
   }
   if (!missing.empty()) {
-    constexpr std::size_t kListed = 8;
-    std::string ids;
-    for (std::size_t i = 0; i < missing.size() && i < kListed; ++i) {
-      ids += (i ? ", " : "") + std::to_string(missing[i]);
-    }
-    if (missing.size() > kListed) ids += ", ...";
     problems.error(ErrorCode::kInvalidArgument,
                    std::to_string(missing.size()) + " of the " + std::to_string(count) +
-                       " sparse layers are not bound (every sparse layer must be): layer " + ids);
+                       " sparse layers are not bound (every sparse layer must be): layer " +
+                       list_ids(missing));
   }
   if (!problems.empty()) return;
   by_layer.clear();
-  for (const LayerWeights* w : slots) by_layer.push_back(*w);
+  for (const LayerWeights* w : slots) {
+    if (w != nullptr) by_layer.push_back(*w);
+  }
 }
 
 }  // namespace m3msa::runtime_detail
@@ -559,7 +646,8 @@ LayerWeights map_tensors(const LayerWeights& layer,
   w.router_weight = fn(layer.router_weight);
   w.router_bias = fn(layer.router_bias);
   for (auto [in, out] :
-       {std::pair{&layer.experts, &w.experts}, std::pair{&layer.shared_expert, &w.shared_expert}}) {
+       {std::pair{&layer.experts, &w.experts}, std::pair{&layer.shared_expert, &w.shared_expert},
+        std::pair{&layer.dense_mlp, &w.dense_mlp}}) {
     out->w13 = fn(in->w13);
     out->w13_scale = fn(in->w13_scale);
     out->w2 = fn(in->w2);

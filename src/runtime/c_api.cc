@@ -96,6 +96,8 @@ m3msa::LayerWeights to_layer(const m3msa_layer_weights& w) {
   out.shared_expert = {
       to_view(w.shared_w13, "shared_w13"), to_view(w.shared_w13_scale, "shared_w13_scale"),
       to_view(w.shared_w2, "shared_w2"), to_view(w.shared_w2_scale, "shared_w2_scale")};
+  out.dense_mlp = {to_view(w.dense_w13, "dense_w13"), to_view(w.dense_w13_scale, "dense_w13_scale"),
+                   to_view(w.dense_w2, "dense_w2"), to_view(w.dense_w2_scale, "dense_w2_scale")};
   return out;
 }
 

@@ -119,6 +119,8 @@ void CpuEngine::forward_layer(int layer, const LayerWeights& w, const BatchMeta&
   const int64_t rows = step.num_rows();
   const int64_t H = m.hidden;
   const int threads = config_.threads;
+  // A dense layer (docs/spec.md section 8): no index part, dense attention, the dense MLP.
+  const bool dense = layer < m.first_sparse_layer;
   // The layer works on scratch copies and writes hidden / residual only at the end, so a call
   // that throws part way (a refused argument) leaves the engine's tensors as they were.
   const uint16_t* h_in = hidden.ptr<const uint16_t>();
@@ -138,13 +140,19 @@ void CpuEngine::forward_layer(int layer, const LayerWeights& w, const BatchMeta&
                       normed + r * H);
   }
 
-  // 2. The fused projection [q | k | v | index_q | index_k].
+  // 2. The fused projection [q | k | v | index_q | index_k] ([q | k | v] of a dense layer, in the
+  // leading columns of the same rows; its index columns are zero and never read).
   const int64_t width = sc.qkv_width();
+  const int64_t projected = w.qkv_proj.shape[0];
   linear(normed, rows, H, w.qkv_proj, w.qkv_proj_scale, f32, x_row_.data());
   uint16_t* qkv = qkv_.ptr<uint16_t>();
-  for (int64_t i = 0; i < rows * width; ++i) qkv[i] = float_to_bf16(f32[i]);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t n = 0; n < projected; ++n)
+      qkv[r * width + n] = float_to_bf16(f32[r * projected + n]);
+    std::fill(qkv + r * width + projected, qkv + (r + 1) * width, uint16_t{0});
+  }
 
-  // 3. Head norms, RoPE, cache insert; 4. selection; 5. sparse attention.
+  // 3. Head norms, RoPE, cache insert; 4. selection; 5. sparse (dense: causal) attention.
   PreprocessArgs pre;
   pre.qkv = TensorView::contiguous(qkv, DType::kBF16, {rows, width});
   pre.q_norm = w.q_norm;
@@ -178,7 +186,7 @@ void CpuEngine::forward_layer(int layer, const LayerWeights& w, const BatchMeta&
     }
     selection_layer = layer;
     ++stats.indexer_layers_run;
-  } else {
+  } else if (!dense) {
     ++stats.sharing_layers_run;
   }
 
@@ -186,7 +194,7 @@ void CpuEngine::forward_layer(int layer, const LayerWeights& w, const BatchMeta&
   att.q = pre.q_out;
   att.kv_cache = w.kv_cache;
   att.batch = step;
-  att.topk_idx = topk;
+  if (!dense) att.topk_idx = topk;
   att.out = TensorView::contiguous(attn_.data(), DType::kBF16,
                                    {rows, int64_t{sc.q_heads}, int64_t{sc.head_dim}});
   cpu::sparse_attention(sc, att, threads);
@@ -197,6 +205,12 @@ void CpuEngine::forward_layer(int layer, const LayerWeights& w, const BatchMeta&
          x_row_.data());
   std::snprintf(tag, sizeof(tag), "layer %d o_proj", layer);
   comm_->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
+  // The FFNs end alike: this rank's fp32 partial in f32, summed over the ranks, hidden <- bf16.
+  auto reduce_into_hidden = [&](const char* what) {
+    std::snprintf(tag, sizeof(tag), "layer %d %s", layer, what);
+    comm_->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
+    for (int64_t i = 0; i < rows * H; ++i) h[i] = float_to_bf16(f32[i]);
+  };
 
   // 7. x2 = x + o (the new residual), h2 = post_attention_norm(x2).
   for (int64_t i = 0; i < rows * H; ++i) {
@@ -220,9 +234,7 @@ void CpuEngine::forward_layer(int layer, const LayerWeights& w, const BatchMeta&
       }
     }
     linear(act, rows, I, w.mlp_down, TensorView{}, f32, x_row_.data());
-    std::snprintf(tag, sizeof(tag), "layer %d mlp_down", layer);
-    comm_->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
-    for (int64_t i = 0; i < rows * H; ++i) h[i] = float_to_bf16(f32[i]);
+    reduce_into_hidden("mlp_down");
   }
 
   // 8'. Or the mixture of experts (docs/spec.md section 8): this rank's partial of the routed and
@@ -236,9 +248,19 @@ void CpuEngine::forward_layer(int layer, const LayerWeights& w, const BatchMeta&
     moe.shared = w.shared_expert;
     moe.out = TensorView::contiguous(f32, DType::kF32, {rows, H});
     cpu::moe(m.moe(layout_.tp_size), moe, threads);
-    std::snprintf(tag, sizeof(tag), "layer %d moe", layer);
-    comm_->all_reduce_sum(f32, static_cast<std::size_t>(rows * H), tag);
-    for (int64_t i = 0; i < rows * H; ++i) h[i] = float_to_bf16(f32[i]);
+    reduce_into_hidden("moe");
+  }
+
+  // 8''. Or a dense layer's MLP (docs/spec.md section 8, "Dense MLP"): the expert function with
+  // weight 1 on this rank's slice of the intermediate, one TP reduce.
+  if (w.dense_mlp.defined()) {
+    DenseMlpArgs mlp;
+    mlp.x = TensorView::contiguous(h, DType::kBF16, {rows, H});
+    mlp.mlp = w.dense_mlp;
+    mlp.out = TensorView::contiguous(f32, DType::kF32, {rows, H});
+    mlp.activation_limit = m.activation_limit;
+    cpu::dense_mlp(mlp, threads);
+    reduce_into_hidden("dense_mlp");
   }
   const std::size_t bytes = sizeof(uint16_t) * static_cast<std::size_t>(rows * H);
   std::memcpy(hidden.data, h, bytes);

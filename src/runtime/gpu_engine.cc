@@ -14,6 +14,10 @@
 //   add_rmsnorm(residual + o -> residual, post_attention_norm -> hidden)    1
 //   MLP when bound: GEMM gate_up, SwiGLU, GEMM down (-> hidden at TP = 1; f32, all-reduce and a
 //   conversion at TP > 1)                                                   3 (+2)
+//   or the MoE: router, gate/up, down, combine, (all-reduce,) conversion   5 (+1)
+// A dense layer (below first_sparse_layer) projects [q | k | v] only, preprocesses without the
+// index part, selects nothing, attends densely over every visible key, and runs its dense MLP on
+// the moe family's kernels: gate/up, down, (all-reduce,) conversion      3 (+1)
 //
 // Projection choice: decode has <= 16 token rows, so one m16 tensor-core tile covers every row
 // and the projections are pure weight streams; our skinny GEMM (cuda/gemm.h) reads each
@@ -428,6 +432,7 @@ class GpuEngineImpl final : public GpuEngine {
     const int attention_cols = (sc.q_heads + 2 * sc.kv_heads) * sc.head_dim;
     const int attn_width = sc.q_heads * sc.head_dim;
     const Device dev = Device::cuda(device_);
+    const bool dense = w.layer < m.first_sparse_layer;  // run_indexer is false
     int64_t launches = 0;
     auto* h = hidden.ptr<uint16_t>();
     auto* res = residual.ptr<uint16_t>();
@@ -497,13 +502,13 @@ class GpuEngineImpl final : public GpuEngine {
       }
     }
 
-    // 5. Sparse attention; 6. output projection (this rank's heads) and the TP reduce;
-    // 7. x2 = x + o, h2 = norm(x2).
+    // 5. Sparse attention (a dense layer: dense causal attention); 6. output projection (this
+    // rank's heads) and the TP reduce; 7. x2 = x + o, h2 = norm(x2).
     AttentionArgs att;
     att.q = pre.q_out;
     att.kv_cache = w.kv_cache;
     att.batch = step;
-    att.topk_idx = topk_view(rows);
+    if (!dense) att.topk_idx = topk_view(rows);
     att.out = attn_view(rows);
     cuda::launch_attention(sc, att, attention_ws_.data(), attention_ws_.bytes(), stream_);
     ++launches;
@@ -533,9 +538,7 @@ class GpuEngineImpl final : public GpuEngine {
       launches += 2;
       if (reduce) {
         gemm(mlp_act_.as<uint16_t>(), inter, w.mlp_down, TensorView{}, o32_.data(), H, true, rows);
-        all_reduce(o32_.as<float>(), int64_t{rows} * H, 2 * w.layer + 1);
-        cuda::launch_convert_f32_to_bf16(o32_.as<float>(), h, int64_t{rows} * H, stream_);
-        launches += 3;
+        launches += 1 + ffn_to_hidden(w.layer, h, rows);
       } else {
         gemm(mlp_act_.as<uint16_t>(), inter, w.mlp_down, TensorView{}, h, H, false, rows);
         ++launches;
@@ -553,15 +556,34 @@ class GpuEngineImpl final : public GpuEngine {
       a.shared = w.shared_expert;
       a.out = TensorView::contiguous(o32_.data(), DType::kF32, {int64_t{rows}, H}, dev);
       cuda::launch_moe(cuda::moe_params(m.moe(tp_size_), a, moe_ws_.data()), stream_);
-      launches += 4;
-      if (reduce) {
-        all_reduce(o32_.as<float>(), int64_t{rows} * H, 2 * w.layer + 1);
-        ++launches;
-      }
-      cuda::launch_convert_f32_to_bf16(o32_.as<float>(), h, int64_t{rows} * H, stream_);
-      ++launches;
+      launches += 4 + ffn_to_hidden(w.layer, h, rows);
+    }
+
+    // 8''. Or a dense layer's MLP (docs/spec.md section 8, "Dense MLP"): the shared-expert path of
+    // the moe kernels with weight 1, one fp32 TP reduce, then bf16.
+    if (w.dense_mlp.defined()) {
+      DenseMlpArgs a;
+      a.x = TensorView::contiguous(h, DType::kBF16, {int64_t{rows}, H}, dev);
+      a.mlp = w.dense_mlp;
+      a.out = TensorView::contiguous(o32_.data(), DType::kF32, {int64_t{rows}, H}, dev);
+      a.activation_limit = m.activation_limit;
+      cuda::launch_dense_mlp(cuda::dense_mlp_params(a, dense_ws_.data()), stream_);
+      launches += 2 + ffn_to_hidden(w.layer, h, rows);
     }
     launches_ = launches;
+  }
+
+  // An FFN's fp32 partial in o32_: summed over the ranks (TP > 1), then hidden <- bf16. Returns
+  // the launches.
+  int64_t ffn_to_hidden(int layer, uint16_t* h, int rows) {
+    const int64_t count = int64_t{rows} * config_.model.hidden;
+    int64_t launches = 1;
+    if (tp_size_ > 1) {
+      all_reduce(o32_.as<float>(), count, 2 * layer + 1);
+      ++launches;
+    }
+    cuda::launch_convert_f32_to_bf16(o32_.as<float>(), h, count, stream_);
+    return launches;
   }
 
   Runtime::LayerTrace trace(int64_t rows) const override {
@@ -605,7 +627,7 @@ class GpuEngineImpl final : public GpuEngine {
     peer_ar_.reset();
     for (cuda::DeviceBuffer* b :
          {&meta_, &normed_, &qkv_, &q_, &index_q_, &topk_, &attn_, &o16_, &o32_, &mlp_gu_,
-          &mlp_act_, &moe_ws_, &indexer_ws_, &attention_ws_}) {
+          &mlp_act_, &moe_ws_, &dense_ws_, &indexer_ws_, &attention_ws_}) {
       b->reset();
     }
   }
@@ -636,10 +658,18 @@ class GpuEngineImpl final : public GpuEngine {
     attn_ = cuda::DeviceBuffer(2 * rows * attn_width);
     o16_ = cuda::DeviceBuffer(2 * rows * hidden);
     bool any_moe = false;
-    for (const LayerWeights& w : layers) any_moe = any_moe || w.has_moe();
-    if (tp_size_ > 1 || any_moe) o32_ = cuda::DeviceBuffer(4 * rows * hidden);
+    bool any_dense = false;
+    for (const LayerWeights& w : layers) {
+      any_moe = any_moe || w.has_moe();
+      any_dense = any_dense || w.dense_mlp.defined();
+    }
+    if (tp_size_ > 1 || any_moe || any_dense) o32_ = cuda::DeviceBuffer(4 * rows * hidden);
     if (any_moe) {
       moe_ws_ = cuda::DeviceBuffer(cuda::moe_workspace_bytes(m.moe(tp_size_), max_rows_));
+    }
+    if (any_dense) {
+      dense_ws_ = cuda::DeviceBuffer(
+          cuda::dense_mlp_workspace_bytes(m.dense_intermediate / tp_size_, max_rows_));
     }
     bool any_mlp = false;
     for (const LayerWeights& w : layers) any_mlp = any_mlp || w.mlp_gate_up.defined();
@@ -764,7 +794,8 @@ class GpuEngineImpl final : public GpuEngine {
   int next_slot_ = 0;
 
   cuda::DeviceBuffer normed_, qkv_, q_, index_q_, topk_, attn_, o16_, o32_, mlp_gu_, mlp_act_;
-  cuda::DeviceBuffer moe_ws_;  // the moe family's workspace (layers with experts)
+  cuda::DeviceBuffer moe_ws_;    // the moe family's workspace (layers with experts)
+  cuda::DeviceBuffer dense_ws_;  // the dense MLP's activations (the dense layers)
   PlanLimits limits_;
   cuda::IndexerPlan indexer_plan_;
   cuda::IndexerPlan side_indexer_plan_;  // overlap_: one CTA per SM (beside the projection)
@@ -853,6 +884,25 @@ void check_gpu_support(const RuntimeConfig& config, int tp_size, Communicator& c
                                        {&w.experts.w2, "experts.w2"},
                                        {&w.shared_expert.w13, "shared_expert.w13"},
                                        {&w.shared_expert.w2, "shared_expert.w2"}}) {
+        need(!view->defined() || reinterpret_cast<uintptr_t>(view->data) % 16 == 0,
+             "layer " + std::to_string(w.layer) + " " + name + " must be 16-byte aligned");
+      }
+    }
+  }
+  bool any_dense = false;
+  for (const LayerWeights& w : layers) any_dense = any_dense || w.dense_mlp.defined();
+  if (any_dense) {
+    // The dense MLP runs on the moe family's kernels (src/cuda/moe.h); the binding stage checked
+    // the shapes.
+    const int width = m.dense_intermediate / tp_size;
+    need(max_bucket <= cuda::kMoeMaxRows,
+         "the dense MLP takes token buckets of <= " + std::to_string(cuda::kMoeMaxRows) +
+             " rows, got " + std::to_string(max_bucket));
+    need(width % 8 == 0,
+         "the dense MLP width per rank must be a multiple of 8, got " + std::to_string(width));
+    for (const LayerWeights& w : layers) {
+      for (const auto& [view, name] :
+           {std::pair{&w.dense_mlp.w13, "dense_mlp.w13"}, {&w.dense_mlp.w2, "dense_mlp.w2"}}) {
         need(!view->defined() || reinterpret_cast<uintptr_t>(view->data) % 16 == 0,
              "layer " + std::to_string(w.layer) + " " + name + " must be 16-byte aligned");
       }

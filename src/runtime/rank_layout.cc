@@ -38,6 +38,9 @@ RankLayout rank_layout(const ModelConfig& model, int tp_rank, int tp_size, bool 
   l.o_proj_cols = l.q_rows;
   const int64_t inter = model.intermediate / tp_size;
   l.mlp_rows = {tp_rank * inter, inter};
+  l.dense_qkv_width = l.q_rows.count + l.k_rows.count + l.v_rows.count;
+  const int64_t dense = model.dense_intermediate / tp_size;
+  l.dense_mlp_rows = {tp_rank * dense, dense};
   return l;
 }
 

@@ -202,7 +202,8 @@ struct Runtime::Impl {
   Communicator* comm = nullptr;
   RuntimeConfig config;
   SparseConfig sparse;
-  std::vector<LayerWeights> layers;  // index: layer - first_sparse_layer
+  std::vector<LayerWeights> layers;  // ascending; index: layer - first_layer
+  int first_layer = 0;               // 0 with the dense layers bound, else first_sparse_layer
   RankLayout layout;
   int max_rows = 0;
   int64_t max_blocks = 0;
@@ -389,7 +390,8 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
   }
 
   // Stage 2: readiness (temporary profiling caches are a normal case: retry later).
-  mine = run_stage([&](Problems& problems) { runtime_detail::check_readiness(model, problems); });
+  mine = run_stage(
+      [&](Problems& problems) { runtime_detail::check_readiness(config.model, model, problems); });
   all = s.agree("prepare/readiness", mine);
   decision = s.decide("readiness", all);
   if (decision == OutcomeKind::kNotReady) {
@@ -412,8 +414,11 @@ PrepareResult Runtime::prepare(const ModelWeights& model, const RuntimeConfig& c
     s.sparse = config.model.sparse(tp, config.context_parallel);
     s.layout = rank_layout(config.model, comm.rank(), tp, config.context_parallel);
     s.layers = bound;
+    s.first_layer = bound.front().layer;
     s.kv_pages = bound.front().kv_cache.pages();  // every layer's (check_weights)
-    s.index_pages = bound.front().index_cache.pages();
+    // Every sparse layer's; the dense layers have no index cache.
+    s.index_pages = bound[static_cast<std::size_t>(config.model.first_sparse_layer - s.first_layer)]
+                        .index_cache.pages();
     s.meta_positions = HostTensor(DType::kI64, {int64_t{config.token_buckets.back()}});
     s.device = device;
     s.stats.backend = cuda ? "cuda" : "cpu";
@@ -553,9 +558,13 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
                   "forward_layer: no accepted step (begin_step must return true "
                   "first)");
   const ModelConfig& m = s.config.model;
-  M3MSA_CHECK_ARG(layer >= m.first_sparse_layer && layer < m.num_layers, "forward_layer: layer ",
-                  layer, " is not a sparse layer [", m.first_sparse_layer, ", ", m.num_layers, ")");
-  const LayerWeights& w = s.layers[static_cast<std::size_t>(layer - m.first_sparse_layer)];
+  M3MSA_CHECK_ARG(layer >= 0 && layer < m.num_layers, "forward_layer: layer ", layer,
+                  " is not a layer of the model [0, ", m.num_layers, ")");
+  M3MSA_CHECK_ARG(layer >= s.first_layer, "forward_layer: layer ", layer, " is a dense layer [0, ",
+                  m.first_sparse_layer,
+                  ") and the dense layers are not bound (the engine runs them)");
+  const LayerWeights& w = s.layers[static_cast<std::size_t>(layer - s.first_layer)];
+  const bool dense = layer < m.first_sparse_layer;
   const int64_t rows = s.step.num_rows();
   const int64_t H = m.hidden;
   check_tensor(hidden, "forward_layer: hidden", DType::kBF16, {rows, H});
@@ -570,10 +579,11 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
     M3MSA_CHECK_ARG(view.is_contiguous(), name, " must be contiguous, got ", describe(view));
   }
   // Cross-layer selection sharing (docs/spec.md section 7): ordinals that are not multiples of the
-  // period attend with the selection of the step's last layer that ran its indexer.
+  // period attend with the selection of the step's last layer that ran its indexer. A dense layer
+  // neither selects nor uses a selection.
   const int period = s.config.selection_share_period;
-  const bool run_indexer = (layer - m.first_sparse_layer) % period == 0;
-  M3MSA_CHECK_ARG(run_indexer || s.selection_layer >= 0, "forward_layer: layer ", layer,
+  const bool run_indexer = !dense && (layer - m.first_sparse_layer) % period == 0;
+  M3MSA_CHECK_ARG(dense || run_indexer || s.selection_layer >= 0, "forward_layer: layer ", layer,
                   " shares the selection of the last layer that ran its indexer (period ", period,
                   "), but no such layer ran in this step since begin_step");
   s.last_rows = rows;
@@ -589,7 +599,7 @@ void Runtime::forward_layer(int layer, TensorView hidden, TensorView residual,
     // Inside a capture nothing ran yet: replays are counted by StepGraphs.
     if (!runtime_detail::stream_is_capturing(s.gpu->stream())) {
       ++s.stats.layers_run;
-      ++(run_indexer ? s.stats.indexer_layers_run : s.stats.sharing_layers_run);
+      if (!dense) ++(run_indexer ? s.stats.indexer_layers_run : s.stats.sharing_layers_run);
     }
     return;
   }

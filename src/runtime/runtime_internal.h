@@ -70,11 +70,13 @@ class Problems {
 
 // Stage 1: configuration vs what the CPU backend runs, for a TP group of `tp_size` ranks.
 void check_model_support(const RuntimeConfig& config, int tp_size, Problems& problems);
-// Stage 2: every bound layer's caches are given and non-empty.
-void check_readiness(const ModelWeights& model, Problems& problems);
-// Stage 3: every sparse layer bound once, every tensor's dtype, shape, layout and device (all on
-// one device: the first bound layer's qkv_proj's, written to `device`). Fills `by_layer` (index
-// = layer - first_sparse_layer) when there is no problem.
+// Stage 2: every bound layer's caches are given and non-empty (a dense layer has no index cache).
+void check_readiness(const ModelConfig& config, const ModelWeights& model, Problems& problems);
+// Stage 3: every sparse layer bound once, the dense layers all bound once or none, every tensor's
+// dtype, shape, layout and device (all on one device: the first bound layer's qkv_proj's, written
+// to `device`). Fills `by_layer` with the bound layers in ascending order (index = layer -
+// the first bound layer: 0 with the dense layers, else first_sparse_layer) when there is no
+// problem.
 void check_weights(const RuntimeConfig& config, int tp_size, const ModelWeights& model,
                    Problems& problems, std::vector<LayerWeights>& by_layer, Device& device);
 
@@ -98,7 +100,8 @@ class GpuEngine {
   // Copies one step's metadata (host tensors, or tensors on the engine's device) into the fixed
   // buffers, padded to `padded_reqs` requests; returns views over them.
   virtual BatchMeta stage_step(const BatchMeta& batch, int padded_reqs) = 0;
-  // One sparse layer on the stream (tensors on the engine's device; shapes checked by the caller).
+  // One bound layer on the stream (tensors on the engine's device; shapes checked by the caller;
+  // a dense layer below first_sparse_layer: no index part, dense attention, the dense MLP).
   // run_indexer false: the layer shares the selection left in the engine's top-k buffer by the
   // last layer that ran its indexer (docs/spec.md section 7).
   virtual void forward_layer(const LayerWeights& w, const BatchMeta& step, const TensorView& hidden,
@@ -140,7 +143,7 @@ class CpuEngine {
   // Copies one step's host metadata (validated by the caller) into the fixed buffers, padded to
   // `padded_reqs` requests; returns views over them.
   BatchMeta stage_step(const BatchMeta& batch, int padded_reqs);
-  // One sparse layer with the CPU reference (the numerics of runtime.h), in place on hidden and
+  // One bound layer with the CPU reference (the numerics of runtime.h), in place on hidden and
   // residual (host tensors; shapes checked by the caller); counts into `stats` and records the
   // layer in `selection_layer` once its indexer ran. run_indexer false: the layer shares the
   // selection left in the top-k buffer by the last layer that ran its indexer.

@@ -58,8 +58,8 @@ struct RowSource {
 };
 
 // This rank's fused projection rows [q | k | v | index_q | index_k] (ModelConfig::sparse; with
-// CP every index_q head).
-std::vector<RowSource> qkv_rows(const ModelConfig& m, int rank, int world, bool cp) {
+// CP every index_q head); [q | k | v] of a dense layer.
+std::vector<RowSource> qkv_rows(const ModelConfig& m, int rank, int world, bool cp, bool dense) {
   const float s = proj_scale(m.hidden);
   std::vector<RowSource> rows;
   auto add = [&](TensorId id, int64_t first, int64_t count) {
@@ -69,6 +69,7 @@ std::vector<RowSource> qkv_rows(const ModelConfig& m, int rank, int world, bool 
   add(kWq, l.q_rows.first, l.q_rows.count);
   add(kWk, l.k_rows.first, l.k_rows.count);
   add(kWv, l.v_rows.first, l.v_rows.count);
+  if (dense) return rows;
   add(kWiq, l.index_q_rows.first, l.index_q_rows.count);
   add(kWik, l.index_k_rows.first, l.index_k_rows.count);
   return rows;
@@ -149,19 +150,24 @@ double Spec::weight_bytes(int tp) const {
   const double o = H * sc.q_heads * sc.head_dim * per;
   const double mlp = moe ? 0.0 : 3.0 * H * (model.intermediate / tp) * 2.0;
   // MoE: every expert's slice, plus one e8m0 byte per 32 MXFP8 elements, plus the f32 router.
+  const double mx = moe_fp8 ? 1.0 + 1.0 / 32 : 2.0;
   const double expert_elems =
       moe ? 3.0 * H * (model.moe_intermediate / tp) * (model.num_experts + model.shared_experts)
           : 0.0;
-  const double experts = expert_elems * (moe_fp8 ? 1.0 + 1.0 / 32 : 2.0) +
-                         (moe ? 4.0 * H * (model.num_experts + 1) : 0.0);
-  return (qkv + o + mlp + experts) * model.num_sparse_layers();
+  const double experts = expert_elems * mx + (moe ? 4.0 * H * (model.num_experts + 1) : 0.0);
+  const double dense_qkv = static_cast<double>(rank_layout(model, 0, tp).dense_qkv_width) * H * per;
+  const double dense_mlp = 3.0 * H * (model.dense_intermediate / tp) * mx;
+  return (qkv + o + mlp + experts) * model.num_sparse_layers() +
+         (dense_layers ? (dense_qkv + o + dense_mlp) * model.first_sparse_layer : 0.0);
 }
 
 double Spec::cache_bytes(int tp) const {
   const SparseConfig sc = model.sparse(tp);
   const double kv = static_cast<double>(pages) * sc.kv_heads * 2 * model.block_size * sc.head_dim;
   const double ix = static_cast<double>(pages) * model.block_size * sc.index_dim;
-  return (kv + ix) * 2.0 * model.num_sparse_layers();
+  return ((kv + ix) * model.num_sparse_layers() +
+          (dense_layers ? kv * model.first_sparse_layer : 0)) *
+         2.0;
 }
 
 Spec make_spec(const ModelConfig& model, bool fp8, uint64_t seed, int batch, int64_t context,
@@ -193,11 +199,16 @@ MasterMoe make_layer_moe(const Spec& spec, int layer) {
                          spec.moe_fp8);
 }
 
+MasterDenseMlp make_layer_dense_mlp(const Spec& spec, int layer) {
+  return make_master_dense_mlp(
+      spec.model, derive_seed(spec.seed, 6000 + static_cast<uint64_t>(layer)), spec.moe_fp8);
+}
+
 HostModel make_host_model(const Spec& spec, int rank, int world, int threads) {
   const ModelConfig& m = spec.model;
   const SparseConfig sc = m.sparse(world);
   HostModel out;
-  out.storage.reserve(32 * static_cast<std::size_t>(m.num_sparse_layers()));
+  out.storage.reserve(32 * static_cast<std::size_t>(spec.run_layers()));
   auto keep = [&](HostTensor t) {
     out.storage.push_back(std::move(t));
     return out.storage.back().view();
@@ -208,10 +219,11 @@ HostModel make_host_model(const Spec& spec, int rank, int world, int threads) {
   const RankLayout layout = rank_layout(m, rank, world);
   const int64_t q0 = layout.first_q_head;
   const int kv0 = layout.first_kv_head;
-  for (int layer = m.first_sparse_layer; layer < m.num_layers; ++layer) {
+  for (int layer = spec.first_layer(); layer < m.num_layers; ++layer) {
     LayerWeights w;
     w.layer = layer;
-    const std::vector<RowSource> rows = qkv_rows(m, rank, world, spec.context_parallel);
+    const bool dense = layer < m.first_sparse_layer;
+    const std::vector<RowSource> rows = qkv_rows(m, rank, world, spec.context_parallel, dense);
     const int64_t W = static_cast<int64_t>(rows.size());
     HostTensor qkv(spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {W, H});
     HostTensor qkv_scale(DType::kF32, {W});
@@ -228,11 +240,15 @@ HostModel make_host_model(const Spec& spec, int rank, int world, int threads) {
     if (spec.fp8) w.o_proj_scale = keep(o_scale);
     w.q_norm = keep(norm_tensor(spec, layer, kQNorm, m.head_dim));
     w.k_norm = keep(norm_tensor(spec, layer, kKNorm, m.head_dim));
-    w.index_q_norm = keep(norm_tensor(spec, layer, kIqNorm, m.index_dim));
-    w.index_k_norm = keep(norm_tensor(spec, layer, kIkNorm, m.index_dim));
+    if (!dense) {
+      w.index_q_norm = keep(norm_tensor(spec, layer, kIqNorm, m.index_dim));
+      w.index_k_norm = keep(norm_tensor(spec, layer, kIkNorm, m.index_dim));
+    }
     w.input_norm = keep(norm_tensor(spec, layer, kInputNorm, H));
     w.post_attention_norm = keep(norm_tensor(spec, layer, kPostNorm, H));
-    if (spec.moe) {
+    if (dense) {
+      w.dense_mlp = bind_dense_mlp(m, make_layer_dense_mlp(spec, layer), rank, world, out.storage);
+    } else if (spec.moe) {
       bind_moe(m, make_layer_moe(spec, layer), rank, world, out.storage, w);
     } else if (m.intermediate > 0) {
       const int64_t I = m.intermediate;
@@ -266,15 +282,18 @@ HostModel make_host_model(const Spec& spec, int rank, int world, int threads) {
         }
       }
     });
-    HostTensor index(DType::kBF16, {spec.pages, m.block_size, m.index_dim});
-    const uint64_t ix_stream = stream_of(spec, layer, kIndexCache);
-    parallel_for(index.numel(), threads, [&](int64_t b, int64_t e) {
-      for (int64_t i = b; i < e; ++i) {
-        index.ptr<uint16_t>()[i] = float_to_bf16(hashed_unit(ix_stream, static_cast<uint64_t>(i)));
-      }
-    });
     w.kv_cache = {keep(kv), 1.0f, 1.0f};
-    w.index_cache = {keep(index)};
+    if (!dense) {
+      HostTensor index(DType::kBF16, {spec.pages, m.block_size, m.index_dim});
+      const uint64_t ix_stream = stream_of(spec, layer, kIndexCache);
+      parallel_for(index.numel(), threads, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; ++i) {
+          index.ptr<uint16_t>()[i] =
+              float_to_bf16(hashed_unit(ix_stream, static_cast<uint64_t>(i)));
+        }
+      });
+      w.index_cache = {keep(index)};
+    }
     out.weights.layers.push_back(w);
   }
   return out;
@@ -282,12 +301,13 @@ HostModel make_host_model(const Spec& spec, int rank, int world, int threads) {
 
 MasterLayer make_master_layer(const Spec& spec, int layer_index, int threads) {
   const ModelConfig& m = spec.model;
-  const int layer = m.first_sparse_layer + layer_index;
+  const int layer = spec.first_layer() + layer_index;
   const int64_t H = m.hidden;
   const int64_t A = int64_t{m.q_heads} * m.head_dim;
   MasterLayer out;
   out.layer = layer;
-  const std::vector<RowSource> rows = qkv_rows(m, 0, 1, false);
+  out.dense = layer < m.first_sparse_layer;
+  const std::vector<RowSource> rows = qkv_rows(m, 0, 1, false, out.dense);
   const int64_t W = static_cast<int64_t>(rows.size());
   HostTensor scratch(spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {W, H});
   HostTensor scale(DType::kF32, {std::max(W, H)});
@@ -296,7 +316,9 @@ MasterLayer make_master_layer(const Spec& spec, int layer_index, int threads) {
   for (int64_t n = 0; n < H; ++n) o_rows.push_back({kWo, n, proj_scale(A)});
   HostTensor o(spec.fp8 ? DType::kFP8E4M3 : DType::kBF16, {H, A});
   fill_matrix(spec, layer, o_rows, A, 0, A, spec.fp8, o, &scale, &out.o_proj, threads);
-  if (spec.moe) {
+  if (out.dense) {
+    out.dense_mlp = make_layer_dense_mlp(spec, layer);
+  } else if (spec.moe) {
     out.has_moe = true;
     out.moe = make_layer_moe(spec, layer);
   } else if (m.intermediate > 0) {
@@ -312,8 +334,10 @@ MasterLayer make_master_layer(const Spec& spec, int layer_index, int threads) {
   }
   out.q_norm = to_floats(norm_tensor(spec, layer, kQNorm, m.head_dim));
   out.k_norm = to_floats(norm_tensor(spec, layer, kKNorm, m.head_dim));
-  out.iq_norm = to_floats(norm_tensor(spec, layer, kIqNorm, m.index_dim));
-  out.ik_norm = to_floats(norm_tensor(spec, layer, kIkNorm, m.index_dim));
+  if (!out.dense) {
+    out.iq_norm = to_floats(norm_tensor(spec, layer, kIqNorm, m.index_dim));
+    out.ik_norm = to_floats(norm_tensor(spec, layer, kIkNorm, m.index_dim));
+  }
   out.input_norm = to_floats(norm_tensor(spec, layer, kInputNorm, H));
   out.post_norm = to_floats(norm_tensor(spec, layer, kPostNorm, H));
   return out;

@@ -38,10 +38,11 @@ class CpuRuntimeOracle final : public Oracle {
              HostTensor& scores) override {
     const int64_t rows = spec_.rows();
     const int64_t H = spec_.model.hidden;
-    rt_.forward_layer(spec_.model.first_sparse_layer + li,
-                      TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}),
-                      TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}),
-                      step.positions.view());
+    rt_.forward_layer(
+        spec_.first_layer() + li, TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H}),
+        TensorView::contiguous(residual.data(), DType::kBF16, {rows, H}), step.positions.view());
+    topk.clear();
+    if (spec_.is_dense(li)) return;  // no selection
     const Runtime::LayerTrace t = rt_.last_layer_trace();
     topk.assign(t.topk.ptr<const int32_t>(), t.topk.ptr<const int32_t>() + t.topk.numel());
     IndexerArgs idx;
@@ -63,7 +64,7 @@ class ComposedOracle final : public Oracle {
  public:
   ComposedOracle(const Spec& spec, int threads) : spec_(spec), threads_(threads) {
     HostModel caches = make_host_model(spec, 0, 1, threads);
-    for (int li = 0; li < spec.model.num_sparse_layers(); ++li) {
+    for (int li = 0; li < spec.run_layers(); ++li) {
       master_.push_back(make_master_layer(spec, li, threads));
       const LayerWeights& w = caches.weights.layers[static_cast<std::size_t>(li)];
       kv_.push_back(w.kv_cache);
@@ -89,6 +90,7 @@ class ComposedOracle final : public Oracle {
     w.up = m.up;
     w.down = m.down;
     if (m.has_moe) w.moe = &m.moe;
+    if (m.dense) w.dense_mlp = &m.dense_mlp;
     w.input_norm = m.input_norm;
     w.post_norm = m.post_norm;
     w.q_norm = norms_[l][0];
@@ -103,8 +105,12 @@ class ComposedOracle final : public Oracle {
     options.threads = threads_;
     options.select_out = &selection;
     options.scores_out = scores.view();
+    if (m.dense) options.scores_out = {};
     reference_layer(spec_.model, w, step.batch, step.positions.view(), hidden, residual, options);
-    topk.assign(selection.ptr<int32_t>(), selection.ptr<int32_t>() + selection.numel());
+    topk.clear();
+    if (!m.dense) {
+      topk.assign(selection.ptr<int32_t>(), selection.ptr<int32_t>() + selection.numel());
+    }
   }
 
  private:

@@ -198,4 +198,30 @@ std::vector<double> moe_double(const ModelConfig& m, const MasterMoe& moe, const
   return y;
 }
 
+MasterDenseMlp make_master_dense_mlp(const ModelConfig& m, uint64_t seed, bool fp8) {
+  SplitMix64 rng(seed);
+  const int64_t H = m.hidden, D = m.dense_intermediate;
+  MasterDenseMlp w;
+  // g and u as the experts'; the down projection 4x narrower, so the output (activations of RMS
+  // ~5) stays O(1) like the residual stream it is added to, layer after layer.
+  w.w13 = make_matrix(rng, {2 * D, H}, fp8, 5.0f / std::sqrt(static_cast<float>(H)));
+  w.w2 = make_matrix(rng, {H, D}, fp8, 0.425f / std::sqrt(static_cast<float>(D)));
+  return w;
+}
+
+ExpertWeights bind_dense_mlp(const ModelConfig& m, const MasterDenseMlp& mlp, int rank, int world,
+                             std::vector<HostTensor>& storage) {
+  return bind_set(mlp.w13, mlp.w2, 0, m.dense_intermediate, m.hidden, rank, world, storage);
+}
+
+std::vector<double> dense_mlp_double(const ModelConfig& m, const MasterDenseMlp& mlp,
+                                     const uint16_t* x) {
+  const int64_t H = m.hidden;
+  std::vector<double> xr(static_cast<std::size_t>(H));
+  for (int64_t i = 0; i < H; ++i) xr[static_cast<std::size_t>(i)] = bf16_to_float(x[i]);
+  std::vector<double> y(static_cast<std::size_t>(H), 0.0);
+  expert_double(xr, mlp.w13, mlp.w2, 0, m.dense_intermediate, H, m.activation_limit, 1.0, y);
+  return y;
+}
+
 }  // namespace m3msa::testkit

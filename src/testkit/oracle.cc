@@ -49,19 +49,23 @@ void reference_layer(const ModelConfig& m, const ReferenceLayer& w, const BatchM
   const SparseConfig sc = m.sparse(1);
   const int64_t rows = batch.num_rows();
   const int64_t H = m.hidden;
+  const bool dense = w.dense_mlp != nullptr;
   const int64_t W = sc.qkv_width();
   const int64_t A = int64_t{sc.q_heads} * sc.head_dim;
+  // A dense layer projects [q | k | v] into the leading columns; its index columns stay zero and
+  // are never read.
+  const int64_t projected = dense ? A + int64_t{2} * sc.kv_heads * sc.head_dim : W;
   const int threads = std::max(1, options.threads);
   M3MSA_CHECK_INTERNAL(static_cast<int64_t>(hidden.size()) == rows * H &&
                            static_cast<int64_t>(residual.size()) == rows * H,
                        "reference_layer: hidden / residual are not [", rows, ", ", H, "]");
   std::vector<uint16_t> x(static_cast<std::size_t>(rows * H)), normed(x.size());
-  std::vector<uint16_t> qkv(static_cast<std::size_t>(rows * W));
+  std::vector<uint16_t> qkv(static_cast<std::size_t>(rows * W), 0);
   for (std::size_t i = 0; i < x.size(); ++i) x[i] = bf(f(hidden[i]) + f(residual[i]));
   for (int64_t r = 0; r < rows; ++r) {
     rmsnorm(&x[static_cast<std::size_t>(r * H)], w.input_norm, H, m.rms_eps,
             &normed[static_cast<std::size_t>(r * H)]);
-    matvec(&normed[static_cast<std::size_t>(r * H)], w.qkv, W, H,
+    matvec(&normed[static_cast<std::size_t>(r * H)], w.qkv, projected, H,
            &qkv[static_cast<std::size_t>(r * W)], threads);
   }
   HostTensor q(DType::kBF16, {rows, sc.q_heads, sc.head_dim});
@@ -79,7 +83,7 @@ void reference_layer(const ModelConfig& m, const ReferenceLayer& w, const BatchM
   pre.batch = batch;
   pre.kv_cache = w.kv_cache;
   pre.q_out = q.view();
-  const bool selects = options.shared_topk == nullptr;
+  const bool selects = !dense && options.shared_topk == nullptr;
   if (selects) {
     pre.index_cache = w.index_cache;
     pre.index_q_out = iq.view();
@@ -91,9 +95,13 @@ void reference_layer(const ModelConfig& m, const ReferenceLayer& w, const BatchM
     if (options.scores_out.defined()) cpu::score_blocks(sc, sel, options.scores_out, threads);
     if (options.select_out != nullptr) *options.select_out = topk;
   }
-  AttentionArgs att{q.view(), w.kv_cache, batch, (selects ? topk : *options.shared_topk).view(),
-                    attn.view()};
-  cpu::sparse_attention(sc, att, threads);
+  AttentionArgs att{q.view(), w.kv_cache, batch, TensorView{}, attn.view()};
+  if (dense) {
+    cpu::dense_attention(sc, att, threads);
+  } else {
+    att.topk_idx = (selects ? topk : *options.shared_topk).view();
+    cpu::sparse_attention(sc, att, threads);
+  }
 
   const bool mlp = !w.gate.empty();
   const int64_t I = mlp ? static_cast<int64_t>(w.gate.size()) / H : 0;
@@ -106,6 +114,11 @@ void reference_layer(const ModelConfig& m, const ReferenceLayer& w, const BatchM
       res[i] = bf(f(x[static_cast<std::size_t>(r * H + i)]) + f(o[static_cast<std::size_t>(i)]));
     }
     rmsnorm(res, w.post_norm, H, m.rms_eps, hid);
+    if (dense) {
+      const std::vector<double> y = dense_mlp_double(m, *w.dense_mlp, hid);
+      for (int64_t i = 0; i < H; ++i) hid[i] = bf(y[static_cast<std::size_t>(i)]);
+      continue;
+    }
     if (w.moe != nullptr) {
       const std::vector<double> y = moe_double(m, *w.moe, hid);
       for (int64_t i = 0; i < H; ++i) hid[i] = bf(y[static_cast<std::size_t>(i)]);

@@ -83,6 +83,37 @@ MasterModel make_master(const ModelConfig& m, int64_t pages, uint64_t seed,
   return model;
 }
 
+void add_dense_layers(MasterModel& model, uint64_t seed, bool fp8_mlp) {
+  const ModelConfig& m = model.config;
+  SplitMix64 rng(seed);
+  const std::size_t H = static_cast<std::size_t>(m.hidden);
+  const std::size_t hd = static_cast<std::size_t>(m.head_dim);
+  const float in_scale = 1.7f / std::sqrt(static_cast<float>(m.hidden));
+  std::vector<MasterLayer> dense;
+  for (int layer = 0; layer < m.first_sparse_layer; ++layer) {
+    MasterLayer w;
+    w.layer = layer;
+    w.dense = true;
+    w.wq = random_values(rng, m.q_heads * hd * H, in_scale);
+    w.wk = random_values(rng, m.kv_heads * hd * H, in_scale);
+    w.wv = random_values(rng, m.kv_heads * hd * H, in_scale);
+    w.q_norm = random_values(rng, hd, 0.2f);
+    w.k_norm = random_values(rng, hd, 0.2f);
+    w.input_norm = random_values(rng, H, 0.2f);
+    w.post_norm = random_values(rng, H, 0.2f);
+    w.wo = random_values(rng, H * m.q_heads * hd,
+                         1.7f / std::sqrt(static_cast<float>(m.q_heads * m.head_dim)));
+    w.dense_mlp = make_master_dense_mlp(m, rng.next(), fp8_mlp);
+    const std::size_t kv_n =
+        static_cast<std::size_t>(model.pages) * m.kv_heads * 2 * m.block_size * hd;
+    w.kv_cache = bf16_tensor(random_values(rng, kv_n, 1.0f),
+                             {model.pages, m.kv_heads, 2, m.block_size, m.head_dim});
+    dense.push_back(std::move(w));
+  }
+  model.layers.insert(model.layers.begin(), std::make_move_iterator(dense.begin()),
+                      std::make_move_iterator(dense.end()));
+}
+
 void append_rows(std::vector<float>& out, const std::vector<float>& w, int64_t cols, int64_t first,
                  int64_t count) {
   out.insert(out.end(), w.begin() + first * cols, w.begin() + (first + count) * cols);
@@ -106,6 +137,7 @@ std::vector<float> rank_qkv_rows(const ModelConfig& m, const MasterLayer& w, int
   append_rows(rows, w.wq, H, l.q_rows.first, l.q_rows.count);
   append_rows(rows, w.wk, H, l.k_rows.first, l.k_rows.count);
   append_rows(rows, w.wv, H, l.v_rows.first, l.v_rows.count);
+  if (w.dense) return rows;  // no index segments
   append_rows(rows, w.wiq, H, l.index_q_rows.first, l.index_q_rows.count);
   append_rows(rows, w.wik, H, l.index_k_rows.first, l.index_k_rows.count);
   return rows;
@@ -118,10 +150,10 @@ RankModel make_rank_model(const MasterModel& master, int rank, int world, bool f
   RankModel out;
   out.storage.reserve(64);
   const int64_t H = m.hidden;
-  const int64_t width = sc.qkv_width();
   for (const MasterLayer& w : master.layers) {
     LayerWeights lw;
     lw.layer = w.layer;
+    const int64_t width = w.dense ? rank_layout(m, rank, world).dense_qkv_width : sc.qkv_width();
     const std::vector<float> qkv = rank_qkv_rows(m, w, rank, world, context_parallel);
     if (fp8_qkv) {
       HostTensor q8(DType::kFP8E4M3, {width, H});
@@ -142,8 +174,10 @@ RankModel make_rank_model(const MasterModel& master, int rank, int world, bool f
     }
     lw.q_norm = out.keep(bf16_tensor(w.q_norm, {m.head_dim}));
     lw.k_norm = out.keep(bf16_tensor(w.k_norm, {m.head_dim}));
-    lw.index_q_norm = out.keep(bf16_tensor(w.iq_norm, {m.index_dim}));
-    lw.index_k_norm = out.keep(bf16_tensor(w.ik_norm, {m.index_dim}));
+    if (!w.dense) {
+      lw.index_q_norm = out.keep(bf16_tensor(w.iq_norm, {m.index_dim}));
+      lw.index_k_norm = out.keep(bf16_tensor(w.ik_norm, {m.index_dim}));
+    }
     lw.input_norm = out.keep(bf16_tensor(w.input_norm, {H}));
     lw.post_attention_norm = out.keep(bf16_tensor(w.post_norm, {H}));
     const int64_t attn_cols = int64_t{sc.q_heads} * m.head_dim;
@@ -160,6 +194,7 @@ RankModel make_rank_model(const MasterModel& master, int rank, int world, bool f
       lw.mlp_down = out.keep(bf16_tensor(columns(w.down, H, m.intermediate, rank * I, I), {H, I}));
     }
     if (w.has_moe) bind_moe(m, w.moe, rank, world, out.storage, lw);
+    if (w.dense) lw.dense_mlp = bind_dense_mlp(m, w.dense_mlp, rank, world, out.storage);
     // Caches: this rank's KV heads of every page; the whole index-K cache.
     const int64_t pages = master.pages;
     const int64_t tile = int64_t{2} * m.block_size * m.head_dim;  // K and V of one head
@@ -172,15 +207,34 @@ RankModel make_rank_model(const MasterModel& master, int rank, int world, bool f
                     sizeof(uint16_t) * static_cast<std::size_t>(tile));
       }
     }
-    HostTensor index(DType::kBF16, w.index_cache.shape());
-    std::memcpy(index.data(), w.index_cache.data(), index.nbytes());
+    HostTensor index;
+    if (!w.dense) {
+      index = HostTensor(DType::kBF16, w.index_cache.shape());
+      std::memcpy(index.data(), w.index_cache.data(), index.nbytes());
+      lw.index_cache = {index.view()};
+    }
     out.kv_caches.push_back(kv);
     out.index_caches.push_back(index);
     lw.kv_cache = {kv.view(), 1.0f, 1.0f};
-    lw.index_cache = {index.view()};
     out.weights.layers.push_back(lw);
   }
   return out;
+}
+
+int64_t kv_tiles_differing(const ModelConfig& m, int rank, int world, const HostTensor& rank_kv,
+                           const HostTensor& one_kv) {
+  const SparseConfig sc = m.sparse(world);
+  const int64_t tile = int64_t{2} * m.block_size * m.head_dim;
+  const int kv0 = rank_layout(m, rank, world).first_kv_head;
+  int64_t differing = 0;
+  for (int64_t p = 0; p < rank_kv.shape()[0]; ++p) {
+    for (int h = 0; h < sc.kv_heads; ++h) {
+      differing += std::memcmp(rank_kv.ptr<uint16_t>() + (p * sc.kv_heads + h) * tile,
+                               one_kv.ptr<uint16_t>() + (p * m.kv_heads + kv0 + h) * tile,
+                               sizeof(uint16_t) * static_cast<std::size_t>(tile)) != 0;
+    }
+  }
+  return differing;
 }
 
 StepMeta make_step(const std::vector<int32_t>& seq_lens, int q_len, int block_size,

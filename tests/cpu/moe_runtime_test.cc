@@ -1,8 +1,10 @@
 // forward_layer with the mixture of experts on the CPU backend (docs/runtime.md, docs/spec.md
 // section 8): TP = 1 against the test kit's composed oracle (double-precision matmuls, the MoE
 // composed in double with the spec's bf16 roundings), TP = 2 and 4 (ranks as threads, each with its
-// slice of the intermediate) against TP = 1, bf16 and MXFP8 experts; the binding refusals name
-// the tensor and the expected and found shape.
+// slice of the intermediate) against TP = 1, bf16 and MXFP8 experts; the same with the dense
+// layers [0, first_sparse_layer) bound in front (dense attention and the dense MLP, the oracle's
+// composition of cpu::preprocess, cpu::dense_attention and the MLP in double); the binding
+// refusals name the tensor and the expected and found shape.
 //
 // Tolerances: per row, relative L2 error <= 2^-5 and every element within 0.25 (see
 // expect_close): TP = P vs TP = 1 differ in the order of the fp32 sums (o_proj and the MoE
@@ -52,9 +54,15 @@ struct Scenario {
   std::vector<std::vector<uint16_t>> hidden_in, residual_in;
 };
 
-Scenario make_scenario(bool fp8, uint64_t seed) {
+// dense_layers: layers 0 and 1 dense (dense_intermediate 256: 64 per rank at TP 4, two MXFP8
+// groups), layers 2 and 3 sparse with the MoE.
+Scenario make_scenario(bool fp8, uint64_t seed, bool dense_layers = false) {
   Scenario s;
   s.config = moe_config();
+  if (dense_layers) {
+    s.config.model.first_sparse_layer = 2;
+    s.config.model.num_layers = 4;
+  }
   const ModelConfig& m = s.config.model;
   const int64_t max_blocks = kMaxContext / m.block_size;
   const int64_t pages = s.config.max_requests * max_blocks + 3;
@@ -63,6 +71,7 @@ Scenario make_scenario(bool fp8, uint64_t seed) {
     s.master.layers[i].has_moe = true;
     s.master.layers[i].moe = testkit::make_master_moe(m, seed * 31 + i, fp8);
   }
+  if (dense_layers) testkit::add_dense_layers(s.master, seed * 37, fp8);
   const auto index_perm = testkit::page_permutation(pages, seed + 1);
   const auto kv_perm = testkit::page_permutation(pages, seed + 2);
   const std::vector<std::pair<std::vector<int32_t>, int>> shapes = {{{70, 150, 0}, 2},
@@ -82,8 +91,11 @@ Scenario make_scenario(bool fp8, uint64_t seed) {
   return s;
 }
 
-// [rank][step]: the last layer's hidden.
-std::vector<std::vector<std::vector<uint16_t>>> run_runtime(const Scenario& s, int world) {
+// [rank][step]: the last layer's hidden. `stats`: rank 0's before close; `models`: every rank's
+// model (its caches) after the run.
+std::vector<std::vector<std::vector<uint16_t>>> run_runtime(
+    const Scenario& s, int world, RuntimeStats* stats = nullptr,
+    std::vector<testkit::RankModel>* models = nullptr) {
   std::vector<std::vector<std::vector<uint16_t>>> out(static_cast<std::size_t>(world));
   std::vector<testkit::RankModel> ranks;
   for (int r = 0; r < world; ++r) ranks.push_back(testkit::make_rank_model(s.master, r, world));
@@ -110,11 +122,13 @@ std::vector<std::vector<std::vector<uint16_t>>> run_runtime(const Scenario& s, i
       }
       out[static_cast<std::size_t>(r)].push_back(hidden);
     }
+    if (stats != nullptr && r == 0) *stats = runtime.stats();
     runtime.close();
   });
   for (const auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
+  if (models != nullptr) *models = std::move(ranks);
   return out;
 }
 
@@ -124,7 +138,9 @@ std::vector<std::vector<uint16_t>> run_oracle(const Scenario& s) {
   for (const testkit::MasterLayer& w : s.master.layers) {
     kv.emplace_back(DType::kBF16, w.kv_cache.shape());
     std::memcpy(kv.back().data(), w.kv_cache.data(), w.kv_cache.nbytes());
-    index.emplace_back(DType::kBF16, w.index_cache.shape());
+    index.emplace_back();
+    if (w.dense) continue;  // no index cache
+    index.back() = HostTensor(DType::kBF16, w.index_cache.shape());
     std::memcpy(index.back().data(), w.index_cache.data(), w.index_cache.nbytes());
   }
   std::vector<std::vector<uint16_t>> out;
@@ -136,20 +152,25 @@ std::vector<std::vector<uint16_t>> run_oracle(const Scenario& s) {
       const std::vector<float> qkv = testkit::rank_qkv_rows(m, w, 0, 1);
       const HostTensor qn = testkit::bf16_tensor(w.q_norm, {m.head_dim});
       const HostTensor kn = testkit::bf16_tensor(w.k_norm, {m.head_dim});
-      const HostTensor iqn = testkit::bf16_tensor(w.iq_norm, {m.index_dim});
-      const HostTensor ikn = testkit::bf16_tensor(w.ik_norm, {m.index_dim});
       testkit::ReferenceLayer layer;
       layer.qkv = qkv;
       layer.o_proj = w.wo;
-      layer.moe = &w.moe;
+      HostTensor iqn, ikn;
+      if (w.dense) {
+        layer.dense_mlp = &w.dense_mlp;
+      } else {
+        layer.moe = &w.moe;
+        iqn = testkit::bf16_tensor(w.iq_norm, {m.index_dim});
+        ikn = testkit::bf16_tensor(w.ik_norm, {m.index_dim});
+        layer.index_q_norm = iqn.view();
+        layer.index_k_norm = ikn.view();
+        layer.index_cache = {index[li].view()};
+      }
       layer.input_norm = w.input_norm;
       layer.post_norm = w.post_norm;
       layer.q_norm = qn.view();
       layer.k_norm = kn.view();
-      layer.index_q_norm = iqn.view();
-      layer.index_k_norm = ikn.view();
       layer.kv_cache = {kv[li].view(), 1.0f, 1.0f};
-      layer.index_cache = {index[li].view()};
       testkit::reference_layer(m, layer, s.steps[step].batch, s.steps[step].positions.view(),
                                hidden, residual);
     }
@@ -177,7 +198,8 @@ void expect_close(const Scenario& s, std::size_t step, const std::vector<uint16_
       const double g = bf16_to_float(got[static_cast<std::size_t>(r * H + i)]);
       const double w = bf16_to_float(want[static_cast<std::size_t>(r * H + i)]);
       ASSERT_TRUE(std::isfinite(g) && std::isfinite(w)) << what << " row " << r << " col " << i;
-      ASSERT_LE(std::fabs(g - w), 0.25) << what << " row " << r << " col " << i;
+      ASSERT_LE(std::fabs(g - w), 0.25)
+          << what << " row " << r << " col " << i << " got " << g << " want " << w;
       err += (g - w) * (g - w);
       norm += w * w;
     }
@@ -186,17 +208,35 @@ void expect_close(const Scenario& s, std::size_t step, const std::vector<uint16_
   EXPECT_GT(rows, 0);
 }
 
-void check_scenario(bool fp8, uint64_t seed) {
-  const Scenario s = make_scenario(fp8, seed);
-  const auto one = run_runtime(s, 1);
+void check_scenario(bool fp8, uint64_t seed, bool dense_layers = false) {
+  const Scenario s = make_scenario(fp8, seed, dense_layers);
+  RuntimeStats stats;
+  std::vector<testkit::RankModel> one_model;
+  const auto one = run_runtime(s, 1, &stats, &one_model);
   const auto oracle = run_oracle(s);
   for (std::size_t step = 0; step < s.steps.size(); ++step) {
     expect_close(
         s, step, one[0][step], oracle[step], 1.0 / 32,
         std::string(fp8 ? "mxfp8" : "bf16") + " TP 1 vs oracle, step " + std::to_string(step));
   }
+  // Every bound layer ran; only the sparse ones ran an indexer.
+  const int64_t steps = static_cast<int64_t>(s.steps.size());
+  EXPECT_EQ(stats.layers_run, steps * static_cast<int64_t>(s.master.layers.size()));
+  EXPECT_EQ(stats.indexer_layers_run, steps * s.config.model.num_sparse_layers());
+  EXPECT_EQ(static_cast<int>(stats.bound_layers.size()), dense_layers ? 4 : 2);
   for (int world : {2, 4}) {
-    const auto tp = run_runtime(s, world);
+    std::vector<testkit::RankModel> tp_models;
+    const auto tp = run_runtime(s, world, nullptr, &tp_models);
+    // The first layer's input does not depend on TP, nor do its projection rows: its KV cache is
+    // bit-identical to TP 1's (a dense layer's when they are bound).
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(testkit::kv_tiles_differing(s.config.model, r, world,
+                                            tp_models[static_cast<std::size_t>(r)].kv_caches[0],
+                                            one_model[0].kv_caches[0]),
+                0)
+          << "TP " << world << " rank " << r << " layer " << s.master.layers[0].layer
+          << " kv cache";
+    }
     for (int r = 0; r < world; ++r) {
       for (std::size_t step = 0; step < s.steps.size(); ++step) {
         EXPECT_EQ(tp[static_cast<std::size_t>(r)][step], tp[0][step])
@@ -215,6 +255,14 @@ TEST(MoeRuntime, Bf16ExpertsMatchTheOracleAndTensorParallel) {
 
 TEST(MoeRuntime, Mxfp8ExpertsMatchTheOracleAndTensorParallel) {
   check_scenario(true, 6);
+}
+
+TEST(DenseLayersRuntime, Bf16DenseAndMoeLayersMatchTheOracleAndTensorParallel) {
+  check_scenario(false, 8, /*dense_layers=*/true);
+}
+
+TEST(DenseLayersRuntime, Mxfp8DenseAndMoeLayersMatchTheOracleAndTensorParallel) {
+  check_scenario(true, 9, /*dense_layers=*/true);
 }
 
 // ---- Binding refusals ----
@@ -266,6 +314,83 @@ TEST(MoeRuntime, BindingRefusalsNameTheTensorAndShapes) {
     for (const std::string& part : c.parts) {
       EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
     }
+  }
+}
+
+TEST(DenseLayersRuntime, BindingRefusalsNameTheLayerAndTensor) {
+  const Scenario s = make_scenario(/*fp8=*/true, 10, /*dense_layers=*/true);
+  const testkit::RankModel rank = testkit::make_rank_model(s.master, 0, 1);
+  // rank.weights.layers: layers 0 and 1 (dense), 2 and 3 (sparse). D = 256: w13 [512, 256].
+  struct Case {
+    std::function<void(std::vector<LayerWeights>&)> edit;
+    std::vector<std::string> parts;
+  };
+  const std::vector<Case> cases = {
+      {[](auto& l) { l[0].index_cache = l[2].index_cache; },
+       {"layer 0 index_cache", "bound on a dense layer"}},
+      {[](auto& l) { l[1].index_q_norm = l[2].index_q_norm; },
+       {"layer 1 index_q_norm", "bound on a dense layer"}},
+      {[](auto& l) { l[0].experts = l[2].experts; }, {"layer 0 experts.w13", "dense layer"}},
+      {[](auto& l) { l.erase(l.begin() + 1); },
+       {"1 of the 2 dense layers are bound", "missing layer 1"}},
+      {[](auto& l) { l[0].dense_mlp.w13.shape[0] = 511; },
+       {"layer 0 dense_mlp.w13", "expected shape [512, 256]", "got [511, 256]"}},
+      {[](auto& l) { l[1].dense_mlp.w2.shape[1] = 128; },
+       {"layer 1 dense_mlp.w2", "expected shape [256, 256]", "got [256, 128]"}},
+      {[](auto& l) { l[0].dense_mlp.w2_scale = {}; }, {"layer 0 dense_mlp.w2_scale"}},
+      {[](auto& l) { l[0].dense_mlp = {}; }, {"layer 0 dense_mlp: not bound", "[512, 256]"}},
+      {[](auto& l) { l[0].qkv_proj = l[2].qkv_proj; },
+       {"layer 0 qkv_proj", "expected shape [256, 256]", "found [352, 256]"}},
+      {[](auto& l) { l[2].dense_mlp = l[0].dense_mlp; },
+       {"layer 2 dense_mlp", "bound on a sparse layer"}},
+  };
+  for (const Case& c : cases) {
+    ModelWeights weights = rank.weights;
+    c.edit(weights.layers);
+    const std::string message = prepare_error(s.config, weights);
+    ASSERT_FALSE(message.empty()) << "accepted; expected " << c.parts.front();
+    for (const std::string& part : c.parts) {
+      EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' not in: " << message;
+    }
+  }
+  // The whole model binds.
+  EXPECT_EQ(prepare_error(s.config, rank.weights), "");
+}
+
+// Without its dense layers the model binds as before (the engine runs them), and forward_layer
+// refuses a dense layer by name.
+TEST(DenseLayersRuntime, SparseLayersAloneBindAndADenseLayerIsRefused) {
+  const Scenario s = make_scenario(/*fp8=*/false, 11, /*dense_layers=*/true);
+  testkit::RankModel rank = testkit::make_rank_model(s.master, 0, 1);
+  ModelWeights sparse = rank.weights;
+  sparse.layers.erase(sparse.layers.begin(), sparse.layers.begin() + 2);
+  auto group = ThreadGroup::create(1, std::chrono::seconds(10));
+  const auto errors = run_ranks(group, [&](Communicator& comm) {
+    Runtime runtime([](const std::string&) {});
+    ASSERT_EQ(runtime.prepare(sparse, s.config, comm), PrepareResult::kActive);
+    EXPECT_EQ(runtime.stats().bound_layers, (std::vector<int>{2, 3}));
+    const StepMeta& meta = s.steps[0];
+    ASSERT_TRUE(runtime.begin_step(meta.batch));
+    std::vector<uint16_t> hidden = s.hidden_in[0];
+    std::vector<uint16_t> residual = s.residual_in[0];
+    const int64_t rows = meta.batch.num_rows();
+    const int64_t H = s.config.model.hidden;
+    const TensorView h = TensorView::contiguous(hidden.data(), DType::kBF16, {rows, H});
+    const TensorView r = TensorView::contiguous(residual.data(), DType::kBF16, {rows, H});
+    try {
+      runtime.forward_layer(1, h, r, meta.positions.view());
+      ADD_FAILURE() << "forward_layer ran a dense layer that is not bound";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("layer 1 is a dense layer"), std::string::npos)
+          << e.what();
+    }
+    runtime.forward_layer(2, h, r, meta.positions.view());
+    runtime.forward_layer(3, h, r, meta.positions.view());
+    EXPECT_EQ(runtime.stats().layers_run, 2);
+    runtime.close();
+  });
+  for (const auto& e : errors) {
+    if (e) std::rethrow_exception(e);
   }
 }
 

@@ -47,6 +47,10 @@ m3msa_layer_weights c_layer(const LayerWeights& w) {
   c.shared_w13_scale = c_tensor(w.shared_expert.w13_scale);
   c.shared_w2 = c_tensor(w.shared_expert.w2);
   c.shared_w2_scale = c_tensor(w.shared_expert.w2_scale);
+  c.dense_w13 = c_tensor(w.dense_mlp.w13);
+  c.dense_w13_scale = c_tensor(w.dense_mlp.w13_scale);
+  c.dense_w2 = c_tensor(w.dense_mlp.w2);
+  c.dense_w2_scale = c_tensor(w.dense_mlp.w2_scale);
   return c;
 }
 
@@ -147,14 +151,16 @@ TEST(RuntimeCApi, StatusCodesAndLastError) {
   m3msa_thread_group_destroy(group);
 }
 
-// moe: the mixture of experts (MXFP8) on every sparse layer instead of the dense MLP.
-void one_step_equals_the_cpp_api(bool moe) {
+// moe: the mixture of experts (MXFP8) on every sparse layer instead of the dense MLP; dense: the
+// dense layer 0 (MXFP8 dense MLP) bound and run too.
+void one_step_equals_the_cpp_api(bool moe, bool dense = false) {
   RuntimeConfig config = testkit::small_config(/*intermediate=*/moe ? 0 : 64);
   if (moe) {
     config.model.num_experts = 8;
     config.model.experts_per_token = 2;
     config.model.moe_intermediate = 64;
     config.model.shared_experts = 1;
+    config.model.dense_intermediate = 128;
   }
   const int64_t max_blocks = config.max_context / config.model.block_size;
   const int64_t pages = config.max_requests * max_blocks + 2;
@@ -165,6 +171,8 @@ void one_step_equals_the_cpp_api(bool moe) {
       master.layers[i].moe = testkit::make_master_moe(config.model, 90 + i, /*fp8=*/true);
     }
   }
+  if (dense) testkit::add_dense_layers(master, 91, /*fp8_mlp=*/true);
+  const std::vector<int> run = dense ? std::vector<int>{0, 1, 2} : std::vector<int>{1, 2};
   const testkit::StepMeta step = testkit::make_step(
       {50, 90}, 2, config.model.block_size, max_blocks, testkit::page_permutation(pages, 78),
       testkit::page_permutation(pages, 79));
@@ -185,7 +193,7 @@ void one_step_equals_the_cpp_api(bool moe) {
   ASSERT_EQ(cpp.prepare(cpp_model.weights, config, *comm), PrepareResult::kActive);
   ASSERT_TRUE(cpp.begin_step(step.batch));
   std::vector<uint16_t> cpp_hidden = hidden_in, cpp_residual = residual_in;
-  for (int layer : {1, 2}) {
+  for (int layer : run) {
     cpp.forward_layer(layer, TensorView::contiguous(cpp_hidden.data(), DType::kBF16, {rows, H}),
                       TensorView::contiguous(cpp_residual.data(), DType::kBF16, {rows, H}),
                       step.positions.view());
@@ -217,10 +225,14 @@ void one_step_equals_the_cpp_api(bool moe) {
   const m3msa_tensor r =
       c_tensor(TensorView::contiguous(c_residual.data(), DType::kBF16, {rows, H}));
   const m3msa_tensor pos = c_tensor(step.positions.view());
-  for (int layer : {1, 2}) {
+  for (int layer : run) {
     ASSERT_EQ(m3msa_runtime_forward_layer(rt, layer, &h, &r, &pos), M3MSA_OK) << m3msa_last_error();
   }
-  EXPECT_EQ(m3msa_runtime_forward_layer(rt, 0, &h, &r, &pos), M3MSA_ERR_INVALID_ARGUMENT);
+  if (!dense) {
+    EXPECT_EQ(m3msa_runtime_forward_layer(rt, 0, &h, &r, &pos), M3MSA_ERR_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(m3msa_last_error()).find("layer 0 is a dense layer"), std::string::npos)
+        << m3msa_last_error();
+  }
   EXPECT_EQ(c_hidden, cpp_hidden);
   EXPECT_EQ(c_residual, cpp_residual);
 
@@ -246,6 +258,10 @@ TEST(RuntimeCApi, OneStepEqualsTheCppApi) {
 
 TEST(RuntimeCApi, OneMoeStepEqualsTheCppApi) {
   one_step_equals_the_cpp_api(true);
+}
+
+TEST(RuntimeCApi, OneStepWithTheDenseLayerEqualsTheCppApi) {
+  one_step_equals_the_cpp_api(true, /*dense=*/true);
 }
 
 }  // namespace

@@ -251,26 +251,15 @@ TEST(RuntimeForward, TensorParallelEqualsOneRankAndOneRankEqualsReference) {
     }
     // The first sparse layer's projections do not depend on TP: its caches are bit-identical.
     const ModelConfig& m = s.config.model;
-    const SparseConfig sc = m.sparse(world);
-    const int64_t tile = int64_t{2} * m.block_size * m.head_dim;
     for (int r = 0; r < world; ++r) {
       const auto& rank = tp.ranks[static_cast<std::size_t>(r)];
       EXPECT_EQ(std::memcmp(rank.index_caches[0].data(), one.ranks[0].index_caches[0].data(),
                             rank.index_caches[0].nbytes()),
                 0)
           << name << " rank " << r << " index cache";
-      const int kv0 = rank_layout(m, r, world).first_kv_head;
-      int64_t mismatched_tiles = 0;
-      for (int64_t p = 0; p < s.master.pages; ++p) {
-        for (int h = 0; h < sc.kv_heads; ++h) {
-          mismatched_tiles +=
-              std::memcmp(
-                  rank.kv_caches[0].ptr<uint16_t>() + (p * sc.kv_heads + h) * tile,
-                  one.ranks[0].kv_caches[0].ptr<uint16_t>() + (p * m.kv_heads + kv0 + h) * tile,
-                  sizeof(uint16_t) * static_cast<std::size_t>(tile)) != 0;
-        }
-      }
-      EXPECT_EQ(mismatched_tiles, 0) << name << " rank " << r << " kv cache";
+      EXPECT_EQ(
+          testkit::kv_tiles_differing(m, r, world, rank.kv_caches[0], one.ranks[0].kv_caches[0]), 0)
+          << name << " rank " << r << " kv cache";
     }
   }
 }

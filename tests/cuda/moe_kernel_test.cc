@@ -1,6 +1,8 @@
 // The moe family (src/cuda/moe.h) against the CPU reference cpu::moe (docs/spec.md section 8):
 // M3's per-rank shapes at TP 4 and 8 and a small one, 1..16 token rows, bf16 and MXFP8 experts;
-// CUDA-graph replay equals eager bit for bit; deterministic run to run. Skips without a GPU.
+// CUDA-graph replay equals eager bit for bit; deterministic run to run. The dense MLP on the same
+// kernels (cuda::launch_dense_mlp) against cpu::dense_mlp alike, at M3's dense rank shapes.
+// Skips without a GPU.
 //
 // Routing: the GPU sums a logit in another fp32 order than the CPU, so two experts whose keys are
 // within 1e-5 of each other across the k-th place may swap; such rows are counted and skipped
@@ -215,6 +217,92 @@ TEST(MoeKernel, M3RankShapesMatchTheCpuReference) {
       const Case c{inter == 768 ? "M3 TP4 rank" : "M3 TP8 rank", 6144, 128, 4, inter, inter, fp8};
       run_case(c, {1, 4, 16}, 300 + inter + (fp8 ? 1 : 0));
     }
+  }
+}
+
+// The dense MLP of the dense layers: M3's D_r 3072 (TP 4) and 1536 (TP 8) at hidden 6144, and a
+// small shape; the same output tolerance as the experts (no routing).
+void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row_counts,
+                    uint64_t seed) {
+  ModelConfig m;
+  m.hidden = hidden;
+  m.dense_intermediate = width;
+  const testkit::MasterDenseMlp master = testkit::make_master_dense_mlp(m, seed, fp8);
+  std::vector<HostTensor> storage;
+  const ExpertWeights mlp = testkit::bind_dense_mlp(m, master, 0, 1, storage);
+  Device3 dev;
+  const ExpertWeights on_gpu{dev.up(mlp.w13), dev.up(mlp.w13_scale), dev.up(mlp.w2),
+                             dev.up(mlp.w2_scale)};
+  for (int rows : row_counts) {
+    SCOPED_TRACE("dense mlp hidden " + std::to_string(hidden) + " width " + std::to_string(width) +
+                 " rows " + std::to_string(rows) + (fp8 ? " mxfp8" : " bf16"));
+    HostTensor x(DType::kBF16, {rows, hidden});
+    testkit::fill_bf16(x, seed + 1 + static_cast<uint64_t>(rows));
+    HostTensor want(DType::kF32, {rows, hidden});
+    DenseMlpArgs cpu_args;
+    cpu_args.x = x.view();
+    cpu_args.mlp = mlp;
+    cpu_args.out = want.view();
+    cpu::dense_mlp(cpu_args, 0);
+
+    const DevTensor dx = to_dev(x);
+    HostTensor out_host(DType::kF32, {rows, hidden});
+    DevTensor dout = to_dev(out_host);
+    DenseMlpArgs g;
+    g.x = dx.view;
+    g.mlp = on_gpu;
+    g.out = dout.view;
+    cuda::DeviceBuffer workspace(cuda::dense_mlp_workspace_bytes(width, rows));
+    const cuda::MoeParams p = cuda::dense_mlp_params(g, workspace.data());
+    cuda::Stream stream;
+    cuda::launch_dense_mlp(p, stream.get());
+    stream.synchronize();
+    HostTensor got(DType::kF32, {rows, hidden});
+    CUDA_CHECK(cudaMemcpy(got.data(), dout.view.data, got.nbytes(), cudaMemcpyDeviceToHost));
+    double worst = 0;
+    for (int r = 0; r < rows; ++r) {
+      double row_max = 0;
+      for (int n = 0; n < hidden; ++n) {
+        row_max = std::max(row_max, double(std::fabs(want.ptr<float>()[r * hidden + n])));
+      }
+      for (int n = 0; n < hidden; ++n) {
+        const double a = got.ptr<float>()[r * hidden + n];
+        const double b = want.ptr<float>()[r * hidden + n];
+        const double tol = row_max / 128 + 1e-6;
+        worst = std::max(worst, std::fabs(a - b) / tol);
+        ASSERT_LE(std::fabs(a - b), tol) << "row " << r << " element " << n;
+      }
+    }
+    std::printf("[ info ] dense mlp %d x %d rows %d %s: worst error / tolerance %.3f\n", hidden,
+                width, rows, fp8 ? "mxfp8" : "bf16", worst);
+
+    // Graph replay == eager.
+    HostTensor again(DType::kF32, {rows, hidden});
+    CUDA_CHECK(cudaMemsetAsync(dout.view.data, 0xFF, got.nbytes(), stream.get()));
+    cudaGraph_t graph = nullptr;
+    CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
+    cuda::launch_dense_mlp(p, stream.get());
+    CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
+    cudaGraphExec_t exec = nullptr;
+    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
+    stream.synchronize();
+    CUDA_CHECK(cudaMemcpy(again.data(), dout.view.data, again.nbytes(), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(std::memcmp(again.data(), got.data(), got.nbytes()), 0) << "graph replay != eager";
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(graph);
+  }
+}
+
+TEST(DenseMlpKernel, SmallShapesMatchTheCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  for (bool fp8 : {false, true}) run_dense_case(256, 128, fp8, {1, 3, 16}, fp8 ? 401 : 402);
+}
+
+TEST(DenseMlpKernel, M3RankShapesMatchTheCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  for (bool fp8 : {true, false}) {
+    for (int width : {3072, 1536}) run_dense_case(6144, width, fp8, {1, 4, 16}, 500 + width);
   }
 }
 

@@ -1,14 +1,16 @@
 // forward_layer with the mixture of experts on the CUDA backend (docs/runtime.md, docs/spec.md
 // section 8): against the CPU runtime layer by layer (teacher forcing: both backends start every
-// layer from the CPU's input), bf16 and MXFP8 experts; StepGraphs replay equals the same steps
-// run eagerly, bit for bit. Skips without a GPU.
+// layer from the CPU's input), bf16 and MXFP8 experts, with and without the dense layer 0 (dense
+// attention and the dense MLP) bound in front; StepGraphs replay equals the same steps run
+// eagerly, bit for bit. Skips without a GPU.
 //
 // Tolerances: the MoE output is a sum of 2-GEMM functions of h2, like the dense MLP of
 // runtime_gpu_fixture.h, so it is checked per row by relative L2 error <= 2^-5. A row may also
 // route differently: h2 differs by bf16 roundings between the backends, which can swap two experts
 // whose keys are within ~1e-3 across the k-th place, and then its output legitimately differs; at
 // most an eighth of the live rows may fail the L2 check (counted and printed), and no row may hold
-// a NaN or an infinity the CPU does not.
+// a NaN or an infinity the CPU does not. A dense layer routes nothing: every one of its rows must
+// pass.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -24,7 +26,10 @@ namespace {
 
 using namespace rtgpu;
 
-Scenario moe_scenario(uint64_t seed, bool fp8, const std::vector<Shape>& shapes) {
+// dense_layers: layer 0 (the fixture's first_sparse_layer is 1) bound as a dense layer with a
+// dense MLP of width 1024.
+Scenario moe_scenario(uint64_t seed, bool fp8, const std::vector<Shape>& shapes,
+                      bool dense_layers = false) {
   Scenario s = make_scenario(seed, shapes);
   ModelConfig& m = s.config.model;
   m.intermediate = 0;
@@ -32,6 +37,7 @@ Scenario moe_scenario(uint64_t seed, bool fp8, const std::vector<Shape>& shapes)
   m.experts_per_token = 4;
   m.moe_intermediate = 256;
   m.shared_experts = 1;
+  m.dense_intermediate = 1024;
   s.master.config = m;
   for (std::size_t i = 0; i < s.master.layers.size(); ++i) {
     testkit::MasterLayer& layer = s.master.layers[i];
@@ -42,12 +48,13 @@ Scenario moe_scenario(uint64_t seed, bool fp8, const std::vector<Shape>& shapes)
     layer.has_moe = true;
     layer.moe = testkit::make_master_moe(m, seed * 97 + i, fp8);
   }
+  if (dense_layers) testkit::add_dense_layers(s.master, seed * 89, fp8);
   return s;
 }
 
-void run_against_cpu(uint64_t seed, bool fp8) {
+void run_against_cpu(uint64_t seed, bool fp8, bool dense_layers = false) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
-  const Scenario s = moe_scenario(seed, fp8, default_shapes());
+  const Scenario s = moe_scenario(seed, fp8, default_shapes(), dense_layers);
   const ModelConfig& m = s.config.model;
   testkit::RankModel host = testkit::make_rank_model(s.master, 0, 1);
   testkit::RankModel host_for_gpu = testkit::make_rank_model(s.master, 0, 1);
@@ -63,7 +70,7 @@ void run_against_cpu(uint64_t seed, bool fp8) {
   DeviceTensor d_hidden(DType::kBF16, {16, H}), d_residual(DType::kBF16, {16, H});
   DeviceTensor d_positions(DType::kI64, {16});
   cudaStream_t stream = static_cast<cudaStream_t>(gpu.cuda_stream());
-  int64_t rows_checked = 0, rows_bad = 0, nonfinite = 0;
+  int64_t rows_checked = 0, rows_bad = 0, nonfinite = 0, dense_rows = 0, dense_bad = 0;
   double worst = 0;
   for (std::size_t step = 0; step < s.steps.size(); ++step) {
     const StepMeta& meta = s.steps[step];
@@ -103,6 +110,10 @@ void run_against_cpu(uint64_t seed, bool fp8) {
         worst = std::max(worst, ratio);
         rows_bad += ratio > 1.0;
         ++rows_checked;
+        if (layer.dense) {
+          dense_bad += ratio > 1.0;
+          ++dense_rows;
+        }
       }
     }
   }
@@ -114,6 +125,8 @@ void run_against_cpu(uint64_t seed, bool fp8) {
   EXPECT_GT(rows_checked, 0);
   EXPECT_LE(rows_bad * 8, rows_checked);
   EXPECT_EQ(nonfinite, 0);
+  EXPECT_EQ(dense_rows > 0, dense_layers);
+  EXPECT_EQ(dense_bad, 0) << "of " << dense_rows << " dense-layer rows";
   gpu.close();
   cpu.close();
 }
@@ -126,10 +139,18 @@ TEST(MoeRuntimeGpu, Mxfp8ForwardLayerMatchesCpuRuntime) {
   run_against_cpu(612, true);
 }
 
-TEST(MoeRuntimeGpu, GraphReplayEqualsEager) {
+TEST(DenseLayersRuntimeGpu, Bf16DenseLayerMatchesCpuRuntime) {
+  run_against_cpu(621, false, /*dense_layers=*/true);
+}
+
+TEST(DenseLayersRuntimeGpu, Mxfp8DenseLayerMatchesCpuRuntime) {
+  run_against_cpu(622, true, /*dense_layers=*/true);
+}
+
+void graph_replay_equals_eager(uint64_t seed, bool dense_layers) {
   M3MSA_RUNTIME_REQUIRE_GPUS(1);
   const std::vector<Shape> shapes = {{{700, 1500, 0, 2000}, 2}, {{703, 1503, 90}, 1}};
-  const Scenario s = moe_scenario(613, /*fp8=*/true, shapes);
+  const Scenario s = moe_scenario(seed, /*fp8=*/true, shapes, dense_layers);
   const int64_t H = s.config.model.hidden;
   testkit::RankModel host = testkit::make_rank_model(s.master, 0, 1);
   auto comm = make_single_rank_communicator();
@@ -157,6 +178,14 @@ TEST(MoeRuntimeGpu, GraphReplayEqualsEager) {
     EXPECT_EQ(outs[0], outs[1]) << "step " << step << ": graph replay != eager";
     EXPECT_NE(outs[0], s.hidden_in[step]) << "step " << step;
   }
+}
+
+TEST(MoeRuntimeGpu, GraphReplayEqualsEager) {
+  graph_replay_equals_eager(613, false);
+}
+
+TEST(DenseLayersRuntimeGpu, GraphReplayEqualsEager) {
+  graph_replay_equals_eager(623, true);
 }
 
 }  // namespace

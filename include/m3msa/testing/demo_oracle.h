@@ -19,8 +19,9 @@ class Oracle {
   virtual ~Oracle() = default;
   virtual std::string name() const = 0;
   virtual void begin_step(const Step& step) = 0;
-  // In place: the layer's outputs; topk [rows, H, k]; scores [rows, H, max_blocks] of the
-  // oracle's index_q over its own caches (the near-tie rule's reference).
+  // Layer `li` of the run (spec.first_layer() + li), in place: the layer's outputs; topk
+  // [rows, H, k]; scores [rows, H, max_blocks] of the oracle's index_q over its own caches (the
+  // near-tie rule's reference). A dense layer selects nothing: topk comes back empty.
   virtual void layer(int li, const Step& step, std::vector<uint16_t>& hidden,
                      std::vector<uint16_t>& residual, std::vector<int32_t>& topk,
                      HostTensor& scores) = 0;

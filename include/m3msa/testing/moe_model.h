@@ -43,4 +43,21 @@ void bind_moe(const ModelConfig& m, const MasterMoe& moe, int rank, int world,
 // double. Returns the fp32 partial of the whole model (before the final bf16 rounding).
 std::vector<double> moe_double(const ModelConfig& m, const MasterMoe& moe, const uint16_t* x);
 
+// A dense layer's MLP (docs/spec.md section 8, "Dense MLP"): one expert of the whole width
+// model.dense_intermediate D, bf16-exact or MXFP8. w13 [2 D, hidden] rows [gate | up], w2
+// [hidden, D]. Draws from SplitMix64(seed) only.
+struct MasterDenseMlp {
+  MoeMatrix w13, w2;
+};
+MasterDenseMlp make_master_dense_mlp(const ModelConfig& m, uint64_t seed, bool fp8);
+
+// Rank `rank` of `world`: its D / world gate and up rows and its columns of w2 (as bind_moe).
+ExpertWeights bind_dense_mlp(const ModelConfig& m, const MasterDenseMlp& mlp, int rank, int world,
+                             std::vector<HostTensor>& storage);
+
+// The dense MLP of one bf16 row x in double, rounded where docs/spec.md section 8 rounds: the fp32
+// output of the whole model before the final bf16 rounding.
+std::vector<double> dense_mlp_double(const ModelConfig& m, const MasterDenseMlp& mlp,
+                                     const uint16_t* x);
+
 }  // namespace m3msa::testkit

@@ -23,6 +23,9 @@ struct ReferenceLayer {
   std::span<const float> o_proj;          // [hidden, QH*HD]
   std::span<const float> gate, up, down;  // [I, hidden] x2, [hidden, I]; empty: no MLP
   const MasterMoe* moe = nullptr;         // the mixture of experts (instead of an MLP)
+  // A dense layer's MLP: the layer is dense (qkv rows [q | k | v], no index part, no selection,
+  // dense causal attention), and this is its FFN.
+  const MasterDenseMlp* dense_mlp = nullptr;
   std::span<const float> input_norm, post_norm;           // [hidden] (Gemma-style: x * (1 + w))
   TensorView q_norm, k_norm, index_q_norm, index_k_norm;  // bf16
   KVCache kv_cache;

@@ -15,6 +15,10 @@ UnsupportedError (a NotImplementedError), TimeoutError (a builtins.TimeoutError)
 On torch CUDA tensors the calls run on the CUDA backend, on torch's current stream; pass
 plan=m3msa.CudaPlan(...) for calls that allocate nothing and never synchronize the host, which
 torch.cuda.graph can capture.
+
+Submodules (they import torch): m3msa.torch registers the operations as torch.library ops
+(torch.ops.m3msa.*, for torch.compile and CUDA graphs); m3msa.vllm serves vLLM's MiniMax-M3 decode
+entry points and holds the vLLM plugin (docs/vllm.md).
 """
 
 from . import _m3msa

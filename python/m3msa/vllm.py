@@ -66,9 +66,10 @@ def minimax_m3_index_decode(idx_q, index_kv_cache, block_table, seq_lens, max_se
         result = torch.empty((heads, total_q, topk), dtype=torch.int32, device=idx_q.device)
     else:
         shape = tuple(out.shape)
-        if len(shape) != 3 or shape[0] != heads or shape[1] < total_q or shape[2] != topk:
+        if (len(shape) != 3 or shape[0] != heads or shape[1] < total_q or shape[2] != topk or
+                out.dtype != torch.int32):
             raise invalid(f"out: expected int32 [{heads}, >= {total_q}, {topk}], got "
-                          f"{list(shape)}")
+                          f"{out.dtype} {list(shape)}")
         result = out[:, :total_q, :]
     torch.ops.m3msa.index_decode(idx_q, index_kv_cache, block_table, seq_lens,
                                  int(decode_query_len), int(topk), int(init_blocks),
@@ -107,6 +108,9 @@ def minimax_m3_sparse_attn_decode(q, kv_cache, topk_idx, block_table, seq_lens, 
     shape = tuple(topk_idx.shape)
     if len(shape) != 3 or shape[0] != num_kv_heads or shape[1] != total_q:
         raise invalid(f"topk_idx: expected [{num_kv_heads}, {total_q}, topk], got {list(shape)}")
+    if tuple(output.shape) != tuple(q.shape) or output.dtype != torch.bfloat16:
+        raise invalid(f"output: expected bfloat16 {list(q.shape)} (that of q), got "
+                      f"{output.dtype} {list(output.shape)}")
     torch.ops.m3msa.sparse_attn_decode(q, kv_cache, "vllm", topk_idx.permute(1, 0, 2),
                                        block_table, seq_lens, int(decode_query_len), 1.0, 1.0,
                                        output)

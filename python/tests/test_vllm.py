@@ -117,6 +117,9 @@ class VllmEntryPointsTest(TestCase):
         small = torch.empty((cfg.index_heads, 1, cfg.topk), dtype=torch.int32)
         with self.assertRaisesError("invalid_argument", "out"):
             mvllm.minimax_m3_index_decode(*args, cfg.index_heads, 1, 1, out=small)
+        wide = torch.empty((cfg.index_heads, 8, cfg.topk), dtype=torch.int64)
+        with self.assertRaisesError("invalid_argument", "out", "int32"):
+            mvllm.minimax_m3_index_decode(*args, cfg.index_heads, 1, 1, out=wide)
         topk = mvllm.minimax_m3_index_decode(*args, cfg.index_heads, 1, 1)
         output = torch.empty(tuple(c.q.array.shape), dtype=torch.bfloat16)
         attn = (t(c.q), kv_in_layout(c.kv_cache, "vllm"), topk, t(c.index_table),
@@ -125,6 +128,9 @@ class VllmEntryPointsTest(TestCase):
             mvllm.minimax_m3_sparse_attn_decode(*attn, 0.5, output, 1)
         with self.assertRaisesError("invalid_argument", "kv_cache", "num_kv_heads"):
             mvllm.minimax_m3_sparse_attn_decode(*attn[:5], cfg.kv_heads * 2, 0.25, output, 1)
+        with self.assertRaisesError("invalid_argument", "output", "bfloat16"):
+            mvllm.minimax_m3_sparse_attn_decode(*attn, 1.0 / math.sqrt(cfg.head_dim),
+                                                output.float(), 1)
 
 
 # ---- The plugin, on a stand-in vllm package (vLLM itself is not needed to check the swap) ----

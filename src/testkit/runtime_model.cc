@@ -39,6 +39,42 @@ RuntimeConfig small_config(int intermediate) {
   return c;
 }
 
+namespace {
+
+// A layer's attention-block weights in one drawing order; the index projections and norms only
+// for a sparse layer (a dense layer's draws are the sparse ones without them).
+void draw_attention_weights(const ModelConfig& m, bool sparse, SplitMix64& rng, MasterLayer& w) {
+  const std::size_t H = static_cast<std::size_t>(m.hidden);
+  const std::size_t hd = static_cast<std::size_t>(m.head_dim);
+  const std::size_t id = static_cast<std::size_t>(m.index_dim);
+  const float in_scale = 1.7f / std::sqrt(static_cast<float>(m.hidden));
+  w.wq = random_values(rng, m.q_heads * hd * H, in_scale);
+  w.wk = random_values(rng, m.kv_heads * hd * H, in_scale);
+  w.wv = random_values(rng, m.kv_heads * hd * H, in_scale);
+  if (sparse) {
+    w.wiq = random_values(rng, m.index_heads * id * H, in_scale);
+    w.wik = random_values(rng, id * H, in_scale);
+  }
+  w.q_norm = random_values(rng, hd, 0.2f);
+  w.k_norm = random_values(rng, hd, 0.2f);
+  if (sparse) {
+    w.iq_norm = random_values(rng, id, 0.2f);
+    w.ik_norm = random_values(rng, id, 0.2f);
+  }
+  w.input_norm = random_values(rng, H, 0.2f);
+  w.post_norm = random_values(rng, H, 0.2f);
+  w.wo = random_values(rng, H * m.q_heads * hd,
+                       1.7f / std::sqrt(static_cast<float>(m.q_heads * m.head_dim)));
+}
+
+HostTensor draw_kv_cache(const ModelConfig& m, int64_t pages, SplitMix64& rng) {
+  const std::size_t n = static_cast<std::size_t>(pages) * m.kv_heads * 2 * m.block_size *
+                        static_cast<std::size_t>(m.head_dim);
+  return bf16_tensor(random_values(rng, n, 1.0f), {pages, m.kv_heads, 2, m.block_size, m.head_dim});
+}
+
+}  // namespace
+
 MasterModel make_master(const ModelConfig& m, int64_t pages, uint64_t seed,
                         bool mlp_on_last_layer) {
   MasterModel model;
@@ -46,25 +82,12 @@ MasterModel make_master(const ModelConfig& m, int64_t pages, uint64_t seed,
   model.pages = pages;
   SplitMix64 rng(seed);
   const std::size_t H = static_cast<std::size_t>(m.hidden);
-  const std::size_t hd = static_cast<std::size_t>(m.head_dim);
   const std::size_t id = static_cast<std::size_t>(m.index_dim);
   const float in_scale = 1.7f / std::sqrt(static_cast<float>(m.hidden));
   for (int layer = m.first_sparse_layer; layer < m.num_layers; ++layer) {
     MasterLayer w;
     w.layer = layer;
-    w.wq = random_values(rng, m.q_heads * hd * H, in_scale);
-    w.wk = random_values(rng, m.kv_heads * hd * H, in_scale);
-    w.wv = random_values(rng, m.kv_heads * hd * H, in_scale);
-    w.wiq = random_values(rng, m.index_heads * id * H, in_scale);
-    w.wik = random_values(rng, id * H, in_scale);
-    w.q_norm = random_values(rng, hd, 0.2f);
-    w.k_norm = random_values(rng, hd, 0.2f);
-    w.iq_norm = random_values(rng, id, 0.2f);
-    w.ik_norm = random_values(rng, id, 0.2f);
-    w.input_norm = random_values(rng, H, 0.2f);
-    w.post_norm = random_values(rng, H, 0.2f);
-    w.wo = random_values(rng, H * m.q_heads * hd,
-                         1.7f / std::sqrt(static_cast<float>(m.q_heads * m.head_dim)));
+    draw_attention_weights(m, true, rng, w);
     w.mlp = mlp_on_last_layer && layer == m.num_layers - 1 && m.intermediate > 0;
     if (w.mlp) {
       const std::size_t I = static_cast<std::size_t>(m.intermediate);
@@ -73,9 +96,7 @@ MasterModel make_master(const ModelConfig& m, int64_t pages, uint64_t seed,
       w.up = random_values(rng, I * H, 5.0f * in_scale);
       w.down = random_values(rng, H * I, 1.7f / std::sqrt(static_cast<float>(I)));
     }
-    const std::size_t kv_n = static_cast<std::size_t>(pages) * m.kv_heads * 2 * m.block_size * hd;
-    w.kv_cache = bf16_tensor(random_values(rng, kv_n, 1.0f),
-                             {pages, m.kv_heads, 2, m.block_size, m.head_dim});
+    w.kv_cache = draw_kv_cache(m, pages, rng);
     const std::size_t ix_n = static_cast<std::size_t>(pages) * m.block_size * id;
     w.index_cache = bf16_tensor(random_values(rng, ix_n, 1.0f), {pages, m.block_size, m.index_dim});
     model.layers.push_back(std::move(w));
@@ -86,28 +107,14 @@ MasterModel make_master(const ModelConfig& m, int64_t pages, uint64_t seed,
 void add_dense_layers(MasterModel& model, uint64_t seed, bool fp8_mlp) {
   const ModelConfig& m = model.config;
   SplitMix64 rng(seed);
-  const std::size_t H = static_cast<std::size_t>(m.hidden);
-  const std::size_t hd = static_cast<std::size_t>(m.head_dim);
-  const float in_scale = 1.7f / std::sqrt(static_cast<float>(m.hidden));
   std::vector<MasterLayer> dense;
   for (int layer = 0; layer < m.first_sparse_layer; ++layer) {
     MasterLayer w;
     w.layer = layer;
     w.dense = true;
-    w.wq = random_values(rng, m.q_heads * hd * H, in_scale);
-    w.wk = random_values(rng, m.kv_heads * hd * H, in_scale);
-    w.wv = random_values(rng, m.kv_heads * hd * H, in_scale);
-    w.q_norm = random_values(rng, hd, 0.2f);
-    w.k_norm = random_values(rng, hd, 0.2f);
-    w.input_norm = random_values(rng, H, 0.2f);
-    w.post_norm = random_values(rng, H, 0.2f);
-    w.wo = random_values(rng, H * m.q_heads * hd,
-                         1.7f / std::sqrt(static_cast<float>(m.q_heads * m.head_dim)));
+    draw_attention_weights(m, false, rng, w);
     w.dense_mlp = make_master_dense_mlp(m, rng.next(), fp8_mlp);
-    const std::size_t kv_n =
-        static_cast<std::size_t>(model.pages) * m.kv_heads * 2 * m.block_size * hd;
-    w.kv_cache = bf16_tensor(random_values(rng, kv_n, 1.0f),
-                             {model.pages, m.kv_heads, 2, m.block_size, m.head_dim});
+    w.kv_cache = draw_kv_cache(m, model.pages, rng);
     dense.push_back(std::move(w));
   }
   model.layers.insert(model.layers.begin(), std::make_move_iterator(dense.begin()),

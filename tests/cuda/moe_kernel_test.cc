@@ -58,6 +58,31 @@ struct Device3 {
 };
 
 // One model per case (M3's rank shapes take seconds to draw), checked at every row count.
+// `launch` (which wrote `eager` into `out`) captured into a graph and replayed over a poisoned
+// `out`, then run eagerly once more: both give `eager`'s bits.
+template <typename Launch>
+void expect_replay_equals_eager(Launch launch, cudaStream_t stream, const TensorView& out,
+                                const HostTensor& eager) {
+  HostTensor again(eager.dtype(), eager.shape());
+  CUDA_CHECK(cudaMemsetAsync(out.data, 0xFF, eager.nbytes(), stream));
+  cudaGraph_t graph = nullptr;
+  CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  launch(stream);
+  CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec = nullptr;
+  CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  CUDA_CHECK(cudaGraphLaunch(exec, stream));
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaMemcpy(again.data(), out.data, again.nbytes(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(again.data(), eager.data(), eager.nbytes()), 0) << "graph replay != eager";
+  launch(stream);
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  CUDA_CHECK(cudaMemcpy(again.data(), out.data, again.nbytes(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(again.data(), eager.data(), eager.nbytes()), 0) << "eager run to run";
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+}
+
 void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) {
   ModelConfig m;
   m.hidden = c.hidden;
@@ -174,24 +199,8 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
     EXPECT_LT(skipped, std::max(1, rows / 2 + 1));
 
     // Graph replay == eager, and a second eager run changes no bit.
-    HostTensor again(DType::kF32, {rows, c.hidden});
-    CUDA_CHECK(cudaMemsetAsync(dout.view.data, 0xFF, got.nbytes(), stream.get()));
-    cudaGraph_t graph = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-    cuda::launch_moe(p, stream.get());
-    CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
-    cudaGraphExec_t exec = nullptr;
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
-    stream.synchronize();
-    CUDA_CHECK(cudaMemcpy(again.data(), dout.view.data, again.nbytes(), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(std::memcmp(again.data(), got.data(), got.nbytes()), 0) << "graph replay != eager";
-    cuda::launch_moe(p, stream.get());
-    stream.synchronize();
-    CUDA_CHECK(cudaMemcpy(again.data(), dout.view.data, again.nbytes(), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(std::memcmp(again.data(), got.data(), got.nbytes()), 0) << "eager run to run";
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+    expect_replay_equals_eager([&](cudaStream_t s) { cuda::launch_moe(p, s); }, stream.get(),
+                               dout.view, got);
   }
 }
 
@@ -276,21 +285,9 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
     std::printf("[ info ] dense mlp %d x %d rows %d %s: worst error / tolerance %.3f\n", hidden,
                 width, rows, fp8 ? "mxfp8" : "bf16", worst);
 
-    // Graph replay == eager.
-    HostTensor again(DType::kF32, {rows, hidden});
-    CUDA_CHECK(cudaMemsetAsync(dout.view.data, 0xFF, got.nbytes(), stream.get()));
-    cudaGraph_t graph = nullptr;
-    CUDA_CHECK(cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal));
-    cuda::launch_dense_mlp(p, stream.get());
-    CUDA_CHECK(cudaStreamEndCapture(stream.get(), &graph));
-    cudaGraphExec_t exec = nullptr;
-    CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-    CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
-    stream.synchronize();
-    CUDA_CHECK(cudaMemcpy(again.data(), dout.view.data, again.nbytes(), cudaMemcpyDeviceToHost));
-    EXPECT_EQ(std::memcmp(again.data(), got.data(), got.nbytes()), 0) << "graph replay != eager";
-    cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+    // Graph replay == eager, and a second eager run changes no bit.
+    expect_replay_equals_eager([&](cudaStream_t s) { cuda::launch_dense_mlp(p, s); }, stream.get(),
+                               dout.view, got);
   }
 }
 

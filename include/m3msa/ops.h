@@ -70,8 +70,8 @@ struct AttentionArgs {
   TensorView q;      // [rows, QH, HD] bf16
   KVCache kv_cache;  // read through batch.kv_block_table
   BatchMeta batch;
-  TensorView topk_idx;  // [rows, kv_heads, k] i32, any outer strides (CUDA: contiguous); not
-                        // given (ndim 0) = dense causal attention
+  TensorView topk_idx;  // [rows, kv_heads, k] i32, any outer strides; not given (ndim 0) = dense
+                        // causal attention
   TensorView out;       // [rows, QH, HD] bf16 out
 };
 

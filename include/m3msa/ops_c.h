@@ -86,9 +86,8 @@ typedef struct m3msa_indexer_args {
   m3msa_tensor topk_idx;
 } m3msa_indexer_args;
 
-/* AttentionArgs (ops.h). topk_idx [rows, KVH, k] i32, any strides of its two outer axes on the
-   CPU (a head-major selection as a permuted view), contiguous on CUDA; not given: dense causal
-   attention. */
+/* AttentionArgs (ops.h). topk_idx [rows, KVH, k] i32, any strides of its two outer axes (a
+   head-major selection as a permuted view); not given: dense causal attention. */
 typedef struct m3msa_attention_args {
   size_t struct_size;
   m3msa_tensor q;

@@ -2,11 +2,12 @@
 //
 // Per configuration (batch x q_len x KV dtype x context): every request selects 16 distinct blocks
 // per KV head (its own block plus 15 random ones; the rows of one request share them, as the
-// speculative rows of M3 mostly do), each selected (request, block) on its own page. Several input
-// sets on disjoint pages rotate so that the data read per launch set exceeds the 60 MB L2 many
-// times over. Timing, table and JSON come from the shared harness (harness.h): a graph of
-// `launches` back-to-back launches cycling the sets, replayed; time per launch = replay time /
-// launches; median and noise ((p90 - p10) / median) over the replays.
+// speculative rows of M3 mostly do, or with --row-share N only N of the 15, each row drawing the
+// rest), each selected (request, block) on its own page. Several input sets on disjoint pages
+// rotate so that the data read per launch set exceeds the 60 MB L2 many times over. Timing, table
+// and JSON come from the shared harness (harness.h): a graph of `launches` back-to-back launches
+// cycling the sets, replayed; time per launch = replay time / launches; median and noise
+// ((p90 - p10) / median) over the replays.
 //
 // Bytes (the floor): the K and V 64-token chunks the kernel must read (each (request, KV head,
 // block) once, however many rows select it; the own block's second chunk only when a row reaches
@@ -32,6 +33,7 @@
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
 #include "m3msa/ops.h"
+#include "m3msa/testing/layouts.h"
 #include "m3msa/testing/splitmix.h"
 
 namespace m3msa::bench {
@@ -45,6 +47,10 @@ struct Config {
   DType kv;
   int64_t context;
   cuda::AttentionTuning tuning;
+  KVLayout layout = KVLayout::kOurs;
+  // Random blocks a request's rows share besides the own block (the rest each row draws itself);
+  // -1: all of them (one selection per request and KV head).
+  int row_share = -1;
 };
 
 struct Result {
@@ -77,15 +83,24 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
   // selected (request, KV head, block), except the own block's second chunk when no row reaches it.
   const int64_t own = nb - 1;
   const int64_t last_pos = c.context - 1;
-  double tile_bytes = 2.0 * 2.0 * chunk_bytes * c.batch * kvh * k;  // K and V, 2 chunks each
-  if (last_pos % sc.block_size < 64) tile_bytes -= 2.0 * chunk_bytes * c.batch * kvh;
+  // K and V, 2 chunks each, of `blocks` distinct selected (request, KV head, block) triples.
+  auto tiles_of = [&](double blocks) {
+    double t = 2.0 * 2.0 * chunk_bytes * blocks;
+    if (last_pos % sc.block_size < 64) t -= 2.0 * chunk_bytes * c.batch * kvh;
+    return t;
+  };
+  const double tile_bytes =
+      tiles_of(double{1.0} * c.batch * kvh * k);  // rows sharing: a lower bound
   const double io_bytes = rows * sc.q_heads * sc.head_dim * 2.0 * 2 + rows * kvh * k * 4.0;
-  const double bytes = tile_bytes + io_bytes;
+  const int shared = c.row_share < 0 ? k - 1 : std::min(c.row_share, k - 1);
+  const int distinct_per_head =
+      static_cast<int>(std::min<int64_t>(nb, 1 + shared + int64_t{k - 1 - shared} * c.q_len));
 
   const int sets = static_cast<int>(std::clamp<int64_t>(
       (4 * kL2Bytes + static_cast<int64_t>(tile_bytes) - 1) / static_cast<int64_t>(tile_bytes), 2,
       64));
-  const int64_t pages_per_set = int64_t{c.batch} * kvh * k;  // worst case: heads disjoint
+  const int64_t pages_per_set =
+      int64_t{c.batch} * std::min<int64_t>(nb, int64_t{kvh} * distinct_per_head);  // heads disjoint
   const int64_t pages = pages_per_set * sets;
 
   cuda::DeviceBuffer cache(static_cast<size_t>(pages * page_bytes));
@@ -103,25 +118,34 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
   Rng rng(seed + 2);
   std::vector<int32_t> table(static_cast<size_t>(c.batch * nb));
   std::vector<int32_t> sel(static_cast<size_t>(rows * kvh * k));
+  double union_blocks = 0;  // distinct (request, KV head, block) over every set
+  auto draw_until = [&](std::vector<int32_t>& blocks, std::size_t size) {
+    while (blocks.size() < size) {
+      const auto b = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(nb - 1));
+      if (std::find(blocks.begin(), blocks.end(), b) == blocks.end()) blocks.push_back(b);
+    }
+  };
   for (int s = 0; s < sets; ++s) {
     std::fill(table.begin(), table.end(), static_cast<int32_t>(s * pages_per_set));
     int64_t next_page = s * pages_per_set;
     for (int r = 0; r < c.batch; ++r) {
       std::set<int64_t> used;
       for (int h = 0; h < kvh; ++h) {
-        std::vector<int32_t> blocks{static_cast<int32_t>(own)};
-        while (static_cast<int>(blocks.size()) < k) {
-          const auto b = static_cast<int32_t>(rng.next() % static_cast<uint64_t>(nb - 1));
-          if (std::find(blocks.begin(), blocks.end(), b) == blocks.end()) blocks.push_back(b);
-        }
-        for (int32_t b : blocks) {
-          if (used.insert(b).second)
-            table[static_cast<size_t>(r * nb + b)] = static_cast<int32_t>(next_page++);
-        }
+        std::vector<int32_t> common{static_cast<int32_t>(own)};
+        draw_until(common, static_cast<std::size_t>(1 + shared));
+        std::set<int32_t> head_union;
         for (int j = 0; j < c.q_len; ++j) {
+          std::vector<int32_t> blocks = common;
+          draw_until(blocks, static_cast<std::size_t>(k));
+          for (int32_t b : blocks) {
+            head_union.insert(b);
+            if (used.insert(b).second)
+              table[static_cast<size_t>(r * nb + b)] = static_cast<int32_t>(next_page++);
+          }
           std::copy(blocks.begin(), blocks.end(),
                     sel.begin() + ((int64_t{r} * c.q_len + j) * kvh + h) * k);
         }
+        union_blocks += static_cast<double>(head_union.size());
       }
     }
     CUDA_CHECK(cudaMemcpy(tables.as<int32_t>() + s * c.batch * nb, table.data(), table.size() * 4,
@@ -129,6 +153,9 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
     CUDA_CHECK(cudaMemcpy(topk.as<int32_t>() + s * rows * kvh * k, sel.data(), sel.size() * 4,
                           cudaMemcpyHostToDevice));
   }
+
+  // The floor counts each distinct (request, KV head, block) once, however many rows select it.
+  const double bytes = tiles_of(union_blocks / sets) + io_bytes;
 
   PlanLimits limits;
   limits.max_reqs = c.batch;
@@ -146,10 +173,13 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
     a.out = TensorView::contiguous(
         static_cast<uint8_t*>(out.data()) + s * rows * sc.q_heads * sc.head_dim * 2, DType::kBF16,
         {rows, sc.q_heads, sc.head_dim}, dev);
-    a.kv_cache.data = TensorView::contiguous(cache.data(), c.kv,
-                                             {pages, kvh, 2, sc.block_size, sc.head_dim}, dev);
-    a.kv_cache.k_scale = c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
-    a.kv_cache.v_scale = c.kv == DType::kFP8E4M3 ? 0.25f : 1.0f;
+    // Every layout holds the same elements per page, so one buffer serves all three: only the
+    // addressing differs (vLLM: a token's heads side by side; FlashInfer: K and V in one row).
+    a.kv_cache = kv_cache_from_layout(
+        TensorView::contiguous(
+            cache.data(), c.kv,
+            testkit::kv_layout_shape(c.layout, pages, kvh, sc.block_size, sc.head_dim), dev),
+        c.layout, c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f, c.kv == DType::kFP8E4M3 ? 0.25f : 1.0f);
     a.batch.kind = BatchKind::kDecode;
     a.batch.num_reqs = c.batch;
     a.batch.q_len = c.q_len;
@@ -193,6 +223,7 @@ int run_attention_bench(int argc, char** argv) {
   std::string q_lens = "1,4";
   std::string contexts = "32768,131072";
   std::string kvs = "bf16,fp8";
+  std::string layouts = "ours";
   int reps = 20;
   int launches = 20;
   std::string tunings =
@@ -204,6 +235,15 @@ int run_attention_bench(int argc, char** argv) {
   app.add_option("--q-len", q_lens, "comma-separated query lengths");
   app.add_option("--context", contexts, "comma-separated context lengths (tokens)");
   app.add_option("--kv", kvs, "comma-separated KV dtypes: bf16, fp8");
+  int row_share = -1;
+  app.add_option("--row-share", row_share,
+                 "random blocks (of 15) a request's rows share besides their own block; each row "
+                 "draws the rest itself (per-row selections, as speculative rows have); the floor "
+                 "counts every distinct block once. Default: all (one selection per request)");
+  app.add_option("--layout", layouts,
+                 "comma-separated main-cache layouts timed side by side: ours [pages, kv_heads, 2, "
+                 "128, hd], vllm [pages, 2, 128, kv_heads, hd], flashinfer [pages, kv_heads, 128, "
+                 "2 hd] (docs/spec.md section 3)");
   app.add_option("--reps", reps, "graph replays per configuration (median over them)");
   app.add_option("--launches", launches, "launches per graph (at least the number of input sets)");
   app.add_option("--tunings", tunings,
@@ -218,6 +258,11 @@ int run_attention_bench(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  }
+  if (row_share < -1 || row_share > SparseConfig{}.topk - 1) {
+    std::fprintf(stderr, "--row-share: expected -1 (all) or 0..%d, got %d\n",
+                 SparseConfig{}.topk - 1, row_share);
+    return 2;
   }
   if (quick) {
     batches = "1,32";
@@ -235,14 +280,21 @@ int run_attention_bench(int argc, char** argv) {
       at = end + 1;
     }
   }
+  std::vector<KVLayout> layout_list;
+  for (size_t at = 0; at <= layouts.size();) {
+    size_t end = layouts.find(',', at);
+    if (end == std::string::npos) end = layouts.size();
+    layout_list.push_back(parse_kv_layout(layouts.substr(at, end - at), "--layout"));
+    at = end + 1;
+  }
   const std::string device = device_description();
   ResultFile results("attention", argc, argv, json_path);
   std::printf(
       "m3msa bench attention on %s; read ceiling %.2f TB/s; M3 shapes: 64 q heads, 4 KV "
       "heads, head_dim 128, topk 16; graph replay, inputs rotated over > 4x L2\n",
       device.c_str(), kReadCeilingTBs);
-  Table table({"kv", "batch", "q_len", "context", "splits", "merge", "median us", "noise", "MB",
-               "TB/s", "% roof"});
+  Table table({"kv", "layout", "batch", "q_len", "context", "splits", "merge", "median us", "noise",
+               "MB", "TB/s", "% roof"});
   for (DType kv : dtypes) {
     std::vector<cuda::AttentionTuning> tuning_list;
     {
@@ -261,53 +313,65 @@ int run_attention_bench(int argc, char** argv) {
         for (int64_t batch : parse_list(batches)) {
           std::set<std::string> seen;  // launches already timed for this configuration
           for (const cuda::AttentionTuning& tuning : tuning_list) {
-            const Config c{static_cast<int>(batch), static_cast<int>(q_len), kv, context, tuning};
-            const cuda::AttentionPlanInfo plan = cuda::attention_plan_info(
-                SparseConfig{}, batch * q_len, false, kv == DType::kFP8E4M3, tuning);
-            const std::string key =
-                fmt::format("{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
-                            plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits);
-            if (!seen.insert(key).second) continue;
-            const Result r = run_config(c, launches, reps, seed);
-            const double us = r.timing.median_us;
-            const double tbs = r.bytes / (us * 1e-6) / 1e12;
-            const std::string merge = r.splits == 1 ? "-" : (r.cluster ? "cluster" : "global");
-            const std::string label =
-                (kv == DType::kBF16 && !tuning.split_p ? "bf16-1P" : kv_name(c)) +
-                (tuning.pdl ? "+pdl" : "");
-            std::vector<std::string> cells = {
-                label,
-                fmt::format("{}", c.batch),
-                fmt::format("{}", c.q_len),
-                fmt::format("{}", context),
-                fmt::format("{}", r.splits),
-                merge,
-                fmt::format("{:.2f}", us),
-                fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
-                fmt::format("{:.1f}", r.bytes / 1e6),
-                fmt::format("{:.2f}", tbs),
-                fmt::format("{:.1f}%", 100.0 * tbs / kReadCeilingTBs)};
-            std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
-            table.add(cells, {{"bench", "attention"},
-                              {"kv", kv_name(c)},
-                              {"tuning", tuning.name()},
-                              {"label", label},
-                              {"batch", c.batch},
-                              {"q_len", c.q_len},
-                              {"context", context},
-                              {"splits", r.splits},
-                              {"merge", merge},
-                              {"input_sets", r.sets},
-                              {"median_us", us},
-                              {"p10_us", r.timing.p10_us},
-                              {"p90_us", r.timing.p90_us},
-                              {"noise", r.timing.noise()},
-                              {"bytes", r.bytes},
-                              {"tb_per_s", tbs},
-                              {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
-                              {"device", device}});
-            table.last_record().update(measured_fields(r.timing, r.bytes));
-            results.write(table.records(), false);
+            for (KVLayout layout : layout_list) {
+              const Config c{static_cast<int>(batch),
+                             static_cast<int>(q_len),
+                             kv,
+                             context,
+                             tuning,
+                             layout,
+                             row_share};
+              const cuda::AttentionPlanInfo plan = cuda::attention_plan_info(
+                  SparseConfig{}, batch * q_len, false, kv == DType::kFP8E4M3, tuning);
+              const std::string key =
+                  fmt::format("{}{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
+                              plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits,
+                              kv_layout_name(layout));
+              if (!seen.insert(key).second) continue;
+              const Result r = run_config(c, launches, reps, seed);
+              const double us = r.timing.median_us;
+              const double tbs = r.bytes / (us * 1e-6) / 1e12;
+              const std::string merge = r.splits == 1 ? "-" : (r.cluster ? "cluster" : "global");
+              const std::string label =
+                  (kv == DType::kBF16 && !tuning.split_p ? "bf16-1P" : kv_name(c)) +
+                  (tuning.pdl ? "+pdl" : "");
+              std::vector<std::string> cells = {
+                  label,
+                  kv_layout_name(layout),
+                  fmt::format("{}", c.batch),
+                  fmt::format("{}", c.q_len),
+                  fmt::format("{}", context),
+                  fmt::format("{}", r.splits),
+                  merge,
+                  fmt::format("{:.2f}", us),
+                  fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
+                  fmt::format("{:.1f}", r.bytes / 1e6),
+                  fmt::format("{:.2f}", tbs),
+                  fmt::format("{:.1f}%", 100.0 * tbs / kReadCeilingTBs)};
+              std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
+              table.add(cells, {{"bench", "attention"},
+                                {"kv", kv_name(c)},
+                                {"tuning", tuning.name()},
+                                {"layout", kv_layout_name(layout)},
+                                {"row_share", row_share},
+                                {"label", label},
+                                {"batch", c.batch},
+                                {"q_len", c.q_len},
+                                {"context", context},
+                                {"splits", r.splits},
+                                {"merge", merge},
+                                {"input_sets", r.sets},
+                                {"median_us", us},
+                                {"p10_us", r.timing.p10_us},
+                                {"p90_us", r.timing.p90_us},
+                                {"noise", r.timing.noise()},
+                                {"bytes", r.bytes},
+                                {"tb_per_s", tbs},
+                                {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
+                                {"device", device}});
+              table.last_record().update(measured_fields(r.timing, r.bytes));
+              results.write(table.records(), false);
+            }
           }
         }
       }

@@ -51,6 +51,7 @@ struct Config {
   // Random blocks a request's rows share besides the own block (the rest each row draws itself);
   // -1: all of them (one selection per request and KV head).
   int row_share = -1;
+  int tp = 1;  // one rank's shape under this tensor parallelism (M3: 16 q / 1 KV heads at TP 4)
 };
 
 struct Result {
@@ -67,7 +68,8 @@ std::string kv_name(const Config& c) {
 }
 
 Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
-  SparseConfig sc;  // M3 per-rank at TP 1: 64 q heads, 4 KV heads, 128-d, topk 16
+  // M3 per rank: 64 q heads, 4 KV heads at TP 1; 128-d heads, topk 16.
+  const SparseConfig sc = ModelConfig{}.sparse(c.tp);
   const int kvh = sc.kv_heads;
   const int k = sc.topk;
   const int64_t rows = int64_t{c.batch} * c.q_len;
@@ -235,6 +237,10 @@ int run_attention_bench(int argc, char** argv) {
   app.add_option("--q-len", q_lens, "comma-separated query lengths");
   app.add_option("--context", contexts, "comma-separated context lengths (tokens)");
   app.add_option("--kv", kvs, "comma-separated KV dtypes: bf16, fp8");
+  std::string tps = "1";
+  app.add_option("--tp", tps,
+                 "comma-separated tensor-parallel sizes: one rank's shape each (M3: 64 q / 4 KV "
+                 "heads at TP 1, 16 / 1 at TP 4, 8 / 1 at TP 8)");
   int row_share = -1;
   app.add_option("--row-share", row_share,
                  "random blocks (of 15) a request's rows share besides their own block; each row "
@@ -290,11 +296,12 @@ int run_attention_bench(int argc, char** argv) {
   const std::string device = device_description();
   ResultFile results("attention", argc, argv, json_path);
   std::printf(
-      "m3msa bench attention on %s; read ceiling %.2f TB/s; M3 shapes: 64 q heads, 4 KV "
-      "heads, head_dim 128, topk 16; graph replay, inputs rotated over > 4x L2\n",
+      "m3msa bench attention on %s; read ceiling %.2f TB/s; M3 shapes (one rank's under --tp): "
+      "64 q heads, 4 KV heads, head_dim 128, topk 16; graph replay, inputs rotated over > 4x "
+      "L2\n",
       device.c_str(), kReadCeilingTBs);
-  Table table({"kv", "layout", "batch", "q_len", "context", "splits", "merge", "median us", "noise",
-               "MB", "TB/s", "% roof"});
+  Table table({"tp", "kv", "layout", "batch", "q_len", "context", "splits", "merge", "median us",
+               "noise", "MB", "TB/s", "% roof"});
   for (DType kv : dtypes) {
     std::vector<cuda::AttentionTuning> tuning_list;
     {
@@ -308,69 +315,76 @@ int run_attention_bench(int argc, char** argv) {
         at = end + 1;
       }
     }
-    for (int64_t context : parse_list(contexts)) {
-      for (int64_t q_len : parse_list(q_lens)) {
-        for (int64_t batch : parse_list(batches)) {
-          std::set<std::string> seen;  // launches already timed for this configuration
-          for (const cuda::AttentionTuning& tuning : tuning_list) {
-            for (KVLayout layout : layout_list) {
-              const Config c{static_cast<int>(batch),
-                             static_cast<int>(q_len),
-                             kv,
-                             context,
-                             tuning,
-                             layout,
-                             row_share};
-              const cuda::AttentionPlanInfo plan = cuda::attention_plan_info(
-                  SparseConfig{}, batch * q_len, false, kv == DType::kFP8E4M3, tuning);
-              const std::string key =
-                  fmt::format("{}{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
-                              plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits,
-                              kv_layout_name(layout));
-              if (!seen.insert(key).second) continue;
-              const Result r = run_config(c, launches, reps, seed);
-              const double us = r.timing.median_us;
-              const double tbs = r.bytes / (us * 1e-6) / 1e12;
-              const std::string merge = r.splits == 1 ? "-" : (r.cluster ? "cluster" : "global");
-              const std::string label =
-                  (kv == DType::kBF16 && !tuning.split_p ? "bf16-1P" : kv_name(c)) +
-                  (tuning.pdl ? "+pdl" : "");
-              std::vector<std::string> cells = {
-                  label,
-                  kv_layout_name(layout),
-                  fmt::format("{}", c.batch),
-                  fmt::format("{}", c.q_len),
-                  fmt::format("{}", context),
-                  fmt::format("{}", r.splits),
-                  merge,
-                  fmt::format("{:.2f}", us),
-                  fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
-                  fmt::format("{:.1f}", r.bytes / 1e6),
-                  fmt::format("{:.2f}", tbs),
-                  fmt::format("{:.1f}%", 100.0 * tbs / kReadCeilingTBs)};
-              std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
-              table.add(cells, {{"bench", "attention"},
-                                {"kv", kv_name(c)},
-                                {"tuning", tuning.name()},
-                                {"layout", kv_layout_name(layout)},
-                                {"row_share", row_share},
-                                {"label", label},
-                                {"batch", c.batch},
-                                {"q_len", c.q_len},
-                                {"context", context},
-                                {"splits", r.splits},
-                                {"merge", merge},
-                                {"input_sets", r.sets},
-                                {"median_us", us},
-                                {"p10_us", r.timing.p10_us},
-                                {"p90_us", r.timing.p90_us},
-                                {"noise", r.timing.noise()},
-                                {"bytes", r.bytes},
-                                {"tb_per_s", tbs},
-                                {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
-                                {"device", device}});
-              table.last_record().update(measured_fields(r.timing, r.bytes));
-              results.write(table.records(), false);
+    for (int64_t tp : parse_list(tps)) {
+      for (int64_t context : parse_list(contexts)) {
+        for (int64_t q_len : parse_list(q_lens)) {
+          for (int64_t batch : parse_list(batches)) {
+            std::set<std::string> seen;  // launches already timed for this configuration
+            for (const cuda::AttentionTuning& tuning : tuning_list) {
+              for (KVLayout layout : layout_list) {
+                const Config c{static_cast<int>(batch),
+                               static_cast<int>(q_len),
+                               kv,
+                               context,
+                               tuning,
+                               layout,
+                               row_share,
+                               static_cast<int>(tp)};
+                const cuda::AttentionPlanInfo plan = cuda::attention_plan_info(
+                    ModelConfig{}.sparse(tp), batch * q_len, false, kv == DType::kFP8E4M3, tuning);
+                const std::string key =
+                    fmt::format("{}{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
+                                plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits,
+                                kv_layout_name(layout));
+                if (!seen.insert(key).second) continue;
+                const Result r = run_config(c, launches, reps, seed);
+                const double us = r.timing.median_us;
+                const double tbs = r.bytes / (us * 1e-6) / 1e12;
+                const std::string merge = r.splits == 1 ? "-" : (r.cluster ? "cluster" : "global");
+                const std::string label =
+                    (kv == DType::kBF16 && !tuning.split_p ? "bf16-1P" : kv_name(c)) +
+                    (tuning.pdl ? "+pdl" : "");
+                std::vector<std::string> cells = {
+                    fmt::format("{}", c.tp),
+                    label,
+                    kv_layout_name(layout),
+                    fmt::format("{}", c.batch),
+                    fmt::format("{}", c.q_len),
+                    fmt::format("{}", context),
+                    fmt::format("{}", r.splits),
+                    merge,
+                    fmt::format("{:.2f}", us),
+                    fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
+                    fmt::format("{:.1f}", r.bytes / 1e6),
+                    fmt::format("{:.2f}", tbs),
+                    fmt::format("{:.1f}%", 100.0 * tbs / kReadCeilingTBs)};
+                std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
+                table.add(cells, {{"bench", "attention"},
+                                  {"kv", kv_name(c)},
+                                  {"tuning", tuning.name()},
+                                  {"layout", kv_layout_name(layout)},
+                                  {"row_share", row_share},
+                                  {"tp", c.tp},
+                                  {"q_heads", ModelConfig{}.sparse(c.tp).q_heads},
+                                  {"kv_heads", ModelConfig{}.sparse(c.tp).kv_heads},
+                                  {"label", label},
+                                  {"batch", c.batch},
+                                  {"q_len", c.q_len},
+                                  {"context", context},
+                                  {"splits", r.splits},
+                                  {"merge", merge},
+                                  {"input_sets", r.sets},
+                                  {"median_us", us},
+                                  {"p10_us", r.timing.p10_us},
+                                  {"p90_us", r.timing.p90_us},
+                                  {"noise", r.timing.noise()},
+                                  {"bytes", r.bytes},
+                                  {"tb_per_s", tbs},
+                                  {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
+                                  {"device", device}});
+                table.last_record().update(measured_fields(r.timing, r.bytes));
+                results.write(table.records(), false);
+              }
             }
           }
         }

@@ -300,7 +300,6 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
   check_supported(config);
   check_contiguous(args.q, "q");
   check_contiguous(args.out, "out");
-  check_contiguous(args.kv_cache.data, "kv_cache");
   check_contiguous(args.batch.kv_block_table, "batch.kv_block_table");
   const bool dense = !args.topk_idx.defined();
   if (!dense && !args.topk_idx.is_contiguous()) {

@@ -41,7 +41,6 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, c
                                    {args.k_norm, "k_norm"},
                                    {args.positions, "positions"},
                                    {args.batch.slot_mapping, "batch.slot_mapping"},
-                                   {args.kv_cache.data, "kv_cache"},
                                    {args.q_out, "q_out"}}) {
     check_contiguous(view, name);
   }
@@ -49,7 +48,6 @@ void launch_preprocess(const SparseConfig& config, const PreprocessArgs& args, c
     for (const auto& [view, name] : {std::pair{args.index_q_norm, "index_q_norm"},
                                      {args.index_k_norm, "index_k_norm"},
                                      {args.batch.index_slot_mapping, "batch.index_slot_mapping"},
-                                     {args.index_cache.data, "index_cache"},
                                      {args.index_q_out, "index_q_out"}}) {
       check_contiguous(view, name);
     }

@@ -74,10 +74,10 @@ class LayerWeights:
         self.index_cache = _arg(index_cache)
         self.mlp_gate_up, self.mlp_down = mlp_gate_up, mlp_down
         self.router_weight, self.router_bias = router_weight, router_bias
-        self.experts_w13, self.experts_w13_scale = experts_w13, experts_w13_scale
-        self.experts_w2, self.experts_w2_scale = experts_w2, experts_w2_scale
-        self.shared_w13, self.shared_w13_scale = shared_w13, shared_w13_scale
-        self.shared_w2, self.shared_w2_scale = shared_w2, shared_w2_scale
+        self.experts_w13, self.experts_w13_scale = _arg(experts_w13), experts_w13_scale
+        self.experts_w2, self.experts_w2_scale = _arg(experts_w2), experts_w2_scale
+        self.shared_w13, self.shared_w13_scale = _arg(shared_w13), shared_w13_scale
+        self.shared_w2, self.shared_w2_scale = _arg(shared_w2), shared_w2_scale
         self.dense_w13, self.dense_w13_scale = _arg(dense_w13), dense_w13_scale
         self.dense_w2, self.dense_w2_scale = _arg(dense_w2), dense_w2_scale
 

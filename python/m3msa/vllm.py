@@ -32,10 +32,6 @@ ENV_VAR = "M3MSA_VLLM"
 _log = logging.getLogger("m3msa.vllm")
 
 
-def _fp8_dtypes():
-    return tuple(d for d in (getattr(torch, "float8_e4m3fn", None),) if d is not None)
-
-
 def minimax_m3_index_decode(idx_q, index_kv_cache, block_table, seq_lens, max_seq_len, topk,
                             init_blocks, local_blocks, num_kv_heads, decode_query_len,
                             max_decode_query_len, out=None):

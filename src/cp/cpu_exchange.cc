@@ -132,6 +132,15 @@ int64_t budget_us(const CpConfig& cp) {
   return static_cast<int64_t>(cp.spin_budget.count());
 }
 
+// Both CP paths write the default form only (the CPU reference writes every form).
+void check_default_selection(const SelectionOptions& selection) {
+  M3MSA_CHECK_SUPPORTED(selection.is_default(),
+                        "CP indexer: the selection is written token-major in descending key order "
+                        "only, got order ",
+                        selection_order_name(selection.order), ", major ",
+                        selection_major_name(selection.major));
+}
+
 }  // namespace
 
 struct CpuCpRank::Impl {
@@ -218,11 +227,7 @@ void CpuCpRank::Impl::select(int layer, const IndexerArgs& args) {
                   " rows, outside [0, CpConfig.max_rows = ", cp.max_rows, "]");
   const int num_heads = config.index_heads;
   const int k = config.topk;
-  M3MSA_CHECK_SUPPORTED(args.selection.is_default(),
-                        "CP indexer: the selection is written token-major in descending key order "
-                        "only, got order ",
-                        selection_order_name(args.selection.order), ", major ",
-                        selection_major_name(args.selection.major));
+  check_default_selection(args.selection);
   check_tensor(args.topk_idx, "topk_idx", DType::kI32,
                {rows, static_cast<int64_t>(heads.size()), k});
   check_device(args.topk_idx, "topk_idx", Device::cpu());
@@ -408,11 +413,7 @@ void cp_select_all(CpuCpGroup& group, int layer, const IndexerArgs& args) {
   const int num_heads = config.index_heads;
   const int k = config.topk;
   const int64_t rows = args.batch.num_rows();
-  M3MSA_CHECK_SUPPORTED(args.selection.is_default(),
-                        "CP indexer: the selection is written token-major in descending key order "
-                        "only, got order ",
-                        selection_order_name(args.selection.order), ", major ",
-                        selection_major_name(args.selection.major));
+  check_default_selection(args.selection);
   check_tensor(args.topk_idx, "topk_idx", DType::kI32, {rows, num_heads, k});
   check_device(args.topk_idx, "topk_idx", Device::cpu());
 

@@ -384,7 +384,7 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
                           indexer::kMaxVectors / indexer::kPrefillUnitRows, ", got ",
                           config.index_heads);
   }
-  // 16-byte vector loads and cp.async need 16-byte aligned rows.
+  // 16-byte vector loads and cp.async need 16-byte aligned rows (the cache's: above).
   M3MSA_CHECK_ARG(reinterpret_cast<uintptr_t>(args.index_q.data) % 16 == 0,
                   "index_q: the CUDA indexer needs 16-byte aligned data, got address ",
                   args.index_q.data);

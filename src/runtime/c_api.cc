@@ -40,7 +40,7 @@ m3msa::RuntimeConfig to_config(const m3msa_runtime_config& c) {
   m.hidden = c.hidden;
   m.num_layers = c.num_layers;
   m.first_sparse_layer = c.first_sparse_layer;
-  m3msa::capi::sparse_fields_from_c(c, m);
+  m3msa::capi::copy_sparse_fields(c, m);
   m.intermediate = c.intermediate;
   m.num_experts = c.num_experts;
   m.experts_per_token = c.experts_per_token;
@@ -156,7 +156,7 @@ void m3msa_runtime_config_default(m3msa_runtime_config* config) {
   config->hidden = m.hidden;
   config->num_layers = m.num_layers;
   config->first_sparse_layer = m.first_sparse_layer;
-  m3msa::capi::sparse_fields_to_c(m, *config);
+  m3msa::capi::copy_sparse_fields(m, *config);
   config->intermediate = m.intermediate;
   config->num_experts = m.num_experts;
   config->experts_per_token = m.experts_per_token;

@@ -47,38 +47,22 @@ m3msa_status guarded(Body&& body) {
 // sizeof of the struct in the header they compiled against).
 void check_struct_size(std::size_t given, std::size_t needed, const char* name);
 
-// The SparseConfig fields of a C config struct (m3msa_sparse_config, m3msa_runtime_config: the
-// same field names), in each direction.
-template <typename C>
-void sparse_fields_from_c(const C& c, SparseConfig& s) {
-  s.q_heads = c.q_heads;
-  s.kv_heads = c.kv_heads;
-  s.head_dim = c.head_dim;
-  s.index_heads = c.index_heads;
-  s.index_dim = c.index_dim;
-  s.block_size = c.block_size;
-  s.topk = c.topk;
-  s.init_blocks = c.init_blocks;
-  s.local_blocks = c.local_blocks;
-  s.rope_dim = c.rope_dim;
-  s.rope_theta = c.rope_theta;
-  s.rms_eps = c.rms_eps;
-}
-
-template <typename C>
-void sparse_fields_to_c(const SparseConfig& s, C& c) {
-  c.q_heads = s.q_heads;
-  c.kv_heads = s.kv_heads;
-  c.head_dim = s.head_dim;
-  c.index_heads = s.index_heads;
-  c.index_dim = s.index_dim;
-  c.block_size = s.block_size;
-  c.topk = s.topk;
-  c.init_blocks = s.init_blocks;
-  c.local_blocks = s.local_blocks;
-  c.rope_dim = s.rope_dim;
-  c.rope_theta = s.rope_theta;
-  c.rms_eps = s.rms_eps;
+// Copies the SparseConfig fields between a C config struct (m3msa_sparse_config,
+// m3msa_runtime_config) and a SparseConfig, in either direction: they share the field names.
+template <typename From, typename To>
+void copy_sparse_fields(const From& from, To& to) {
+  to.q_heads = from.q_heads;
+  to.kv_heads = from.kv_heads;
+  to.head_dim = from.head_dim;
+  to.index_heads = from.index_heads;
+  to.index_dim = from.index_dim;
+  to.block_size = from.block_size;
+  to.topk = from.topk;
+  to.init_blocks = from.init_blocks;
+  to.local_blocks = from.local_blocks;
+  to.rope_dim = from.rope_dim;
+  to.rope_theta = from.rope_theta;
+  to.rms_eps = from.rms_eps;
 }
 
 DType to_dtype(int32_t dtype);

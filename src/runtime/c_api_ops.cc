@@ -32,7 +32,7 @@ void* const kLegacyStream = reinterpret_cast<void*>(uintptr_t{1});
 m3msa::SparseConfig to_sparse_config(const m3msa_sparse_config& c) {
   check_struct_size(c.struct_size, sizeof(m3msa_sparse_config), "m3msa_sparse_config");
   m3msa::SparseConfig s;
-  m3msa::capi::sparse_fields_from_c(c, s);
+  m3msa::capi::copy_sparse_fields(c, s);
   s.validate();
   return s;
 }
@@ -61,7 +61,7 @@ void m3msa_sparse_config_init(m3msa_sparse_config* config) {
   if (config == nullptr) return;
   std::memset(config, 0, sizeof(*config));
   config->struct_size = sizeof(*config);
-  m3msa::capi::sparse_fields_to_c(m3msa::SparseConfig{}, *config);
+  m3msa::capi::copy_sparse_fields(m3msa::SparseConfig{}, *config);
 }
 
 void m3msa_ops_options_init(m3msa_ops_options* options) {

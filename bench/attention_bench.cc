@@ -57,6 +57,7 @@ struct Config {
 struct Result {
   Config cfg;
   int splits = 0;
+  int row_tiles = 1;
   bool cluster = false;
   int sets = 0;
   Timing timing;
@@ -210,8 +211,9 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
   Result res;
   res.cfg = c;
   const cuda::AttentionPlanInfo plan =
-      cuda::attention_plan_info(sc, rows, false, c.kv == DType::kFP8E4M3, c.tuning);
+      cuda::attention_plan_info(sc, rows, c.q_len, false, c.kv == DType::kFP8E4M3, c.tuning);
   res.splits = plan.splits;
+  res.row_tiles = plan.row_tiles;
   res.cluster = plan.cluster;
   res.sets = sets;
   res.timing = timing;
@@ -252,10 +254,11 @@ int run_attention_bench(int argc, char** argv) {
                  "2 hd] (docs/spec.md section 3)");
   app.add_option("--reps", reps, "graph replays per configuration (median over them)");
   app.add_option("--launches", launches, "launches per graph (at least the number of input sets)");
-  app.add_option("--tunings", tunings,
-                 "';'-separated launcher tunings to time side by side (attention.h: "
-                 "splitp, cluster, pdl; 'default' = the library default); configurations where "
-                 "two tunings give the same launch are timed once");
+  app.add_option(
+      "--tunings", tunings,
+      "';'-separated launcher tunings to time side by side (attention.h: "
+      "splitp, cluster, pdl, splits, rows; 'default' = the library default); configurations where "
+      "two tunings give the same launch are timed once");
   bool quick = false;
   app.add_flag("--quick", quick, "subset: batch 1,32 x q_len 1 x 128K, default tuning only");
   app.add_option("--json", json_path, "write the results as JSON here");
@@ -300,8 +303,8 @@ int run_attention_bench(int argc, char** argv) {
       "64 q heads, 4 KV heads, head_dim 128, topk 16; graph replay, inputs rotated over > 4x "
       "L2\n",
       device.c_str(), kReadCeilingTBs);
-  Table table({"tp", "kv", "layout", "batch", "q_len", "context", "splits", "merge", "median us",
-               "noise", "MB", "TB/s", "% roof"});
+  Table table({"tp", "kv", "layout", "batch", "q_len", "context", "rows/cta", "splits", "merge",
+               "median us", "noise", "MB", "TB/s", "% roof"});
   for (DType kv : dtypes) {
     std::vector<cuda::AttentionTuning> tuning_list;
     {
@@ -330,12 +333,13 @@ int run_attention_bench(int argc, char** argv) {
                                layout,
                                row_share,
                                static_cast<int>(tp)};
-                const cuda::AttentionPlanInfo plan = cuda::attention_plan_info(
-                    ModelConfig{}.sparse(tp), batch * q_len, false, kv == DType::kFP8E4M3, tuning);
-                const std::string key =
-                    fmt::format("{}{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
-                                plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits,
-                                kv_layout_name(layout));
+                const cuda::AttentionPlanInfo plan =
+                    cuda::attention_plan_info(ModelConfig{}.sparse(tp), batch * q_len, q_len, false,
+                                              kv == DType::kFP8E4M3, tuning);
+                const std::string key = fmt::format(
+                    "{}{}{}{}r{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
+                    plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits, plan.row_tiles,
+                    kv_layout_name(layout));
                 if (!seen.insert(key).second) continue;
                 const Result r = run_config(c, launches, reps, seed);
                 const double us = r.timing.median_us;
@@ -351,6 +355,7 @@ int run_attention_bench(int argc, char** argv) {
                     fmt::format("{}", c.batch),
                     fmt::format("{}", c.q_len),
                     fmt::format("{}", context),
+                    fmt::format("{}", r.row_tiles),
                     fmt::format("{}", r.splits),
                     merge,
                     fmt::format("{:.2f}", us),
@@ -372,6 +377,7 @@ int run_attention_bench(int argc, char** argv) {
                                   {"q_len", c.q_len},
                                   {"context", context},
                                   {"splits", r.splits},
+                                  {"row_tiles", r.row_tiles},
                                   {"merge", merge},
                                   {"input_sets", r.sets},
                                   {"median_us", us},

@@ -1,6 +1,10 @@
 // Host side of the block-sparse attention kernel: validation, the split plan, the workspace layout
 // and the launch (attention_kernel.cuh has the algorithm).
 //
+// Row groups: the decode rows of one request (q_len > 1) share a CTA, 2 (q_len 2) or 4 (q_len >= 3)
+// at a time, so the blocks their selections have in common are read once; prefill, q_len 1 and a
+// topk above kMaxGroupedTopk take one row per CTA.
+//
 // Split plan: a (row, kv head) "unit" is one CTA unless there are too few units to fill the GPU;
 // then each unit's selected blocks are split over `splits` CTAs (for a selection a power of two,
 // each split >= 2 blocks, aiming at one CTA per SM: choose_splits; for dense attention any count
@@ -43,28 +47,35 @@ constexpr int kMaxClusterSplits = 16;
 constexpr int kMaxSelectionSplits = 8;  // the default plan's (choose_splits)
 constexpr int kClusterSizes = 5;        // 1, 2, 4, 8, 16
 
-// The three kernel instantiations: bf16 split-P (default), bf16 single-P (bench), fp8.
+// The three kernel kinds: bf16 split-P (default), bf16 single-P (bench), fp8; each in three
+// instantiations of rows per CTA (1, 2, 4).
 enum KernelId : int { kBf16SplitP = 0, kBf16SingleP = 1, kFp8Kernel = 2, kKernels = 3 };
+constexpr int kTileVariants = 3;
+
+int tile_variant(int tiles) {
+  return tiles >= 4 ? 2 : tiles == 2 ? 1 : 0;
+}
 
 // Per device: SMs, resident CTAs of each kernel (smem limits raised once), and which cluster
 // sizes each kernel can be launched with.
 struct DeviceShape {
   int sm_count = 0;
-  int per_sm[kKernels] = {0, 0, 0};
-  bool cluster_ok[kKernels][kClusterSizes] = {};
+  int per_sm[kKernels][kTileVariants] = {};
+  bool cluster_ok[kKernels][kTileVariants][kClusterSizes] = {};
 };
 
-template <bool kFp8, bool kSplitP>
+template <bool kFp8, bool kSplitP, int kTiles>
 void configure_kernel(int sms, DeviceShape& shape, KernelId id) {
-  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP>;
-  const int smem = attention::KvLayout<kFp8>::kSmemBytes;
+  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles>;
+  const int smem = attention::KvLayout<kFp8, kTiles>::kSmemBytes;
+  const int variant = tile_variant(kTiles);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int per_sm = 0;
   CUDA_CHECK(
       cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, attention::kThreads, smem));
   M3MSA_CHECK_INTERNAL(per_sm > 0, "sparse attention kernel cannot be resident (smem ", smem,
                        " bytes)");
-  shape.per_sm[id] = per_sm;
+  shape.per_sm[id][variant] = per_sm;
   // Cluster sizes above 8 are "non-portable": allowed explicitly, then checked like the others.
   if (cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) !=
       cudaSuccess) {
@@ -88,8 +99,15 @@ void configure_kernel(int sms, DeviceShape& shape, KernelId id) {
       cudaGetLastError();
       clusters = 0;
     }
-    shape.cluster_ok[id][i] = clusters > 0;
+    shape.cluster_ok[id][variant][i] = clusters > 0;
   }
+}
+
+template <bool kFp8, bool kSplitP>
+void configure_kernels(int sms, DeviceShape& shape, KernelId id) {
+  configure_kernel<kFp8, kSplitP, 1>(sms, shape, id);
+  configure_kernel<kFp8, kSplitP, 2>(sms, shape, id);
+  configure_kernel<kFp8, kSplitP, 4>(sms, shape, id);
 }
 
 const DeviceShape& device_shape() {
@@ -103,22 +121,26 @@ const DeviceShape& device_shape() {
   if (shape.sm_count == 0) {
     int sms = 0;
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-    configure_kernel<false, true>(sms, shape, kBf16SplitP);
-    configure_kernel<false, false>(sms, shape, kBf16SingleP);
-    configure_kernel<true, false>(sms, shape, kFp8Kernel);
+    configure_kernels<false, true>(sms, shape, kBf16SplitP);
+    configure_kernels<false, false>(sms, shape, kBf16SingleP);
+    configure_kernels<true, false>(sms, shape, kFp8Kernel);
     shape.sm_count = sms;
   }
   return shape;
 }
 
-int resident_slots(const DeviceShape& shape, KernelId id) {
-  return shape.sm_count * shape.per_sm[id];
+int resident_slots(const DeviceShape& shape, KernelId id, int tiles) {
+  return shape.sm_count * shape.per_sm[id][tile_variant(tiles)];
 }
 
+// Partials (one per split CTA and row of it) the workspace holds: a split plan keeps the grid
+// within one wave of resident CTAs, each CTA publishing one partial per row.
 int max_partial_slots(const DeviceShape& shape) {
   int slots = 0;
   for (int id = 0; id < kKernels; ++id) {
-    slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id)));
+    for (int tiles : {1, 2, 4}) {
+      slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), tiles) * tiles);
+    }
   }
   return slots;
 }
@@ -128,17 +150,24 @@ KernelId kernel_id(bool fp8, const AttentionTuning& tuning) {
   return tuning.split_p ? kBf16SplitP : kBf16SingleP;
 }
 
-bool cluster_usable(const DeviceShape& shape, KernelId id, int splits) {
+bool cluster_usable(const DeviceShape& shape, KernelId id, int tiles, int splits) {
   if (splits <= 1 || splits > kMaxClusterSplits || (splits & (splits - 1)) != 0) return false;
   int log2 = 0;
   while ((1 << log2) < splits) ++log2;
-  return shape.cluster_ok[id][log2];
+  return shape.cluster_ok[id][tile_variant(tiles)][log2];
 }
 
-template <bool kFp8, bool kSplitP>
+// Rows per CTA for these shapes (q_len 0: prefill rows, never grouped).
+int choose_row_tiles(int64_t q_len, int topk, bool dense, int max_tiles) {
+  if (q_len <= 1 || max_tiles < 2) return 1;
+  if (!dense && topk > attention::kMaxGroupedTopk) return 1;
+  return (q_len == 2 || max_tiles < 4) ? 2 : 4;
+}
+
+template <bool kFp8, bool kSplitP, int kTiles>
 void launch_kernel(const AttentionParams& p, unsigned ctas, bool pdl, cudaStream_t stream) {
-  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP>;
-  const size_t smem = attention::KvLayout<kFp8>::kSmemBytes;
+  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles>;
+  const size_t smem = attention::KvLayout<kFp8, kTiles>::kSmemBytes;
   if (!p.cluster_merge && !pdl) {
     kernel<<<dim3(ctas), attention::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
@@ -166,6 +195,16 @@ void launch_kernel(const AttentionParams& p, unsigned ctas, bool pdl, cudaStream
   cfg.attrs = attrs;
   cfg.numAttrs = count;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+template <int kTiles>
+void launch_kind(KernelId id, const AttentionParams& p, unsigned ctas, bool pdl,
+                 cudaStream_t stream) {
+  switch (id) {
+    case kFp8Kernel: launch_kernel<true, false, kTiles>(p, ctas, pdl, stream); break;
+    case kBf16SingleP: launch_kernel<false, false, kTiles>(p, ctas, pdl, stream); break;
+    default: launch_kernel<false, true, kTiles>(p, ctas, pdl, stream); break;
+  }
 }
 
 // A selection's splits. Default: each split takes >= 2 of the topk blocks (at most
@@ -234,7 +273,8 @@ size_t attention_workspace_size(const SparseConfig& config, const PlanLimits& li
 std::string AttentionTuning::name() const {
   return "splitp" + std::to_string(split_p ? 1 : 0) + "-cluster" + std::to_string(max_cluster) +
          "-pdl" + std::to_string(pdl ? 1 : 0) +
-         (max_splits > 0 ? "-splits" + std::to_string(max_splits) : std::string());
+         (max_splits > 0 ? "-splits" + std::to_string(max_splits) : std::string()) +
+         (max_row_tiles != 4 ? "-rows" + std::to_string(max_row_tiles) : std::string());
 }
 
 AttentionTuning AttentionTuning::parse(const std::string& text) {
@@ -259,9 +299,13 @@ AttentionTuning AttentionTuning::parse(const std::string& text) {
       M3MSA_CHECK_ARG(value >= 0, "attention tuning '", text, "': splits must be >= 0, got ",
                       value);
       t.max_splits = value;
+    } else if (key == "rows") {
+      M3MSA_CHECK_ARG(value == 1 || value == 2 || value == 4, "attention tuning '", text,
+                      "': rows must be 1, 2 or 4, got ", value);
+      t.max_row_tiles = value;
     } else {
       M3MSA_THROW(ErrorCode::kInvalidArgument, "attention tuning '", text, "': unknown key '", key,
-                  "' (splitp, cluster, pdl, splits)");
+                  "' (splitp, cluster, pdl, splits, rows)");
     }
     at = end + 1;
   }
@@ -272,15 +316,22 @@ AttentionTuning default_attention_tuning() {
   return AttentionTuning{};
 }
 
-AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, bool dense,
-                                      bool fp8_kv, const AttentionTuning& tuning) {
+AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, int64_t q_len,
+                                      bool dense, bool fp8_kv, const AttentionTuning& tuning) {
   const DeviceShape& shape = device_shape();
   const KernelId id = kernel_id(fp8_kv, tuning);
   AttentionPlanInfo info;
-  info.splits = choose_splits(rows * config.kv_heads, config.topk, dense, shape.sm_count,
-                              resident_slots(shape, id), tuning.max_splits);
-  info.cluster = info.splits <= tuning.max_cluster && cluster_usable(shape, id, info.splits);
-  info.ctas = rows * config.kv_heads * info.splits;
+  info.row_tiles = choose_row_tiles(q_len, config.topk, dense, tuning.max_row_tiles);
+  int64_t groups = rows;
+  if (info.row_tiles > 1) {
+    info.groups_per_req = static_cast<int>((q_len + info.row_tiles - 1) / info.row_tiles);
+    groups = rows / q_len * info.groups_per_req;
+  }
+  info.splits = choose_splits(groups * config.kv_heads, config.topk, dense, shape.sm_count,
+                              resident_slots(shape, id, info.row_tiles), tuning.max_splits);
+  info.cluster =
+      info.splits <= tuning.max_cluster && cluster_usable(shape, id, info.row_tiles, info.splits);
+  info.ctas = groups * config.kv_heads * info.splits;
   return info;
 }
 
@@ -349,7 +400,10 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
 
   const DeviceShape& shape = device_shape();
   const KernelId id = kernel_id(fp8, tuning);
-  const AttentionPlanInfo plan = attention_plan_info(config, rows, dense, fp8, tuning);
+  const bool prefill = args.batch.kind == BatchKind::kPrefill;
+  const AttentionPlanInfo plan =
+      attention_plan_info(config, rows, prefill ? 0 : args.batch.q_len, dense, fp8, tuning);
+  p.groups_per_req = plan.groups_per_req;
   p.num_splits = plan.splits;
   p.cluster_merge = plan.cluster ? 1 : 0;
   const int64_t ctas = plan.ctas;
@@ -366,10 +420,10 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
   }
 
   const auto grid = static_cast<unsigned>(ctas);
-  switch (id) {
-    case kFp8Kernel: launch_kernel<true, false>(p, grid, tuning.pdl, stream); break;
-    case kBf16SingleP: launch_kernel<false, false>(p, grid, tuning.pdl, stream); break;
-    default: launch_kernel<false, true>(p, grid, tuning.pdl, stream); break;
+  switch (plan.row_tiles) {
+    case 4: launch_kind<4>(id, p, grid, tuning.pdl, stream); break;
+    case 2: launch_kind<2>(id, p, grid, tuning.pdl, stream); break;
+    default: launch_kind<1>(id, p, grid, tuning.pdl, stream); break;
   }
 }
 

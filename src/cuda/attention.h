@@ -48,10 +48,13 @@ struct AttentionTuning {
   // (as many splits as fit one wave of resident CTAs, up to topk) capped at N (16: the wave plan
   // uncapped), for comparisons.
   int max_splits = 0;
+  // Decode rows of one request per CTA (1, 2 or 4): the rows' selections are read as one union,
+  // each shared block once. 1: every row its own CTA, for comparisons.
+  int max_row_tiles = 4;
 
-  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8" with a cap)
-  // Parses "splitp=1,cluster=2,pdl=0,splits=8" (any subset; the rest default); throws naming the
-  // text.
+  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows1" off default)
+  // Parses "splitp=1,cluster=2,pdl=0,splits=8,rows=4" (any subset; the rest default); throws
+  // naming the text.
   static AttentionTuning parse(const std::string& text);
 };
 
@@ -60,12 +63,15 @@ AttentionTuning default_attention_tuning();
 
 // The plan launch_attention uses for these host shapes.
 struct AttentionPlanInfo {
-  int splits = 1;        // CTAs per (row, kv head)
-  bool cluster = false;  // splits merged through a thread-block cluster (else global memory)
+  int row_tiles = 1;       // decode rows per CTA
+  int groups_per_req = 1;  // row groups of a request (row_tiles > 1)
+  int splits = 1;          // CTAs per (row group, kv head)
+  bool cluster = false;    // splits merged through a thread-block cluster (else global memory)
   int64_t ctas = 0;
 };
-AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, bool dense,
-                                      bool fp8_kv, const AttentionTuning& tuning);
+// q_len: decode rows per request (rows = requests * q_len); 0 for prefill rows.
+AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, int64_t q_len,
+                                      bool dense, bool fp8_kv, const AttentionTuning& tuning);
 
 void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& args, void* workspace,
                             size_t workspace_bytes, cudaStream_t stream,

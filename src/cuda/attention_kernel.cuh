@@ -13,6 +13,13 @@
 // rank 0) or through (O, max, sum) partials in the workspace that the last CTA to arrive (an
 // atomic counter it resets) merges. Both merge in split order, so results are deterministic.
 //
+// Several decode rows of one request (speculative tokens, q_len > 1) share a CTA: kTiles rows,
+// one m16 tile each, 4 / kTiles warps per tile, each warp taking 16 * kTiles tokens of a chunk.
+// The CTA streams the union of its rows' selections (deduplicated in shared memory, first
+// appearance order, each entry tagged with the rows that selected it), so a block selected by
+// several rows is read once; a warp skips the chunks its row did not select and masks the tokens
+// after its row's position. Rows that share one selection cost the bytes of one row.
+//
 // Dimension permutations: the reduction axis of an mma may be permuted freely as long as A and B
 // agree, so each thread reads whole 16-byte chunks of a K row, and the V output columns are
 // permuted so each thread reads whole chunks of a V row (out_dim() undoes it in the epilogue).
@@ -42,8 +49,11 @@ inline constexpr int kMaxRoundBlocks = 64;         // blocks whose pages are loo
 inline constexpr int kMergeStride = kHeadDim + 4;  // padded fp32 row of the warp merge
 inline constexpr float kLazyRescale = 8.0f;        // log2 units; softmax weights stay <= 256
 inline constexpr int kMaxMergeSplits = 64;         // splits a global merge handles
+inline constexpr int kMaxRowTiles = 4;             // decode rows of one request per CTA
+inline constexpr int kMaxGroupedTopk = 32;         // topk a CTA of several rows takes
 
-template <bool kFp8>
+// kTiles: the m16 tiles (decode rows) one CTA takes; each needs its own published partial.
+template <bool kFp8, int kTiles = 1>
 struct KvLayout {
   static constexpr int kRowBytes = kHeadDim * (kFp8 ? 1 : 2);
   static constexpr int kRowChunks = kRowBytes / 16;
@@ -56,7 +66,7 @@ struct KvLayout {
   static constexpr int kMergeBytes =
       (kWarps * kTileHeads * kMergeStride + kWarps * kTileHeads * 2) * 4;
   // The split's partial, published for the cluster merge (after the warp-merge area).
-  static constexpr int kPublishBytes = (kTileHeads * kHeadDim + kTileHeads * 2) * 4;
+  static constexpr int kPublishBytes = kTiles * (kTileHeads * kHeadDim + kTileHeads * 2) * 4;
   static constexpr int kEpilogueBytes = kMergeBytes + kPublishBytes;
   static constexpr int kSmemBytes = kPipeBytes > kEpilogueBytes ? kPipeBytes : kEpilogueBytes;
 };
@@ -224,15 +234,25 @@ __device__ __forceinline__ void resolve_row(const AttentionRowLayoutParams& layo
 
 // kSplitP (bf16 KV only): P = P_hi + P_lo, two bf16 PV mmas, so the softmax weights keep ~16
 // bits (a bf16 P alone has 8, which costs ~2^-9 relative error in the output).
-template <bool kFp8, bool kSplitP>
+// kTiles: decode rows per CTA (1, 2 or 4; see the file comment).
+template <bool kFp8, bool kSplitP, int kTiles>
 __global__ void __launch_bounds__(kThreads, 2)
     attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
-  using L = KvLayout<kFp8>;
+  static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
+  constexpr int kWarpsPerTile = kWarps / kTiles;
+  constexpr int kSliceTokens = kChunkTokens / kWarpsPerTile;  // a warp's tokens of a chunk
+  constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;         // candidates of a CTA's rows
+  static_assert(kTiles == 1 || kMaxUnion <= kThreads, "one candidate per thread");
+  using L = KvLayout<kFp8, kTiles>;
   constexpr bool kF16 = kFp8;  // operand type of both mmas
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_page[kMaxRoundBlocks];
   __shared__ int s_block[kMaxRoundBlocks];
+  __shared__ uint32_t s_rows[kTiles > 1 ? kMaxRoundBlocks : 1];  // tiles that selected the block
+  __shared__ int s_union[kTiles > 1 ? kMaxUnion : 1];
+  __shared__ uint32_t s_union_rows[kTiles > 1 ? kMaxUnion : 1];
+  __shared__ int s_warp_count[kWarps];
   __shared__ int s_last;
 
   // Programmatic dependent launch: everything this kernel reads may come from the previous kernel
@@ -247,12 +267,27 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const float scale_log2 = logit_scale_log2(p);
   const int split = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_splits));
-  const int64_t unit = blockIdx.x / static_cast<unsigned>(p.num_splits);  // row * kv_heads + kvh
+  // unit = row group * kv_heads + kvh; a group is one row (kTiles == 1) or rows j0 .. j0 +
+  // kTiles - 1 of one decode request (those < q_len are live).
+  const int64_t unit = blockIdx.x / static_cast<unsigned>(p.num_splits);
   const int kvh = static_cast<int>(unit % p.kv_heads);
-  const int64_t row = unit / p.kv_heads;
+  const int64_t row_group = unit / p.kv_heads;
+  int64_t row0 = row_group;  // the CTA's first row
+  int live_tiles = 1;
+  int group_req = 0;
+  if constexpr (kTiles > 1) {
+    group_req = static_cast<int>(row_group / p.groups_per_req);
+    const int j0 = static_cast<int>(row_group - int64_t{group_req} * p.groups_per_req) * kTiles;
+    row0 = int64_t{group_req} * p.rows_layout.q_len + j0;
+    live_tiles = min(kTiles, p.rows_layout.q_len - j0);
+  }
+  const int tile = warp / kWarpsPerTile;   // this warp's row: row0 + tile
+  const int slice = warp % kWarpsPerTile;  // this warp's tokens of a chunk
+  const bool tile_live = tile < live_tiles;
+  const int64_t row = row0 + tile;
 
   int req = 0;
-  int64_t pos = -1;  // resolved below, after the first loads are issued
+  int64_t pos = -1;  // this warp's row; resolved below, after the first loads are issued
 
   // ---- Q fragments (A operand), loaded straight from global memory ----
   // k-step s covers, for thread c, whole 16-byte chunks of the head (see the permutation note).
@@ -260,8 +295,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   {
     const uint16_t* q_base =
         p.q + (row * p.q_heads + int64_t{kvh} * p.group) * static_cast<int64_t>(kHeadDim);
-    const bool live0 = g < p.group;
-    const bool live1 = g + 8 < p.group;
+    const bool live0 = tile_live && g < p.group;
+    const bool live1 = tile_live && g + 8 < p.group;
     const uint16_t* q0 = q_base + g * kHeadDim;
     const uint16_t* q1 = q_base + (g + 8) * kHeadDim;
     if constexpr (!kFp8) {
@@ -309,25 +344,87 @@ __global__ void __launch_bounds__(kThreads, 2)
   // entries form a prefix, so exactly the prefix is read). Dense attention splits the row's nb
   // visible blocks evenly.
   const int32_t* entries = p.topk_idx != nullptr
-                               ? p.topk_idx + row * p.topk_row_stride + kvh * p.topk_head_stride
+                               ? p.topk_idx + row0 * p.topk_row_stride + kvh * p.topk_head_stride
                                : nullptr;
   int first = 0;
   int last = 0;
-  if (entries != nullptr) {
-    const int per_split = (p.topk + p.num_splits - 1) / p.num_splits;
-    first = min(p.topk, split * per_split);
-    last = min(p.topk, first + per_split);
-  }
-  int first_entry = -1;  // entries[first + tid], issued before the position is known
-  if (entries != nullptr && tid < min(kMaxRoundBlocks, last - first)) {
-    first_entry = entries[first + tid];
-  }
-  resolve_row(p.rows_layout, row, req, pos);
-  if (entries == nullptr) {
-    const int count = pos >= 0 ? static_cast<int>(pos / kBlockTokens) + 1 : 0;
+  int first_entry = -1;  // kTiles == 1: entries[first + tid], issued before the position is known
+  // The CTA's rows sit at positions pos0 + t (consecutive decode rows), t < live_tiles; pos0 < 0:
+  // a dead request. Scalars, so that no lambda captures an array (which would put it on the stack).
+  int64_t pos0 = -1;
+  if constexpr (kTiles == 1) {
+    if (entries != nullptr) {
+      const int per_split = (p.topk + p.num_splits - 1) / p.num_splits;
+      first = min(p.topk, split * per_split);
+      last = min(p.topk, first + per_split);
+    }
+    if (entries != nullptr && tid < min(kMaxRoundBlocks, last - first)) {
+      first_entry = entries[first + tid];
+    }
+    resolve_row(p.rows_layout, row, req, pos);
+    pos0 = pos;
+  } else {
+    // The union of the live rows' selections: candidate tid is entry tid % topk of row
+    // tid / topk; the first appearance of each block owns it and records every row that has it.
+    const int candidates = entries != nullptr ? live_tiles * p.topk : 0;
+    int cand = -1;
+    if (tid < candidates) {
+      const int t = tid / p.topk;
+      cand = entries[t * p.topk_row_stride + (tid - t * p.topk)];
+    }
+    req = group_req;
+    const int seq = p.rows_layout.seq_lens[req];
+    const int j0 = static_cast<int>(row0 - int64_t{req} * p.rows_layout.q_len);
+    pos0 = seq > 0 ? int64_t{seq} - p.rows_layout.q_len + j0 : -1;
+    pos = (tile_live && pos0 >= 0) ? pos0 + tile : -1;
+    int count = 0;
+    if (entries != nullptr) {
+      if (tid < kMaxUnion) s_union[tid] = cand;  // staged; compacted in place below
+      __syncthreads();
+      bool owner = cand >= 0;
+      uint32_t rows = 0;
+      if (owner) {
+        for (int t = 0; t < live_tiles; ++t) {
+          for (int i = 0; i < p.topk; ++i) {
+            const int j = t * p.topk + i;
+            if (s_union[j] == cand) {
+              rows |= 1u << t;
+              if (j < tid) owner = false;
+            }
+          }
+        }
+      }
+      const unsigned ballot = __ballot_sync(0xFFFFFFFFu, owner);
+      if (lane == 0) s_warp_count[warp] = __popc(ballot);
+      __syncthreads();  // also: every candidate has been read before the compaction writes
+      int offset = 0;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) {
+        if (w < warp) offset += s_warp_count[w];
+        count += s_warp_count[w];
+      }
+      if (owner) {
+        const int at = offset + __popc(ballot & ((1u << lane) - 1u));
+        s_union[at] = cand;
+        s_union_rows[at] = rows;
+      }
+      __syncthreads();
+    } else {
+      // Dense: every block the last live row can see (earlier rows mask their later tokens).
+      const int64_t last_pos = pos0 >= 0 ? pos0 + live_tiles - 1 : -1;
+      count = last_pos >= 0 ? static_cast<int>(last_pos / kBlockTokens) + 1 : 0;
+    }
     const int per_split = (count + p.num_splits - 1) / p.num_splits;
     first = min(count, split * per_split);
     last = min(count, first + per_split);
+  }
+  if constexpr (kTiles == 1) {
+    if (entries == nullptr) {
+      const int count = pos >= 0 ? static_cast<int>(pos / kBlockTokens) + 1 : 0;
+      const int per_split = (count + p.num_splits - 1) / p.num_splits;
+      first = min(count, split * per_split);
+      last = min(count, first + per_split);
+    }
   }
 
   // ---- per-warp online softmax state ----
@@ -358,9 +455,13 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (int round = first; round < last; round += kMaxRoundBlocks) {
     const int nblocks = min(kMaxRoundBlocks, last - round);
     for (int i = tid; i < nblocks; i += kThreads) {
-      const int b = entries == nullptr ? round + i
-                    : round == first   ? first_entry  // i == tid in the first round
-                                       : entries[round + i];
+      int b = round + i;  // dense
+      if constexpr (kTiles == 1) {
+        if (entries != nullptr) b = round == first ? first_entry : entries[round + i];
+      } else {
+        s_rows[i] = entries != nullptr ? s_union_rows[round + i] : 0xFFFFFFFFu;
+        if (entries != nullptr) b = s_union[round + i];
+      }
       int page = -1;
       // Blocks past pos are dropped by chunk_valid(), so the table read need not wait for pos.
       if (b >= 0 && b < p.table_cols) {
@@ -373,16 +474,32 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
 
     const int nchunks = 2 * nblocks;
-    // Valid tokens of chunk `ch` (0 when it lies wholly after pos or its page is unusable).
-    auto chunk_valid = [&](int ch) -> int {
+    // Tokens of chunk `ch` that tile t (at position row_pos) sees: 0 when the chunk lies wholly
+    // after the position, its page is unusable or the tile's row did not select the block.
+    auto chunk_valid = [&](int ch, int t, int64_t row_pos) -> int {
       const int e = ch >> 1;
       if (s_page[e] < 0) return 0;
+      if constexpr (kTiles > 1) {
+        if (((s_rows[e] >> t) & 1u) == 0) return 0;
+      }
       const int64_t lo = int64_t{s_block[e]} * kBlockTokens + (ch & 1) * kChunkTokens;
-      const int64_t n = pos + 1 - lo;
+      const int64_t n = row_pos + 1 - lo;
       return n <= 0 ? 0 : (n >= kChunkTokens ? kChunkTokens : static_cast<int>(n));
     };
+    // Some row sees the chunk: the last live row that selected the block (positions grow with
+    // the row) sees a token of it.
+    auto chunk_needed = [&](int ch) -> bool {
+      if constexpr (kTiles == 1) {
+        return chunk_valid(ch, 0, pos0) > 0;
+      } else {
+        const uint32_t rows = s_rows[ch >> 1] & ((1u << live_tiles) - 1u);
+        if (rows == 0 || pos0 < 0) return false;
+        const int t = 31 - __clz(static_cast<int>(rows));
+        return chunk_valid(ch, t, pos0 + t) > 0;
+      }
+    };
     auto issue = [&](int ch) {
-      if (ch < nchunks && chunk_valid(ch) > 0) {
+      if (ch < nchunks && chunk_needed(ch)) {
         const int e = ch >> 1;
         const int64_t page = s_page[e];
         const int64_t first_token = (ch & 1) * kChunkTokens;
@@ -412,146 +529,152 @@ __global__ void __launch_bounds__(kThreads, 2)
       __syncthreads();
       issue(ch + L::kStages - 1);
 
-      const int valid = chunk_valid(ch);
-      const int tok0 = warp * 16;   // this warp's first token in the chunk
-      if (valid <= tok0) continue;  // nothing visible for this warp
-      const bool partial = valid < tok0 + 16;
+      const int valid = tile_live ? chunk_valid(ch, tile, pos) : 0;
       const uint8_t* k_tile = smem + (ch % L::kStages) * L::kStageBytes;
       const uint8_t* v_tile = k_tile + L::kTileBytes;
+#pragma unroll 1
+      for (int piece = 0; piece < kTiles; ++piece) {
+        const int tok0 = slice * kSliceTokens + 16 * piece;  // the warp's next 16 tokens
+        if (valid <= tok0) break;                            // nothing more visible for this warp
+        const bool partial = valid < tok0 + 16;
 
-      // S = Q K^T for tokens tok0 + 8j + g (columns), heads g, g + 8 (rows).
-      float s_acc[2][4];
+        // S = Q K^T for tokens tok0 + 8j + g (columns), heads g, g + 8 (rows).
+        float s_acc[2][4];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        s_acc[j][0] = s_acc[j][1] = s_acc[j][2] = s_acc[j][3] = 0.0f;
-        const int r = tok0 + 8 * j + g;
-        const uint8_t* k_row = k_tile + r * L::kRowBytes;
-        if constexpr (!kFp8) {
+        for (int j = 0; j < 2; ++j) {
+          s_acc[j][0] = s_acc[j][1] = s_acc[j][2] = s_acc[j][3] = 0.0f;
+          const int r = tok0 + 8 * j + g;
+          const uint8_t* k_row = k_tile + r * L::kRowBytes;
+          if constexpr (!kFp8) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const uint4 kv = lds128(k_row + (((c + 4 * i) ^ swizzle(r)) << 4));
-            mma16816<false>(s_acc[j], qa[2 * i], kv.x, kv.y);
-            mma16816<false>(s_acc[j], qa[2 * i + 1], kv.z, kv.w);
-          }
-        } else {
+            for (int i = 0; i < 4; ++i) {
+              const uint4 kv = lds128(k_row + (((c + 4 * i) ^ swizzle(r)) << 4));
+              mma16816<false>(s_acc[j], qa[2 * i], kv.x, kv.y);
+              mma16816<false>(s_acc[j], qa[2 * i + 1], kv.z, kv.w);
+            }
+          } else {
 #pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const uint4 kv = lds128(k_row + (((c + 4 * i) ^ swizzle(r)) << 4));
+            for (int i = 0; i < 2; ++i) {
+              const uint4 kv = lds128(k_row + (((c + 4 * i) ^ swizzle(r)) << 4));
 #pragma unroll
-            for (int u = 0; u < 4; ++u) {
-              const uint32_t w = word(kv, u);
-              mma16816<true>(s_acc[j], qa[4 * i + u], e4m3x2_to_f16x2(w), e4m3x2_to_f16x2(w >> 16));
+              for (int u = 0; u < 4; ++u) {
+                const uint32_t w = word(kv, u);
+                mma16816<true>(s_acc[j], qa[4 * i + u], e4m3x2_to_f16x2(w),
+                               e4m3x2_to_f16x2(w >> 16));
+              }
             }
           }
         }
-      }
 
-      // Online softmax in the exp2 domain; masked tokens get -inf (never their garbage).
-      float row_max[2] = {-INFINITY, -INFINITY};
+        // Online softmax in the exp2 domain; masked tokens get -inf (never their garbage).
+        float row_max[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
+        for (int j = 0; j < 2; ++j) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float v = s_acc[j][e] * scale_log2;
-          if (partial && tok0 + 8 * j + 2 * c + (e & 1) >= valid) v = -INFINITY;
-          s_acc[j][e] = v;
-          row_max[e >> 1] = fmaxf(row_max[e >> 1], v);
-        }
-      }
-      // Lazy rescale: the reference max moves only when a row's max exceeds it by more than
-      // kLazyRescale (log2 units), so weights stay <= 2^kLazyRescale and the 64 accumulator
-      // multiplies are skipped on most chunks (a warp-uniform vote). Exact either way.
-      float m_next[2];
-      bool grow = false;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xFFFFFFFFu, row_max[h], 1));
-        row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xFFFFFFFFu, row_max[h], 2));
-        const bool up = row_max[h] > m_run[h] + kLazyRescale || m_run[h] == -INFINITY;
-        m_next[h] = up ? fmaxf(m_run[h], row_max[h]) : m_run[h];
-        grow |= up;
-      }
-      if (__any_sync(0xFFFFFFFFu, grow)) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          // m_run == m_next gives exactly 1; m_run == -inf gives 0 (nothing accumulated yet).
-          const float alpha = m_next[h] == -INFINITY ? 1.0f : fast_exp2(m_run[h] - m_next[h]);
-          l_run[h] *= alpha;
-#pragma unroll
-          for (int t = 0; t < 16; ++t) {
-            o[t][2 * h] *= alpha;
-            o[t][2 * h + 1] *= alpha;
+          for (int e = 0; e < 4; ++e) {
+            float v = s_acc[j][e] * scale_log2;
+            if (partial && tok0 + 8 * j + 2 * c + (e & 1) >= valid) v = -INFINITY;
+            s_acc[j][e] = v;
+            row_max[e >> 1] = fmaxf(row_max[e >> 1], v);
           }
         }
-      }
-      float m_use[2];
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        m_run[h] = m_next[h];
-        m_use[h] = m_next[h] == -INFINITY ? 0.0f : m_next[h];
-      }
-      uint32_t pa[4];
-      uint32_t pb[4];  // kSplitP: the low parts
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
+        // Lazy rescale: the reference max moves only when a row's max exceeds it by more than
+        // kLazyRescale (log2 units), so weights stay <= 2^kLazyRescale and the 64 accumulator
+        // multiplies are skipped on most chunks (a warp-uniform vote). Exact either way.
+        float m_next[2];
+        bool grow = false;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const float e0 = fast_exp2(s_acc[j][2 * h] - m_use[h]);
-          const float e1 = fast_exp2(s_acc[j][2 * h + 1] - m_use[h]);
-          const uint32_t packed = pack2<kF16>(e0, e1);
-          pa[2 * j + h] = packed;
-          if constexpr (kSplitP) {
-            const float2 w = unpack2<false>(packed);
-            pb[2 * j + h] = pack2<false>(e0 - w.x, e1 - w.y);
-          } else {
-            pb[2 * j + h] = 0;
-          }
-          // The fp32 weights (the f16 / bf16 hi+lo rounding of P is ~2^-11 / ~2^-16 relative).
-          l_run[h] += e0 + e1;
+          row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xFFFFFFFFu, row_max[h], 1));
+          row_max[h] = fmaxf(row_max[h], __shfl_xor_sync(0xFFFFFFFFu, row_max[h], 2));
+          const bool up = row_max[h] > m_run[h] + kLazyRescale || m_run[h] == -INFINITY;
+          m_next[h] = up ? fmaxf(m_run[h], row_max[h]) : m_run[h];
+          grow |= up;
         }
-      }
-
-      // O += P V. Thread (g, c) reads tokens 2c, 2c+1, 2c+8, 2c+9 of the warp's 16.
-      const int r0 = tok0 + 2 * c;
-      const int rows[4] = {r0, r0 + 1, r0 + 8, r0 + 9};
-      if constexpr (!kFp8) {
+        if (__any_sync(0xFFFFFFFFu, grow)) {
 #pragma unroll
-        for (int hc = 0; hc < 2; ++hc) {
-          const int chunk = g + 8 * hc;  // dims 8g + 64hc .. +7
+          for (int h = 0; h < 2; ++h) {
+            // m_run == m_next gives exactly 1; m_run == -inf gives 0 (nothing accumulated yet).
+            const float alpha = m_next[h] == -INFINITY ? 1.0f : fast_exp2(m_run[h] - m_next[h]);
+            l_run[h] *= alpha;
+#pragma unroll
+            for (int t = 0; t < 16; ++t) {
+              o[t][2 * h] *= alpha;
+              o[t][2 * h + 1] *= alpha;
+            }
+          }
+        }
+        float m_use[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          m_run[h] = m_next[h];
+          m_use[h] = m_next[h] == -INFINITY ? 0.0f : m_next[h];
+        }
+        uint32_t pa[4];
+        uint32_t pb[4];  // kSplitP: the low parts
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const float e0 = fast_exp2(s_acc[j][2 * h] - m_use[h]);
+            const float e1 = fast_exp2(s_acc[j][2 * h + 1] - m_use[h]);
+            const uint32_t packed = pack2<kF16>(e0, e1);
+            pa[2 * j + h] = packed;
+            if constexpr (kSplitP) {
+              const float2 w = unpack2<false>(packed);
+              pb[2 * j + h] = pack2<false>(e0 - w.x, e1 - w.y);
+            } else {
+              pb[2 * j + h] = 0;
+            }
+            // The fp32 weights (the f16 / bf16 hi+lo rounding of P is ~2^-11 / ~2^-16 relative).
+            l_run[h] += e0 + e1;
+          }
+        }
+
+        // O += P V. Thread (g, c) reads tokens 2c, 2c+1, 2c+8, 2c+9 of the warp's 16.
+        const int r0 = tok0 + 2 * c;
+        const int rows[4] = {r0, r0 + 1, r0 + 8, r0 + 9};
+        if constexpr (!kFp8) {
+#pragma unroll
+          for (int hc = 0; hc < 2; ++hc) {
+            const int chunk = g + 8 * hc;  // dims 8g + 64hc .. +7
+            uint4 x[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+              x[k] = lds128(v_tile + rows[k] * L::kRowBytes + ((chunk ^ swizzle(rows[k])) << 4));
+              if (partial && rows[k] >= valid) x[k] = make_uint4(0, 0, 0, 0);
+            }
+#pragma unroll
+            for (int t = 0; t < 8; ++t) {
+              const uint32_t sel = (t & 1) ? 0x7632u : 0x5410u;
+              const uint32_t b0 = __byte_perm(word(x[0], t >> 1), word(x[1], t >> 1), sel);
+              const uint32_t b1 = __byte_perm(word(x[2], t >> 1), word(x[3], t >> 1), sel);
+              mma16816<false>(o[8 * hc + t], pa, b0, b1);
+              if constexpr (kSplitP) mma16816<false>(o[8 * hc + t], pb, b0, b1);
+            }
+          }
+        } else {
           uint4 x[4];
 #pragma unroll
           for (int k = 0; k < 4; ++k) {
-            x[k] = lds128(v_tile + rows[k] * L::kRowBytes + ((chunk ^ swizzle(rows[k])) << 4));
+            x[k] = lds128(v_tile + rows[k] * L::kRowBytes + ((g ^ swizzle(rows[k])) << 4));
             if (partial && rows[k] >= valid) x[k] = make_uint4(0, 0, 0, 0);
           }
 #pragma unroll
-          for (int t = 0; t < 8; ++t) {
-            const uint32_t sel = (t & 1) ? 0x7632u : 0x5410u;
-            const uint32_t b0 = __byte_perm(word(x[0], t >> 1), word(x[1], t >> 1), sel);
-            const uint32_t b1 = __byte_perm(word(x[2], t >> 1), word(x[3], t >> 1), sel);
-            mma16816<false>(o[8 * hc + t], pa, b0, b1);
-            if constexpr (kSplitP) mma16816<false>(o[8 * hc + t], pb, b0, b1);
+          for (int u = 0; u < 4; ++u) {  // dims 16g + 4u .. +3
+            const uint32_t t01 = __byte_perm(word(x[0], u), word(x[1], u), 0x5140u);
+            const uint32_t t23 = __byte_perm(word(x[0], u), word(x[1], u), 0x7362u);
+            const uint32_t t01b = __byte_perm(word(x[2], u), word(x[3], u), 0x5140u);
+            const uint32_t t23b = __byte_perm(word(x[2], u), word(x[3], u), 0x7362u);
+            mma16816<true>(o[4 * u + 0], pa, e4m3x2_to_f16x2(t01), e4m3x2_to_f16x2(t01b));
+            mma16816<true>(o[4 * u + 1], pa, e4m3x2_to_f16x2(t01 >> 16),
+                           e4m3x2_to_f16x2(t01b >> 16));
+            mma16816<true>(o[4 * u + 2], pa, e4m3x2_to_f16x2(t23), e4m3x2_to_f16x2(t23b));
+            mma16816<true>(o[4 * u + 3], pa, e4m3x2_to_f16x2(t23 >> 16),
+                           e4m3x2_to_f16x2(t23b >> 16));
           }
         }
-      } else {
-        uint4 x[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          x[k] = lds128(v_tile + rows[k] * L::kRowBytes + ((g ^ swizzle(rows[k])) << 4));
-          if (partial && rows[k] >= valid) x[k] = make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {  // dims 16g + 4u .. +3
-          const uint32_t t01 = __byte_perm(word(x[0], u), word(x[1], u), 0x5140u);
-          const uint32_t t23 = __byte_perm(word(x[0], u), word(x[1], u), 0x7362u);
-          const uint32_t t01b = __byte_perm(word(x[2], u), word(x[3], u), 0x5140u);
-          const uint32_t t23b = __byte_perm(word(x[2], u), word(x[3], u), 0x7362u);
-          mma16816<true>(o[4 * u + 0], pa, e4m3x2_to_f16x2(t01), e4m3x2_to_f16x2(t01b));
-          mma16816<true>(o[4 * u + 1], pa, e4m3x2_to_f16x2(t01 >> 16), e4m3x2_to_f16x2(t01b >> 16));
-          mma16816<true>(o[4 * u + 2], pa, e4m3x2_to_f16x2(t23), e4m3x2_to_f16x2(t23b));
-          mma16816<true>(o[4 * u + 3], pa, e4m3x2_to_f16x2(t23 >> 16), e4m3x2_to_f16x2(t23b >> 16));
-        }
-      }
+      }  // piece
     }
     cp_async_wait<0>();
     __syncthreads();  // the next round rewrites s_page / s_block and the stages
@@ -560,7 +683,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   // The next kernel in the stream may be scheduled now (it waits for this grid to finish).
   asm volatile("griddepcontrol.launch_dependents;\n" :::);
 
-  // ---- merge the 4 warps through shared memory ----
+  // ---- merge the warps of each tile through shared memory ----
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     l_run[h] += __shfl_xor_sync(0xFFFFFFFFu, l_run[h], 1);
@@ -587,31 +710,39 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   __syncthreads();
 
-  // Thread t owns head t / 8, dims 16 * (t % 8) .. +15.
+  // Thread t owns head t / 8, dims 16 * (t % 8) .. +15, of every tile.
   const int head = tid >> 3;
   const int d0 = (tid & 7) * 16;
   float acc[16];
-  float m_cta = -INFINITY;
+  // acc = tile t's warps merged (unnormalized); m_out / l_out = the tile's max and sum.
+  auto merge_warps = [&](int t, float& m_out, float& l_out) {
+    float m_cta = -INFINITY;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) m_cta = fmaxf(m_cta, s_ml[(w * kTileHeads + head) * 2]);
-  const float m_ref = m_cta == -INFINITY ? 0.0f : m_cta;
-  float l_cta = 0.0f;
+    for (int i = 0; i < kWarpsPerTile; ++i) {
+      m_cta = fmaxf(m_cta, s_ml[((t * kWarpsPerTile + i) * kTileHeads + head) * 2]);
+    }
+    const float m_ref = m_cta == -INFINITY ? 0.0f : m_cta;
+    float l_cta = 0.0f;
 #pragma unroll
-  for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
+    for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    const float wt = fast_exp2(s_ml[(w * kTileHeads + head) * 2] - m_ref);
-    l_cta += s_ml[(w * kTileHeads + head) * 2 + 1] * wt;
-    const float* src = s_o + (w * kTileHeads + head) * kMergeStride + d0;
+    for (int i = 0; i < kWarpsPerTile; ++i) {
+      const int w = t * kWarpsPerTile + i;
+      const float wt = fast_exp2(s_ml[(w * kTileHeads + head) * 2] - m_ref);
+      l_cta += s_ml[(w * kTileHeads + head) * 2 + 1] * wt;
+      const float* src = s_o + (w * kTileHeads + head) * kMergeStride + d0;
 #pragma unroll
-    for (int d = 0; d < 16; ++d) acc[d] += src[d] * wt;
-  }
+      for (int d = 0; d < 16; ++d) acc[d] += src[d] * wt;
+    }
+    m_out = m_cta;
+    l_out = l_cta;
+  };
 
   const bool store_head = head < p.group;
-  uint16_t* out = p.out + (row * p.q_heads + int64_t{kvh} * p.group + head) * kHeadDim + d0;
-  // Stores acc * inv as bf16.
-  auto store_out = [&](float inv) {
+  // Stores acc * inv as bf16 into row out_row.
+  auto store_out = [&](int64_t out_row, float inv) {
     if (!store_head) return;
+    uint16_t* out = p.out + (out_row * p.q_heads + int64_t{kvh} * p.group + head) * kHeadDim + d0;
     uint32_t packed[8];
 #pragma unroll
     for (int d = 0; d < 8; ++d) {
@@ -621,12 +752,17 @@ __global__ void __launch_bounds__(kThreads, 2)
     reinterpret_cast<uint4*>(out)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     reinterpret_cast<uint4*>(out)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
   };
-
-  auto write_out = [&](float l_total) {
-    store_out(l_total > 0.0f ? output_v_scale(p) / l_total : 0.0f);
+  auto write_out = [&](int64_t out_row, float l_total) {
+    store_out(out_row, l_total > 0.0f ? output_v_scale(p) / l_total : 0.0f);
   };
+
   if (p.num_splits == 1) {
-    write_out(l_cta);
+#pragma unroll 1
+    for (int t = 0; t < live_tiles; ++t) {
+      float m_cta, l_cta;
+      merge_warps(t, m_cta, l_cta);
+      write_out(row0 + t, l_cta);
+    }
     return;
   }
 
@@ -635,57 +771,70 @@ __global__ void __launch_bounds__(kThreads, 2)
     // memory, in rank (= split) order, on rank 0 ----
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
-    float* pub_o = reinterpret_cast<float*>(smem + L::kMergeBytes);  // [16][128]
-    float* pub_ml = pub_o + kTileHeads * kHeadDim;                   // [16][2]
+    float* pub_o = reinterpret_cast<float*>(smem + L::kMergeBytes);  // [kTiles][16][128]
+    float* pub_ml = pub_o + kTiles * kTileHeads * kHeadDim;          // [kTiles][16][2]
+#pragma unroll 1
+    for (int t = 0; t < live_tiles; ++t) {
+      float m_cta, l_cta;
+      merge_warps(t, m_cta, l_cta);
 #pragma unroll
-    for (int d = 0; d < 16; ++d) pub_o[head * kHeadDim + d0 + d] = acc[d];
-    if ((tid & 7) == 0) {
-      pub_ml[head * 2] = m_cta;
-      pub_ml[head * 2 + 1] = l_cta;
+      for (int d = 0; d < 16; ++d) pub_o[(t * kTileHeads + head) * kHeadDim + d0 + d] = acc[d];
+      if ((tid & 7) == 0) {
+        pub_ml[(t * kTileHeads + head) * 2] = m_cta;
+        pub_ml[(t * kTileHeads + head) * 2 + 1] = l_cta;
+      }
     }
     cluster.sync();
     if (cluster.block_rank() == 0) {
-      float m_all = -INFINITY;
-      for (int r = 0; r < p.num_splits; ++r) {
-        m_all = fmaxf(m_all, cluster.map_shared_rank(pub_ml, r)[head * 2]);
-      }
-      const float m_all_ref = m_all == -INFINITY ? 0.0f : m_all;
-      float l_all = 0.0f;
-#pragma unroll
-      for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
-      for (int r = 0; r < p.num_splits; ++r) {
-        const float* ml = cluster.map_shared_rank(pub_ml, r) + head * 2;
-        const float wt = fast_exp2(ml[0] - m_all_ref);
-        l_all += ml[1] * wt;
-        const float4* src = reinterpret_cast<const float4*>(cluster.map_shared_rank(pub_o, r) +
-                                                            head * kHeadDim + d0);
-#pragma unroll
-        for (int d = 0; d < 4; ++d) {
-          const float4 v = src[d];
-          acc[4 * d] += v.x * wt;
-          acc[4 * d + 1] += v.y * wt;
-          acc[4 * d + 2] += v.z * wt;
-          acc[4 * d + 3] += v.w * wt;
+#pragma unroll 1
+      for (int t = 0; t < live_tiles; ++t) {
+        const int at = t * kTileHeads + head;
+        float m_all = -INFINITY;
+        for (int r = 0; r < p.num_splits; ++r) {
+          m_all = fmaxf(m_all, cluster.map_shared_rank(pub_ml, r)[at * 2]);
         }
+        const float m_all_ref = m_all == -INFINITY ? 0.0f : m_all;
+        float l_all = 0.0f;
+#pragma unroll
+        for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
+        for (int r = 0; r < p.num_splits; ++r) {
+          const float* ml = cluster.map_shared_rank(pub_ml, r) + at * 2;
+          const float wt = fast_exp2(ml[0] - m_all_ref);
+          l_all += ml[1] * wt;
+          const float4* src = reinterpret_cast<const float4*>(cluster.map_shared_rank(pub_o, r) +
+                                                              at * kHeadDim + d0);
+#pragma unroll
+          for (int d = 0; d < 4; ++d) {
+            const float4 v = src[d];
+            acc[4 * d] += v.x * wt;
+            acc[4 * d + 1] += v.y * wt;
+            acc[4 * d + 2] += v.z * wt;
+            acc[4 * d + 3] += v.w * wt;
+          }
+        }
+        write_out(row0 + t, l_all);
       }
-      write_out(l_all);
     }
     cluster.sync();  // every CTA's shared memory stays alive until rank 0 has read it
     return;
   }
 
-  // ---- split-K: publish this split's partial; the last CTA of the unit merges ----
+  // ---- split-K: publish this split's partials (slot * kTiles + tile); the last CTA of the unit
+  // merges ----
   const int64_t slot = blockIdx.x;
-  {
-    float4* dst =
-        reinterpret_cast<float4*>(p.partial_o + (slot * kTileHeads + head) * kHeadDim + d0);
+#pragma unroll 1
+  for (int t = 0; t < live_tiles; ++t) {
+    float m_cta, l_cta;
+    merge_warps(t, m_cta, l_cta);
+    const int64_t at = (slot * kTiles + t) * kTileHeads + head;
+    float4* dst = reinterpret_cast<float4*>(p.partial_o + at * kHeadDim + d0);
 #pragma unroll
     for (int d = 0; d < 4; ++d) {
       dst[d] = make_float4(acc[4 * d], acc[4 * d + 1], acc[4 * d + 2], acc[4 * d + 3]);
     }
     if ((tid & 7) == 0) {
-      p.partial_ml[(slot * kTileHeads + head) * 2 + 0] = m_cta;
-      p.partial_ml[(slot * kTileHeads + head) * 2 + 1] = l_cta;
+      p.partial_ml[at * 2 + 0] = m_cta;
+      p.partial_ml[at * 2 + 1] = l_cta;
     }
   }
   // The barrier orders every thread's partial stores before thread 0's arrival, whose release
@@ -700,38 +849,13 @@ __global__ void __launch_bounds__(kThreads, 2)
   __syncthreads();
   if (!s_last) return;
 
-  // Every (split, head) max and sum in one round of loads; the per-split weights, with the
-  // normalization and v_scale folded in, in shared memory; then the partial outputs with
+  // Per tile: every (split, head) max and sum in one round of loads; the per-split weights, with
+  // the normalization and v_scale folded in, in shared memory; then the partial outputs with
   // independent loads, four splits at a time, summed in split order (deterministic).
   const int64_t slot0 = unit * p.num_splits;
   float* s_weight = reinterpret_cast<float*>(smem);        // [splits][16]: max, then weight
   float* s_sum = s_weight + kMaxMergeSplits * kTileHeads;  // [splits][16]
-  for (int i = tid; i < p.num_splits * kTileHeads; i += kThreads) {
-    const float2 ml =
-        __ldcg(reinterpret_cast<const float2*>(p.partial_ml) + slot0 * kTileHeads + i);
-    s_weight[i] = ml.x;
-    s_sum[i] = ml.y;
-  }
-  __syncthreads();
-  if (tid < kTileHeads) {
-    float m_all = -INFINITY;
-    for (int sp = 0; sp < p.num_splits; ++sp) m_all = fmaxf(m_all, s_weight[sp * kTileHeads + tid]);
-    const float ref = m_all == -INFINITY ? 0.0f : m_all;
-    float l_all = 0.0f;
-    for (int sp = 0; sp < p.num_splits; ++sp) {
-      l_all += s_sum[sp * kTileHeads + tid] * fast_exp2(s_weight[sp * kTileHeads + tid] - ref);
-    }
-    const float scale = l_all > 0.0f ? output_v_scale(p) / l_all : 0.0f;
-    for (int sp = 0; sp < p.num_splits; ++sp) {
-      s_weight[sp * kTileHeads + tid] = fast_exp2(s_weight[sp * kTileHeads + tid] - ref) * scale;
-    }
-  }
-  __syncthreads();
-#pragma unroll
-  for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
-  constexpr int kSplitStride4 = kTileHeads * kHeadDim / 4;  // float4s per split
-  const float4* src =
-      reinterpret_cast<const float4*>(p.partial_o + (slot0 * kTileHeads + head) * kHeadDim + d0);
+  constexpr int kSplitStride4 = kTiles * kTileHeads * kHeadDim / 4;  // float4s per split
   auto accumulate = [&](const float4(&v)[4], float wt) {
 #pragma unroll
     for (int d = 0; d < 4; ++d) {
@@ -741,24 +865,56 @@ __global__ void __launch_bounds__(kThreads, 2)
       acc[4 * d + 3] += v[d].w * wt;
     }
   };
-  int sp = 0;
-  for (; sp + 4 <= p.num_splits; sp += 4) {
-    float4 v[4][4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-#pragma unroll
-      for (int d = 0; d < 4; ++d) v[u][d] = __ldcg(src + (sp + u) * kSplitStride4 + d);
+#pragma unroll 1
+  for (int t = 0; t < live_tiles; ++t) {
+    for (int i = tid; i < p.num_splits * kTileHeads; i += kThreads) {
+      const int sp = i / kTileHeads;
+      const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.partial_ml) +
+                               ((slot0 + sp) * kTiles + t) * kTileHeads + (i - sp * kTileHeads));
+      s_weight[i] = ml.x;
+      s_sum[i] = ml.y;
     }
+    __syncthreads();
+    if (tid < kTileHeads) {
+      float m_all = -INFINITY;
+      for (int sp = 0; sp < p.num_splits; ++sp) {
+        m_all = fmaxf(m_all, s_weight[sp * kTileHeads + tid]);
+      }
+      const float ref = m_all == -INFINITY ? 0.0f : m_all;
+      float l_all = 0.0f;
+      for (int sp = 0; sp < p.num_splits; ++sp) {
+        l_all += s_sum[sp * kTileHeads + tid] * fast_exp2(s_weight[sp * kTileHeads + tid] - ref);
+      }
+      const float scale = l_all > 0.0f ? output_v_scale(p) / l_all : 0.0f;
+      for (int sp = 0; sp < p.num_splits; ++sp) {
+        s_weight[sp * kTileHeads + tid] = fast_exp2(s_weight[sp * kTileHeads + tid] - ref) * scale;
+      }
+    }
+    __syncthreads();
 #pragma unroll
-    for (int u = 0; u < 4; ++u) accumulate(v[u], s_weight[(sp + u) * kTileHeads + head]);
-  }
-  for (; sp < p.num_splits; ++sp) {
-    float4 v[4];
+    for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
+    const float4* src = reinterpret_cast<const float4*>(
+        p.partial_o + ((slot0 * kTiles + t) * kTileHeads + head) * kHeadDim + d0);
+    int sp = 0;
+    for (; sp + 4 <= p.num_splits; sp += 4) {
+      float4 v[4][4];
 #pragma unroll
-    for (int d = 0; d < 4; ++d) v[d] = __ldcg(src + sp * kSplitStride4 + d);
-    accumulate(v, s_weight[sp * kTileHeads + head]);
+      for (int u = 0; u < 4; ++u) {
+#pragma unroll
+        for (int d = 0; d < 4; ++d) v[u][d] = __ldcg(src + (sp + u) * kSplitStride4 + d);
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) accumulate(v[u], s_weight[(sp + u) * kTileHeads + head]);
+    }
+    for (; sp < p.num_splits; ++sp) {
+      float4 v[4];
+#pragma unroll
+      for (int d = 0; d < 4; ++d) v[d] = __ldcg(src + sp * kSplitStride4 + d);
+      accumulate(v, s_weight[sp * kTileHeads + head]);
+    }
+    store_out(row0 + t, 1.0f);
+    __syncthreads();  // the next tile rewrites s_weight / s_sum
   }
-  store_out(1.0f);
   if (tid == 0) p.counters[unit] = 0;  // ready for the next launch (stream order)
 }
 

@@ -18,7 +18,8 @@ struct AttentionRowLayoutParams {
 };
 
 // Block-sparse (or dense causal) GQA decode/prefill attention over the paged main KV cache.
-// One CTA = one (row, kv head, split); the 16 query heads of the KV head form one m16 tile.
+// One CTA = one (row group, kv head, split): a group is one row, or up to 4 decode rows of one
+// request (the kernel's kTiles); the 16 query heads of the KV head form one m16 tile per row.
 struct AttentionParams {
   const uint16_t* q = nullptr;        // [rows, q_heads, head_dim] bf16
   const void* k_cache = nullptr;      // [pages, kv_heads, block_size, head_dim] bf16 | fp8, strided
@@ -29,8 +30,8 @@ struct AttentionParams {
   int64_t topk_head_stride = 0;       // selection is a permuted view); its k entries contiguous
   const int32_t* kv_block_table = nullptr;  // [num_reqs, table_cols] i32 -> page
   uint16_t* out = nullptr;                  // [rows, q_heads, head_dim] bf16
-  float* partial_o = nullptr;    // [partial_slots, 16, head_dim] f32, unnormalized output
-  float* partial_ml = nullptr;   // [partial_slots, 16, 2] f32, (running max log2, sum)
+  float* partial_o = nullptr;    // [partial_slots * tiles, 16, head_dim] f32, unnormalized output
+  float* partial_ml = nullptr;   // [partial_slots * tiles, 16, 2] f32, (running max log2, sum)
   uint32_t* counters = nullptr;  // [partial_slots] arrival counters, zero between launches
   AttentionRowLayoutParams rows_layout;
   int64_t num_rows = 0;
@@ -47,7 +48,8 @@ struct AttentionParams {
   int kv_heads = 0;
   int group = 0;  // q_heads / kv_heads, <= 16
   int topk = 0;
-  int num_splits = 1;       // CTAs per (row, kv head); > 1 merges the splits' partials:
+  int groups_per_req = 1;   // decode rows of a request per CTA > 1: ceil(q_len / rows per CTA)
+  int num_splits = 1;       // CTAs per (row group, kv head); > 1 merges the splits' partials:
   int cluster_merge = 0;    //   1: the splits form one cluster (DSMEM merge on rank 0);
                             //   0: partial_* + counters in global memory, last CTA merges
   float scale_log2 = 0.0f;  // softmax_scale * k_scale * log2(e): logits in the exp2 domain

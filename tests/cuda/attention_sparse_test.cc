@@ -40,8 +40,8 @@ const cuda::AttentionTuning& test_tuning() {
 }
 
 void launch(const SparseConfig& cfg, const AttentionArgs& args, const cuda::DeviceBuffer& ws,
-            cudaStream_t stream) {
-  cuda::launch_attention_tuned(cfg, args, ws.data(), ws.bytes(), stream, test_tuning());
+            cudaStream_t stream, const cuda::AttentionTuning& tuning = test_tuning()) {
+  cuda::launch_attention_tuned(cfg, args, ws.data(), ws.bytes(), stream, tuning);
 }
 
 // A workspace for one device, zeroed once (the launcher's contract).
@@ -62,28 +62,41 @@ struct RunOut {
   HostTensor ref;
 };
 
-// Runs the GPU kernel (eager, default stream) and the CPU reference on one case.
-RunOut run_case(const SyntheticCase& c, const HostTensor* topk, bool dense_ref = false) {
+// The GPU kernel (eager, default stream) on one case, into a poisoned output.
+HostTensor run_gpu(const SyntheticCase& c, const HostTensor* topk,
+                   const cuda::AttentionTuning& tuning = test_tuning()) {
   const SparseConfig& cfg = c.config;
-  const int64_t rows = c.num_rows();
   DevAttention dev(c);
   DevTensor topk_dev;
   if (topk != nullptr) topk_dev = to_dev(*topk);
-  DevTensor out = poisoned(DType::kBF16, {rows, cfg.q_heads, cfg.head_dim});
+  DevTensor out = poisoned(DType::kBF16, {c.num_rows(), cfg.q_heads, cfg.head_dim});
   Workspace ws(cfg);
-  launch(cfg, dev.args(topk_dev.view, out.view), ws.buffer, nullptr);
+  launch(cfg, dev.args(topk_dev.view, out.view), ws.buffer, nullptr, tuning);
   CUDA_CHECK(cudaDeviceSynchronize());
-  RunOut result;
-  result.gpu = to_host(out.view);
-  result.ref = HostTensor(DType::kBF16, {rows, cfg.q_heads, cfg.head_dim});
-  result.ref.fill_bytes(0xFF);
+  return to_host(out.view);
+}
+
+// The CPU reference (sparse, or dense causal) on one case.
+HostTensor run_ref(const SyntheticCase& c, const HostTensor* topk, bool dense_ref) {
+  const SparseConfig& cfg = c.config;
+  HostTensor ref(DType::kBF16, {c.num_rows(), cfg.q_heads, cfg.head_dim});
+  ref.fill_bytes(0xFF);
   const AttentionArgs args =
-      c.attention_args(topk != nullptr ? topk->view() : TensorView{}, result.ref.view());
+      c.attention_args(topk != nullptr ? topk->view() : TensorView{}, ref.view());
   if (dense_ref) {
     cpu::dense_attention(cfg, args);
   } else {
     cpu::sparse_attention(cfg, args);
   }
+  return ref;
+}
+
+// Runs the GPU kernel and the CPU reference on one case.
+RunOut run_case(const SyntheticCase& c, const HostTensor* topk, bool dense_ref = false,
+                const cuda::AttentionTuning& tuning = test_tuning()) {
+  RunOut result;
+  result.gpu = run_gpu(c, topk, tuning);
+  result.ref = run_ref(c, topk, dense_ref);
   return result;
 }
 
@@ -170,6 +183,70 @@ TEST(CudaSparseAttention, SmallGroupMatchesCpuReference) {
     const SyntheticCase c = decode_case(s, cfg);
     const HostTensor topk = random_selection(c, 77);
     expect_close(run_case(c, &topk), "group 8: " + describe(s));
+  }
+}
+
+// Speculative rows of one request share a CTA (up to 4 rows, the union of their selections read
+// once): each row's own selection, one selection shared by the request's rows, groups with dead
+// rows (q_len 3, 5) next to another request's rows, dense rows; the plans a tuning can reach (one
+// CTA, split over the workspace or a cluster, the wave plan) and one row per CTA as a second
+// oracle.
+TEST(CudaSparseAttention, SpeculativeRowGroupsMatchCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  std::vector<cuda::AttentionTuning> tunings(5);
+  tunings[1].max_cluster = 0;  // split merge through the workspace
+  tunings[2].max_splits = 16;  // the wave plan: many splits
+  tunings[3].max_row_tiles = 2;
+  tunings[4].max_row_tiles = 1;  // one row per CTA
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    for (int q_len : {2, 3, 4, 5, 8}) {
+      for (int reqs : {1, 3, 40}) {
+        const DecodeShape s{reqs,
+                            q_len,
+                            1,
+                            40000,
+                            reqs > 1 ? 1 : 0,
+                            kv,
+                            1.5f,
+                            0.75f,
+                            static_cast<uint64_t>(100 + q_len * 7 + reqs)};
+        const SyntheticCase c = decode_case(s);
+        const HostTensor own = random_selection(c, s.seed);
+        // Every row takes its request's first row's selection (later rows see every block the
+        // first one does, so the selection stays well formed).
+        HostTensor shared = own;
+        {
+          const int64_t per_row = int64_t{c.config.kv_heads} * c.config.topk;
+          int32_t* e = shared.ptr<int32_t>();
+          for (int64_t row = 0; row < c.num_rows(); ++row) {
+            const int64_t first = row / q_len * q_len;
+            std::copy(e + first * per_row, e + (first + 1) * per_row, e + row * per_row);
+          }
+        }
+        for (const HostTensor* topk : std::vector<const HostTensor*>{&own, &shared}) {
+          const std::string what = describe(s) + (topk == &own ? " own" : " shared");
+          const HostTensor ref = run_ref(c, topk, false);
+          HostTensor grouped;
+          HostTensor one_row;
+          for (const cuda::AttentionTuning& tuning : tunings) {
+            RunOut r{run_gpu(c, topk, tuning), ref};
+            expect_close(r, what + " " + tuning.name());
+            if (tuning.max_row_tiles == 1) one_row = std::move(r.gpu);
+            if (tuning.max_row_tiles == 4 && tuning.max_splits == 0 && tuning.max_cluster == 2) {
+              grouped = std::move(r.gpu);
+            }
+          }
+          expect_close(RunOut{grouped, one_row}, what + ": grouped vs one row per CTA");
+        }
+        if (reqs == 3) {
+          const HostTensor ref = run_ref(c, nullptr, true);
+          for (const cuda::AttentionTuning& tuning : tunings) {
+            expect_close(RunOut{run_gpu(c, nullptr, tuning), ref},
+                         "dense " + describe(s) + " " + tuning.name());
+          }
+        }
+      }
+    }
   }
 }
 

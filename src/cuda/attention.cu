@@ -157,11 +157,16 @@ bool cluster_usable(const DeviceShape& shape, KernelId id, int tiles, int splits
   return shape.cluster_ok[id][tile_variant(tiles)][log2];
 }
 
-// Rows per CTA for these shapes (q_len 0: prefill rows, never grouped).
+// Rows per CTA for these shapes (q_len 0: prefill rows, never grouped): 4 or 2, whichever leaves
+// fewer dead tiles in the request's last group (4 on a tie), so q_len 5 or 6 do not end in a
+// group of one or two busy warps and three or two idle ones.
 int choose_row_tiles(int64_t q_len, int topk, bool dense, int max_tiles) {
   if (q_len <= 1 || max_tiles < 2) return 1;
   if (!dense && topk > attention::kMaxGroupedTopk) return 1;
-  return (q_len == 2 || max_tiles < 4) ? 2 : 4;
+  if (max_tiles < 4 || q_len == 2) return 2;
+  const int64_t dead4 = (4 - q_len % 4) % 4;
+  const int64_t dead2 = q_len % 2;
+  return dead4 <= dead2 ? 4 : 2;
 }
 
 template <bool kFp8, bool kSplitP, int kTiles>

@@ -48,8 +48,9 @@ struct AttentionTuning {
   // (as many splits as fit one wave of resident CTAs, up to topk) capped at N (16: the wave plan
   // uncapped), for comparisons.
   int max_splits = 0;
-  // Decode rows of one request per CTA (1, 2 or 4): the rows' selections are read as one union,
-  // each shared block once. 1: every row its own CTA, for comparisons.
+  // Decode rows of one request per CTA at most (1, 2 or 4; the plan takes 4 or 2 by q_len): the
+  // rows' selections are read as one union, each shared block once. 1: every row its own CTA, for
+  // comparisons.
   int max_row_tiles = 4;
 
   std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows1" off default)

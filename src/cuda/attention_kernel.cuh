@@ -235,8 +235,9 @@ __device__ __forceinline__ void resolve_row(const AttentionRowLayoutParams& layo
 // kSplitP (bf16 KV only): P = P_hi + P_lo, two bf16 PV mmas, so the softmax weights keep ~16
 // bits (a bf16 P alone has 8, which costs ~2^-9 relative error in the output).
 // kTiles: decode rows per CTA (1, 2 or 4; see the file comment).
+// fp8: 3 CTAs per SM (<= 170 registers; its 64 KB of stages fit three times), bf16: 2.
 template <bool kFp8, bool kSplitP, int kTiles>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
@@ -385,6 +386,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       uint32_t rows = 0;
       if (owner) {
         for (int t = 0; t < live_tiles; ++t) {
+#pragma unroll 4
           for (int i = 0; i < p.topk; ++i) {
             const int j = t * p.topk + i;
             if (s_union[j] == cand) {

@@ -445,13 +445,15 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
       // the plan only, so a captured graph replays any lengths); the workspace holds
       // splits * num_reqs <= grid + max_units CTAs' candidates.
       const int splits = std::max(1, plan.grid / batch.num_reqs);
-      p.separate_merge = split_merge ? 1 : 0;
+      // One CTA per request answers by itself: no merge kernel to launch.
+      const bool separate_merge = split_merge && splits > 1;
+      p.separate_merge = separate_merge ? 1 : 0;
       p.split_ctas = splits;
       const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(batch.num_reqs));
       split_kernel(fp8, q8,
                    tiles)<<<grid, indexer::kThreads, indexer::kSplitRingBytes, stream>>>(p);
       CUDA_CHECK_LAUNCH();
-      if (split_merge) launch_split_merge(p, batch.num_reqs, stream);
+      if (separate_merge) launch_split_merge(p, batch.num_reqs, stream);
       return;
     }
     pick_scoring_kernel(fp8, q8, tiles, unfused)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);

@@ -512,6 +512,8 @@ __device__ __forceinline__ void score_tile(const Tile<kFp8>& tile, const uint2 (
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
   if constexpr (kQ8) {
+    // Each k32 MMA starts from zero and is added in fp32: the FP8 tensor cores keep ~14 mantissa
+    // bits of what they accumulate, so a running accumulator would lose bits of the whole sum.
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       uint32_t a[4];
@@ -519,7 +521,10 @@ __device__ __forceinline__ void score_tile(const Tile<kFp8>& tile, const uint2 (
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         const uint2 b = bfrag[nt][s][lane];
-        mma_fp8(acc[nt], a[0], a[1], a[2], a[3], b.x, b.y);
+        float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        mma_fp8(part, a[0], a[1], a[2], a[3], b.x, b.y);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[nt][e] += part[e];
       }
     }
   } else {

@@ -186,64 +186,119 @@ TEST(CudaSparseAttention, SmallGroupMatchesCpuReference) {
   }
 }
 
+// The selection `topk` [rows, kv_heads, k] copied into a head-major device buffer [kv_heads,
+// rows, k] and passed as the permuted view of it (read in place).
+struct HeadMajorSelection {
+  DevTensor buffer;
+  TensorView view;
+  explicit HeadMajorSelection(const HostTensor& topk) {
+    const int64_t rows = topk.shape()[0];
+    const int64_t heads = topk.shape()[1];
+    const int64_t k = topk.shape()[2];
+    HostTensor hm(DType::kI32, {heads, rows, k});
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        for (int64_t i = 0; i < k; ++i) {
+          hm.ptr<int32_t>()[(h * rows + r) * k + i] = topk.ptr<int32_t>()[(r * heads + h) * k + i];
+        }
+      }
+    }
+    buffer = to_dev(hm);
+    view = buffer.view;
+    view.shape[0] = rows;
+    view.shape[1] = heads;
+    view.shape[2] = k;
+    view.strides[0] = k;
+    view.strides[1] = rows * k;
+    view.strides[2] = 1;
+  }
+};
+
 // Speculative rows of one request share a CTA (up to 4 rows, the union of their selections read
 // once): each row's own selection, one selection shared by the request's rows, groups with dead
-// rows (q_len 3, 5) next to another request's rows, dense rows; the plans a tuning can reach (one
-// CTA, split over the workspace or a cluster, the wave plan) and one row per CTA as a second
-// oracle.
+// rows (q_len 3, 5) next to another request's rows, dense rows, top-32 selections (a union of 128
+// candidates, two rounds of pages), a head-major selection view; the plans a tuning can reach
+// (one CTA, split over the workspace or a 2- or 16-CTA cluster, the wave plan) and one row per
+// CTA as a second oracle.
 TEST(CudaSparseAttention, SpeculativeRowGroupsMatchCpuReference) {
   M3MSA_REQUIRE_GPU();
-  std::vector<cuda::AttentionTuning> tunings(5);
+  std::vector<cuda::AttentionTuning> tunings(7);
   tunings[1].max_cluster = 0;  // split merge through the workspace
   tunings[2].max_splits = 16;  // the wave plan: many splits
-  tunings[3].max_row_tiles = 2;
-  tunings[4].max_row_tiles = 1;  // one row per CTA
+  tunings[3].max_splits = 2;   // two splits, in a cluster where the device allows
+  tunings[4].max_splits = 16;  // many splits, in one cluster where the device allows
+  tunings[4].max_cluster = 16;
+  tunings[5].max_row_tiles = 2;
+  tunings[6].max_row_tiles = 1;  // one row per CTA
+  struct Shape {
+    int topk;
+    int q_len;
+    int reqs;
+  };
+  std::vector<Shape> shapes;
+  for (int q_len : {2, 3, 4, 5, 8}) {
+    for (int reqs : {1, 3, 40}) shapes.push_back({16, q_len, reqs});
+  }
+  shapes.push_back({32, 4, 3});
+  shapes.push_back({32, 3, 1});
   for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
-    for (int q_len : {2, 3, 4, 5, 8}) {
-      for (int reqs : {1, 3, 40}) {
-        const DecodeShape s{reqs,
-                            q_len,
-                            1,
-                            40000,
-                            reqs > 1 ? 1 : 0,
-                            kv,
-                            1.5f,
-                            0.75f,
-                            static_cast<uint64_t>(100 + q_len * 7 + reqs)};
-        const SyntheticCase c = decode_case(s);
-        const HostTensor own = random_selection(c, s.seed);
-        // Every row takes its request's first row's selection (later rows see every block the
-        // first one does, so the selection stays well formed).
-        HostTensor shared = own;
-        {
-          const int64_t per_row = int64_t{c.config.kv_heads} * c.config.topk;
-          int32_t* e = shared.ptr<int32_t>();
-          for (int64_t row = 0; row < c.num_rows(); ++row) {
-            const int64_t first = row / q_len * q_len;
-            std::copy(e + first * per_row, e + (first + 1) * per_row, e + row * per_row);
+    for (const Shape& shape : shapes) {
+      const int q_len = shape.q_len;
+      const int reqs = shape.reqs;
+      SparseConfig cfg;
+      cfg.topk = shape.topk;
+      const DecodeShape s{reqs,
+                          q_len,
+                          1,
+                          40000,
+                          reqs > 1 ? 1 : 0,
+                          kv,
+                          1.5f,
+                          0.75f,
+                          static_cast<uint64_t>(100 + q_len * 7 + reqs + shape.topk)};
+      const SyntheticCase c = decode_case(s, cfg);
+      const HostTensor own = random_selection(c, s.seed);
+      // Every row takes its request's first row's selection (later rows see every block the
+      // first one does, so the selection stays well formed).
+      HostTensor shared = own;
+      {
+        const int64_t per_row = int64_t{c.config.kv_heads} * c.config.topk;
+        int32_t* e = shared.ptr<int32_t>();
+        for (int64_t row = 0; row < c.num_rows(); ++row) {
+          const int64_t first = row / q_len * q_len;
+          std::copy(e + first * per_row, e + (first + 1) * per_row, e + row * per_row);
+        }
+      }
+      const std::string name = describe(s) + " topk " + std::to_string(shape.topk);
+      for (const HostTensor* topk : std::vector<const HostTensor*>{&own, &shared}) {
+        const std::string what = name + (topk == &own ? " own" : " shared");
+        const HostTensor ref = run_ref(c, topk, false);
+        HostTensor grouped;
+        HostTensor one_row;
+        for (const cuda::AttentionTuning& tuning : tunings) {
+          RunOut r{run_gpu(c, topk, tuning), ref};
+          expect_close(r, what + " " + tuning.name());
+          if (tuning.max_row_tiles == 1) one_row = std::move(r.gpu);
+          if (tuning.max_row_tiles == 4 && tuning.max_splits == 0 && tuning.max_cluster == 2) {
+            grouped = std::move(r.gpu);
           }
         }
-        for (const HostTensor* topk : std::vector<const HostTensor*>{&own, &shared}) {
-          const std::string what = describe(s) + (topk == &own ? " own" : " shared");
-          const HostTensor ref = run_ref(c, topk, false);
-          HostTensor grouped;
-          HostTensor one_row;
-          for (const cuda::AttentionTuning& tuning : tunings) {
-            RunOut r{run_gpu(c, topk, tuning), ref};
-            expect_close(r, what + " " + tuning.name());
-            if (tuning.max_row_tiles == 1) one_row = std::move(r.gpu);
-            if (tuning.max_row_tiles == 4 && tuning.max_splits == 0 && tuning.max_cluster == 2) {
-              grouped = std::move(r.gpu);
-            }
-          }
-          expect_close(RunOut{grouped, one_row}, what + ": grouped vs one row per CTA");
+        expect_close(RunOut{grouped, one_row}, what + ": grouped vs one row per CTA");
+        if (topk == &own) {
+          const HeadMajorSelection head_major(own);
+          DevAttention dev(c);
+          DevTensor out = poisoned(DType::kBF16, {c.num_rows(), cfg.q_heads, cfg.head_dim});
+          Workspace ws(cfg);
+          launch(cfg, dev.args(head_major.view, out.view), ws.buffer, nullptr);
+          CUDA_CHECK(cudaDeviceSynchronize());
+          expect_close(RunOut{to_host(out.view), ref}, what + ": head-major selection view");
         }
-        if (reqs == 3) {
-          const HostTensor ref = run_ref(c, nullptr, true);
-          for (const cuda::AttentionTuning& tuning : tunings) {
-            expect_close(RunOut{run_gpu(c, nullptr, tuning), ref},
-                         "dense " + describe(s) + " " + tuning.name());
-          }
+      }
+      if (reqs == 3) {
+        const HostTensor ref = run_ref(c, nullptr, true);
+        for (const cuda::AttentionTuning& tuning : tunings) {
+          expect_close(RunOut{run_gpu(c, nullptr, tuning), ref},
+                       "dense " + name + " " + tuning.name());
         }
       }
     }
@@ -322,15 +377,17 @@ TEST(CudaSparseAttention, PrefillMatchesCpuReference) {
 TEST(CudaSparseAttention, TwoRunsBitIdentical) {
   M3MSA_REQUIRE_GPU();
   for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
-    const DecodeShape s{2, 1, 30000, 60000, 0, kv, 1.0f, 1.0f, 71};  // split over many CTAs
-    const SyntheticCase c = decode_case(s);
-    const HostTensor topk = random_selection(c, 3);
-    const RunOut a = run_case(c, &topk);
-    const RunOut b = run_case(c, &topk);
-    EXPECT_TRUE(attntest::bitwise_equal(a.gpu, b.gpu)) << describe(s);
-    const RunOut da = run_case(c, nullptr, true);
-    const RunOut db = run_case(c, nullptr, true);
-    EXPECT_TRUE(attntest::bitwise_equal(da.gpu, db.gpu)) << "dense " << describe(s);
+    for (int q_len : {1, 4}) {  // q_len 4: the rows of a request share a CTA
+      const DecodeShape s{2, q_len, 30000, 60000, 0, kv, 1.0f, 1.0f, 71};  // split over many CTAs
+      const SyntheticCase c = decode_case(s);
+      const HostTensor topk = random_selection(c, 3);
+      const RunOut a = run_case(c, &topk);
+      const RunOut b = run_case(c, &topk);
+      EXPECT_TRUE(attntest::bitwise_equal(a.gpu, b.gpu)) << describe(s);
+      const RunOut da = run_case(c, nullptr, true);
+      const RunOut db = run_case(c, nullptr, true);
+      EXPECT_TRUE(attntest::bitwise_equal(da.gpu, db.gpu)) << "dense " << describe(s);
+    }
   }
 }
 

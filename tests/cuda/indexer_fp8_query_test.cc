@@ -1,5 +1,6 @@
 // An fp8 index_q against an fp8 index cache on the FP8 tensor cores: the split kernel equals the
-// span kernel and the unfused baseline bit for bit (one scoring order), and the CPU reference
+// span kernel, the unfused baseline and the split kernel with its merge in a kernel of its own bit
+// for bit (one scoring order), and the CPU reference
 // (which scores the same decoded values in dimension order) under the near-tie rule.
 #include <gtest/gtest.h>
 
@@ -43,7 +44,9 @@ TEST(CudaIndexerFp8Query, SplitSpanAndUnfusedAgreeAndMatchTheCpu) {
     EXPECT_EQ(status, 0u) << what;
     const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
     const HostTensor unfused = run_gpu(c, IndexerVariant::kUnfused);
+    const HostTensor merged = run_gpu(c, IndexerVariant::kSplitMerge);
     EXPECT_EQ(std::memcmp(split.data(), span.data(), split.nbytes()), 0) << what;
+    EXPECT_EQ(std::memcmp(split.data(), merged.data(), split.nbytes()), 0) << what;
     EXPECT_EQ(std::memcmp(split.data(), unfused.data(), split.nbytes()), 0) << what;
     const Comparison cmp = compare_selections(c, split, run_cpu(c));
     EXPECT_EQ(cmp.failures, 0) << what << ": " << cmp.summary();

@@ -108,7 +108,10 @@ TEST(CudaIndexerSplit, AllEqualScoresPreferLowerBlocks) {
     for (int64_t r = 1; r < rows; ++r) std::memcpy(bytes + r * row_bytes, bytes, row_bytes);
     const HostTensor split = run_gpu(c, IndexerVariant::kFused);
     const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
+    const HostTensor merged = run_gpu(c, IndexerVariant::kSplitMerge);
     ASSERT_EQ(std::memcmp(split.data(), span.data(), split.nbytes()), 0) << dtype_name(dtype);
+    ASSERT_EQ(std::memcmp(split.data(), merged.data(), split.nbytes()), 0)
+        << dtype_name(dtype) << ": the separate merge";
     // Row 0 of request 0 (pos 99998, 782 visible blocks): its own block forced, then 0..14.
     const int k = c.config.topk;
     for (int h = 0; h < c.config.index_heads; ++h) {
@@ -119,28 +122,32 @@ TEST(CudaIndexerSplit, AllEqualScoresPreferLowerBlocks) {
   }
 }
 
-// A plan's minimum range (IndexerPlan::min_blocks_per_cta) changes the split, never the answer.
+// A plan's minimum range (IndexerPlan::min_blocks_per_cta) changes the split, never the answer,
+// with the merge in the split kernel or in a kernel of its own.
 TEST(CudaIndexerSplit, MinimumRangeChangesNothing) {
   M3MSA_INDEXER_REQUIRE_GPU();
   const SyntheticCase c =
       make_synthetic_case(decode_spec(3, 2, 20000, 140000, DType::kBF16, 0, 361));
   const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
   for (int min_blocks : {1, 4, 16, 64}) {
-    DeviceCase d = upload(c);
-    DeviceTensor topk(DType::kI32, {c.num_rows(), c.config.index_heads, c.config.topk});
-    fill_device_bytes(topk.view(), kPoisonByte);
-    cuda::IndexerPlan plan = cuda::plan_indexer(c.config, limits_for(c), 0);
-    plan.min_blocks_per_cta = min_blocks;
-    cuda::DeviceBuffer ws(plan.workspace_bytes);
-    cuda::Stream stream;
-    cuda::init_indexer_workspace(plan, ws.data(), stream.get());
-    cuda::launch_indexer(plan, c.config, d.indexer_args(topk.view()), IndexerVariant::kFused,
-                         ws.data(), stream.get());
-    stream.synchronize();
-    HostTensor out;
-    copy_to_host(topk.view(), out);
-    EXPECT_EQ(std::memcmp(out.data(), span.data(), out.nbytes()), 0)
-        << "min_blocks_per_cta " << min_blocks;
+    for (IndexerVariant variant : {IndexerVariant::kFused, IndexerVariant::kSplitMerge}) {
+      DeviceCase d = upload(c);
+      DeviceTensor topk(DType::kI32, {c.num_rows(), c.config.index_heads, c.config.topk});
+      fill_device_bytes(topk.view(), kPoisonByte);
+      cuda::IndexerPlan plan = cuda::plan_indexer(c.config, limits_for(c), 0);
+      plan.min_blocks_per_cta = min_blocks;
+      cuda::DeviceBuffer ws(plan.workspace_bytes);
+      cuda::Stream stream;
+      cuda::init_indexer_workspace(plan, ws.data(), stream.get());
+      cuda::launch_indexer(plan, c.config, d.indexer_args(topk.view()), variant, ws.data(),
+                           stream.get());
+      stream.synchronize();
+      HostTensor out;
+      copy_to_host(topk.view(), out);
+      EXPECT_EQ(std::memcmp(out.data(), span.data(), out.nbytes()), 0)
+          << "min_blocks_per_cta " << min_blocks
+          << (variant == IndexerVariant::kSplitMerge ? " (separate merge)" : "");
+    }
   }
 }
 

@@ -160,17 +160,9 @@ KernelFn split_kernel_of(bool fp8, bool q8) {
 // The merge of IndexerVariant::kSplitMerge, programmatically dependent on the split kernel just
 // queued on `stream` (its CTAs may start early and wait for the candidates on the device).
 void launch_split_merge(const IndexerParams& p, int num_reqs, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(static_cast<unsigned>(p.unit_vectors), static_cast<unsigned>(num_reqs));
-  cfg.blockDim = dim3(indexer::kThreads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = 1;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, indexer::indexer_split_merge_kernel, p));
+  launch_kernel_ex(indexer::indexer_split_merge_kernel,
+                   dim3(static_cast<unsigned>(p.unit_vectors), static_cast<unsigned>(num_reqs)),
+                   dim3(indexer::kThreads), 0, stream, /*pdl=*/true, p);
 }
 
 KernelFn split_kernel(bool fp8, bool q8, int n_tiles) {

@@ -115,55 +115,84 @@ __device__ __forceinline__ void weight_words(const WeightRegs<kFp8>& w, uint32_t
   }
 }
 
-// kSub consecutive 64-k sub-chunks of the tile's two weight rows: one slot of gemm_tile's loops.
-template <bool kFp8, int kSub>
+// An MXFP8 e8m0 scale code as a bf16x2 multiplier (both halves): 2^(code - 127) is a bf16 power
+// of two (code 0: the subnormal 2^-127), code 255 NaN; the same values as e8m0_to_float.
+__device__ __forceinline__ uint32_t e8m0_to_bf16x2(uint32_t code) {
+  const uint32_t half = code == 0xFFu ? 0x7FC0u : (code == 0u ? 0x0040u : code << 7);
+  return half | (half << 16);
+}
+
+// w * scale for a bf16x2 pair of weights: exact (a power of two), except where the product leaves
+// the bf16 normal range.
+__device__ __forceinline__ uint32_t scale_bf16x2(uint32_t w, uint32_t scale) {
+  uint32_t out;
+  constexpr uint32_t kMinusZero = 0x80008000u;
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(w), "r"(scale), "r"(kMinusZero));
+  return out;
+}
+
+// kSub consecutive 64-k sub-chunks of the tile's two weight rows: one slot of tile_accumulate's
+// loops; kMx: each row's MXFP8 block-scale multiplier for this lane's 16 k of each sub-chunk.
+template <bool kFp8, int kSub, bool kMx = false>
 struct ChunkRegs {
   WeightRegs<kFp8> w[kSub][2];
+  uint32_t scale[kMx ? kSub : 1][2];
 };
 
-// One 16-column tile: out[:, n0 .. n0 + 16). K is cut into chunks of kSub x 64 (kSub 2: fp8
-// weights read 128 bytes per row per chunk, as bf16's 64-k chunks are). Warp w of kWarps handles
-// the chunks c = w, w + kWarps, ... of K for the tile's 16 columns, kUnroll chunks in flight (a
-// group loaded before any is used, or a ring: kRing). Lanes: g = lane / 4 is the MMA group (rows g
-// and g + 8 of A, column g of each n8 tile of B), t = lane % 4 picks the k slice (see load_x). A
-// warp accumulates its chunks in increasing order (their sub-chunks too) whatever kUnroll and
-// kRing are, so they give the same bits; kWarps and kSub change the order.
-template <bool kFp8, int kUnroll, bool kRing, int kWarps, int kSub = 1>
-__device__ __forceinline__ void gemm_tile(const GemmSkinnyParams& p, int n0,
-                                          float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
-  constexpr int kElem = kFp8 ? 1 : 2;
+// One 16-column tile's operands as one lane sees them: the activation rows g and g + 8 of A and
+// the weight rows of column g of each n8 tile of B (null: absent, read as zeros), and with MXFP8
+// weights (kMx) those rows' e8m0 scale codes (one per 32 k).
+struct TileOperands {
+  const uint16_t* x_lo = nullptr;
+  const uint16_t* x_hi = nullptr;
+  const uint8_t* w_row[2] = {nullptr, nullptr};
+  const uint8_t* scale_row[2] = {nullptr, nullptr};
+  int chunks = 0;  // k / (64 * kSub)
+};
+
+// The sums of one 16-column tile: K is cut into chunks of kSub x 64 (kSub 2: fp8 weights read 128
+// bytes per row per chunk, as bf16's 64-k chunks are). Warp w of kWarps handles the chunks c = w,
+// w + kWarps, ... of K for the tile's 16 columns, kUnroll chunks in flight (a group loaded before
+// any is used, or a ring: kRing). Lanes: g = lane / 4 is the MMA group (rows g and g + 8 of A,
+// column g of each n8 tile of B), t = lane % 4 picks the k slice (see load_x). A warp accumulates
+// its chunks in increasing order (their sub-chunks too) whatever kUnroll and kRing are, so they
+// give the same bits; kWarps and kSub change the order. kMx (fp8 only): every weight is multiplied
+// by its MXFP8 block scale in registers before the MMA (a lane's 16 k of a sub-chunk lie in one
+// 32-k block). Leaves warp w's sums in s_red[w][row][col], the block synchronized.
+template <bool kFp8, int kUnroll, bool kRing, int kWarps, int kSub = 1, bool kMx = false>
+__device__ __forceinline__ void tile_accumulate(
+    const TileOperands& op, float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
+  static_assert(!kMx || kFp8, "block scales are for fp8 weights");
   constexpr int kChunkK = kChunk * kSub;
   const int warp = threadIdx.x >> 5;
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int chunks = p.k / kChunkK;
-  const bool lo_ok = g < p.rows;
-  const bool hi_ok = g + 8 < p.rows;
-  const uint16_t* x_lo = p.x + static_cast<int64_t>(lo_ok ? g : 0) * p.x_stride;
-  const uint16_t* x_hi = p.x + static_cast<int64_t>(hi_ok ? g + 8 : 0) * p.x_stride;
-  const uint8_t* w_base = static_cast<const uint8_t*>(p.w);
-  const uint8_t* w_row[2];
-  bool col_ok[2];
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int col = n0 + j * 8 + g;
-    col_ok[j] = col < p.n;
-    w_row[j] = w_base + static_cast<int64_t>(col_ok[j] ? col : 0) * p.k * kElem;
-  }
+  const int chunks = op.chunks;
+  const bool lo_ok = op.x_lo != nullptr;
+  const bool hi_ok = op.x_hi != nullptr;
+  const uint16_t* x_lo = op.x_lo;
+  const uint16_t* x_hi = op.x_hi;
+  const uint8_t* w_row[2] = {op.w_row[0], op.w_row[1]};
+  const bool col_ok[2] = {op.w_row[0] != nullptr, op.w_row[1] != nullptr};
+  constexpr int kElem = kFp8 ? 1 : 2;
 
-  using Slot = ChunkRegs<kFp8, kSub>;
+  using Slot = ChunkRegs<kFp8, kSub, kMx>;
   const auto load_chunk = [&](int c, Slot& slot) {
 #pragma unroll
     for (int u = 0; u < kSub; ++u) {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
+        const int64_t k0 = static_cast<int64_t>(c) * kChunkK + u * kChunk;
         if (c < chunks && col_ok[j]) {
-          load_w<kFp8>(w_row[j] + (static_cast<int64_t>(c) * kChunkK + u * kChunk) * kElem, t,
-                       slot.w[u][j]);
+          load_w<kFp8>(w_row[j] + k0 * kElem, t, slot.w[u][j]);
+          if constexpr (kMx) {
+            slot.scale[u][j] = e8m0_to_bf16x2(__ldg(op.scale_row[j] + (k0 + t * 16) / 32));
+          }
         } else {
 #pragma unroll
           for (int i = 0; i < (kFp8 ? 1 : 2); ++i) slot.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
+          if constexpr (kMx) slot.scale[u][j] = 0u;
         }
       }
     }
@@ -181,6 +210,10 @@ __device__ __forceinline__ void gemm_tile(const GemmSkinnyParams& p, int n0,
       for (int j = 0; j < 2; ++j) {
         uint32_t b[8];
         weight_words<kFp8>(slot.w[u][j], b, nan_bits[j]);
+        if constexpr (kMx) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) b[i] = scale_bf16x2(b[i], slot.scale[u][j]);
+        }
 #pragma unroll
         for (int s = 0; s < 4; ++s) {
           mma_bf16_16x8x16(acc[j], a_lo[2 * s], a_hi[2 * s], a_lo[2 * s + 1], a_hi[2 * s + 1],
@@ -248,6 +281,27 @@ __device__ __forceinline__ void gemm_tile(const GemmSkinnyParams& p, int n0,
     s_red[warp][g + 8][col + 1] = acc[j][3];
   }
   __syncthreads();
+}
+
+// One 16-column tile of the projection: out[:, n0 .. n0 + 16), the warps' sums added in warp
+// order.
+template <bool kFp8, int kUnroll, bool kRing, int kWarps, int kSub = 1>
+__device__ __forceinline__ void gemm_tile(const GemmSkinnyParams& p, int n0,
+                                          float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
+  constexpr int kElem = kFp8 ? 1 : 2;
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  TileOperands op;
+  op.x_lo = g < p.rows ? p.x + static_cast<int64_t>(g) * p.x_stride : nullptr;
+  op.x_hi = g + 8 < p.rows ? p.x + static_cast<int64_t>(g + 8) * p.x_stride : nullptr;
+  const uint8_t* w_base = static_cast<const uint8_t*>(p.w);
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = n0 + j * 8 + g;
+    op.w_row[j] = col < p.n ? w_base + static_cast<int64_t>(col) * p.k * kElem : nullptr;
+  }
+  op.chunks = p.k / (kChunk * kSub);
+  tile_accumulate<kFp8, kUnroll, kRing, kWarps, kSub>(op, s_red);
   for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kWarps * 32) {
     const int row = o / kColsPerCta;
     const int col = n0 + o % kColsPerCta;

@@ -17,6 +17,40 @@ std::size_t align256(std::size_t bytes) {
   return (bytes + 255) / 256 * 256;
 }
 
+// The tensor-core kernels take K in 64-wide chunks: hidden (gate/up) and every intermediate (down).
+bool use_tensor_cores(const MoeParams& p) {
+  constexpr int kChunk = gemm::kChunk;
+  return p.tensor_cores && p.hidden % kChunk == 0 && p.experts.inter % kChunk == 0 &&
+         p.shared.inter % kChunk == 0;
+}
+
+// The gate/up and down launches of the expert slots (routed and shared, or the dense MLP's one).
+void launch_expert_projections(const MoeParams& p, int sets, cudaStream_t stream) {
+  const int inter = std::max(p.experts.inter, p.shared.inter);
+  if (use_tensor_cores(p)) {
+    const dim3 gate_up_grid((inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows, sets);
+    const dim3 down_grid((p.hidden + gemm::kColsPerCta - 1) / gemm::kColsPerCta, sets);
+    if (p.fp8) {
+      moe::moe_gate_up_mma_kernel<true><<<gate_up_grid, moe::kMmaThreads, 0, stream>>>(p);
+      CUDA_CHECK_LAUNCH();
+      moe::moe_down_mma_kernel<true><<<down_grid, moe::kMmaThreads, 0, stream>>>(p);
+      CUDA_CHECK_LAUNCH();
+    } else {
+      moe::moe_gate_up_mma_kernel<false><<<gate_up_grid, moe::kMmaThreads, 0, stream>>>(p);
+      CUDA_CHECK_LAUNCH();
+      moe::moe_down_mma_kernel<false><<<down_grid, moe::kMmaThreads, 0, stream>>>(p);
+      CUDA_CHECK_LAUNCH();
+    }
+    return;
+  }
+  const dim3 gate_up_grid((inter + moe::kGateUpTile - 1) / moe::kGateUpTile, sets);
+  moe::moe_gate_up_kernel<<<gate_up_grid, moe::kThreads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+  const dim3 down_grid((p.hidden + moe::kDownTile - 1) / moe::kDownTile, sets);
+  moe::moe_down_kernel<<<down_grid, moe::kThreads, 0, stream>>>(p);
+  CUDA_CHECK_LAUNCH();
+}
+
 struct Layout {
   std::size_t ids = 0, weights = 0, act = 0, act_shared = 0, y = 0, total = 0;
 };
@@ -124,13 +158,7 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
   CUDA_CHECK_LAUNCH();
   // One slot per distinct expert the step can pick, plus the shared expert's.
   const int sets = std::min(p.num_experts, p.rows * p.topk) + (p.shared.inter > 0 ? 1 : 0);
-  const int inter = std::max(p.experts.inter, p.shared.inter);
-  const dim3 gate_up_grid((inter + moe::kGateUpTile - 1) / moe::kGateUpTile, sets);
-  moe::moe_gate_up_kernel<<<gate_up_grid, moe::kThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
-  const dim3 down_grid((p.hidden + moe::kDownTile - 1) / moe::kDownTile, sets);
-  moe::moe_down_kernel<<<down_grid, moe::kThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
+  launch_expert_projections(p, sets, stream);
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);
   moe::moe_combine_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
@@ -191,12 +219,7 @@ void launch_dense_mlp(const MoeParams& p, cudaStream_t stream) {
                     "dense mlp: the activations and weights must be 16-byte aligned");
   }
   if (p.rows == 0) return;
-  const dim3 gate_up_grid((p.shared.inter + moe::kGateUpTile - 1) / moe::kGateUpTile, 1);
-  moe::moe_gate_up_kernel<<<gate_up_grid, moe::kThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
-  const dim3 down_grid((p.hidden + moe::kDownTile - 1) / moe::kDownTile, 1);
-  moe::moe_down_kernel<<<down_grid, moe::kThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
+  launch_expert_projections(p, 1, stream);
 }
 
 }  // namespace m3msa::cuda

@@ -3,7 +3,9 @@
 // row), the gate/up projections with the activation and the down projection (one CTA per
 // distinct picked expert, plus the shared expert, and tile of outputs, so each selected expert's
 // weights are read once per step whatever the number of tokens routed to it), and the weighted
-// sum in pick order. MXFP8 weights are decoded in registers; fp32 FMA accumulation.
+// sum in pick order. MXFP8 weights are decoded in registers; the projections run on tensor cores
+// (fp32 accumulation) where hidden and the intermediates are multiples of 64
+// (MoeParams::tensor_cores), else as fp32 FMA.
 // Validates on the host, allocates nothing, never synchronizes, CUDA-graph capturable;
 // deterministic run to run.
 #pragma once

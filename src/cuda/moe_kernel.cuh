@@ -19,12 +19,23 @@
 // MXFP8 weights are decoded in registers: code -> fp32 (exact) times 2^(scale - 127) (exact).
 // Requirements (checked by the launcher): hidden and I multiples of 8 (16-byte rows), 16-byte
 // aligned tensors, rows <= kMoeMaxRows, topk <= kMoeMaxTopk, num_experts <= kMoeMaxExperts.
+//
+// Tensor-core kernels (MoeParams::tensor_cores, hidden and every intermediate multiples of 64):
+// moe_gate_up_mma_kernel and moe_down_mma_kernel replace the two fp32 FMA kernels on the same
+// expert-slot grid with the gemm family's 16-column tile (gemm::tile_accumulate): the expert's
+// token rows are the m16 side of mma.sync, so each weight byte is read once and multiplies every
+// token on the tensor cores (the FMA kernels re-read each token's activations from L1 per weight
+// chunk, which caps them at a few tokens per expert). MXFP8 weights: e4m3 -> bf16 exactly on the
+// integer pipes, times the block's power-of-two scale in registers. A gate/up CTA takes 8 rows j:
+// gate rows as the first n8 tile, the matching up rows as the second, so the activation needs no
+// exchange between CTAs.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "cuda/gemm_kernel.cuh"
 #include "cuda/moe_params.h"
 #include "m3msa/dtype.h"
 #include "m3msa/moe.h"
@@ -70,6 +81,18 @@ __device__ __forceinline__ void load_bf16x8(const uint16_t* p, float out[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i)
     out[i] = bf16_to_float(static_cast<uint16_t>(words[i / 2] >> (16 * (i % 2))));
+}
+
+// The SwiGLU-OAI activation of the fp32 gate and up sums, as bf16 bits: g and u rounded to bf16,
+// clamped, a = min(g, L) * sigmoid(1.702 min(g, L)) * (clamp(u, -L, L) + 1).
+__device__ __forceinline__ uint16_t swiglu_oai(float g_sum, float u_sum, float limit) {
+  float g = round_to_bf16(g_sum);
+  float u = round_to_bf16(u_sum);
+  // Comparisons (not fminf / fmaxf) so a NaN stays NaN, as in the CPU reference.
+  g = g > limit ? limit : g;
+  u = u > limit ? limit : (u < -limit ? -limit : u);
+  const float glu = __fdiv_rn(g, __fadd_rn(1.0f, expf(__fmul_rn(-1.702f, g))));
+  return float_to_bf16(__fmul_rn(glu, __fadd_rn(u, 1.0f)));
 }
 
 // Larger key first; NaN keys after every number; equal keys: the lower id.
@@ -237,13 +260,7 @@ __global__ void __launch_bounds__(kThreads)
         const float g_sum = warp_sum(ag[t]);
         const float u_sum = warp_sum(au[t]);
         if (lane == 0) {
-          float g = round_to_bf16(g_sum);
-          float u = round_to_bf16(u_sum);
-          // Comparisons (not fminf / fmaxf) so a NaN stays NaN, as in the CPU reference.
-          g = g > p.limit ? p.limit : g;
-          u = u > p.limit ? p.limit : (u < -p.limit ? -p.limit : u);
-          const float glu = __fdiv_rn(g, __fadd_rn(1.0f, expf(__fmul_rn(-1.702f, g))));
-          const uint16_t a = float_to_bf16(__fmul_rn(glu, __fadd_rn(u, 1.0f)));
+          const uint16_t a = swiglu_oai(g_sum, u_sum, p.limit);
           const int64_t r = tok_row[t];
           if (shared) {
             p.act_shared[r * I + j] = a;
@@ -302,6 +319,125 @@ __global__ void __launch_bounds__(kThreads) moe_down_kernel(const __grid_constan
         }
       }
     }
+  }
+}
+
+// ---- the tensor-core kernels ----
+inline constexpr int kMmaWarps = gemm::kGemmWarps;
+inline constexpr int kMmaThreads = kMmaWarps * 32;
+inline constexpr int kMmaGateUpRows = 8;  // rows j per CTA: 8 gate + 8 up = one 16-column tile
+// Weight chunks in flight per warp (the gemm family's group loop: 64-byte fp8 / 128-byte bf16).
+template <bool kFp8>
+inline constexpr int kMmaUnroll = kFp8 ? 6 : 3;
+
+// The weight rows of a w13 / w2 matrix in bytes, and their MXFP8 scale rows.
+template <bool kFp8>
+__device__ __forceinline__ const uint8_t* weight_row(const void* w, int64_t row, int k) {
+  return static_cast<const uint8_t*>(w) + row * k * (kFp8 ? 1 : 2);
+}
+
+__device__ __forceinline__ const uint8_t* scale_row(const uint8_t* scales, int64_t row, int k) {
+  return scales + row * (k / kMxfp8Block);
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kMmaThreads)
+    moe_gate_up_mma_kernel(const __grid_constant__ MoeParams p) {
+  __shared__ int tok_row[kMoeMaxRows];
+  __shared__ int tok_slot[kMoeMaxRows];
+  __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  int ex = -1;
+  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
+  const bool shared = ex == p.num_experts;
+  const MoeExpertSet& set = shared ? p.shared : p.experts;
+  const int I = set.inter;
+  const int j0 = blockIdx.x * kMmaGateUpRows;
+  if (j0 >= I) return;
+  const int H = p.hidden;
+  const int64_t e = shared ? 0 : ex;
+  const int g = (threadIdx.x & 31) >> 2;
+  gemm::TileOperands op;
+  op.x_lo = g < ntok ? p.x + static_cast<int64_t>(tok_row[g]) * H : nullptr;
+  op.x_hi = g + 8 < ntok ? p.x + static_cast<int64_t>(tok_row[g + 8]) * H : nullptr;
+  if (j0 + g < I) {
+    const int64_t gate = e * 2 * I + j0 + g;  // column g of the first n8 tile
+    const int64_t up = gate + I;              // column g of the second
+    op.w_row[0] = weight_row<kFp8>(set.w13, gate, H);
+    op.w_row[1] = weight_row<kFp8>(set.w13, up, H);
+    if constexpr (kFp8) {
+      op.scale_row[0] = scale_row(set.w13_scale, gate, H);
+      op.scale_row[1] = scale_row(set.w13_scale, up, H);
+    }
+  }
+  op.chunks = H / gemm::kChunk;
+  gemm::tile_accumulate<kFp8, kMmaUnroll<kFp8>, false, kMmaWarps, 1, kFp8>(op, s_red);
+  // s_red[w][token][jj]: warp w's gate sum of row j0 + jj, at jj + 8 its up sum.
+  for (int o = threadIdx.x; o < kSkinnyMaxRows * kMmaGateUpRows; o += kMmaThreads) {
+    const int r = o / kMmaGateUpRows;
+    const int jj = o % kMmaGateUpRows;
+    const int j = j0 + jj;
+    if (r >= ntok || j >= I) continue;
+    float g_sum = s_red[0][r][jj];
+    float u_sum = s_red[0][r][jj + kMmaGateUpRows];
+#pragma unroll
+    for (int w = 1; w < kMmaWarps; ++w) {
+      g_sum = __fadd_rn(g_sum, s_red[w][r][jj]);
+      u_sum = __fadd_rn(u_sum, s_red[w][r][jj + kMmaGateUpRows]);
+    }
+    const uint16_t a = swiglu_oai(g_sum, u_sum, p.limit);
+    const int64_t row = tok_row[r];
+    if (shared) {
+      p.act_shared[row * I + j] = a;
+    } else {
+      p.act[(row * p.topk + tok_slot[r]) * I + j] = a;
+    }
+  }
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kMmaThreads)
+    moe_down_mma_kernel(const __grid_constant__ MoeParams p) {
+  __shared__ int tok_row[kMoeMaxRows];
+  __shared__ int tok_slot[kMoeMaxRows];
+  __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  int ex = -1;
+  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
+  const bool shared = ex == p.num_experts;
+  const MoeExpertSet& set = shared ? p.shared : p.experts;
+  const int I = set.inter;
+  const int H = p.hidden;
+  const int n0 = blockIdx.x * gemm::kColsPerCta;
+  if (n0 >= H) return;
+  const int64_t e = shared ? 0 : ex;
+  const int g = (threadIdx.x & 31) >> 2;
+  // The activations of token r of the list.
+  const auto act_row = [&](int r) -> const uint16_t* {
+    const int64_t row = tok_row[r];
+    return shared ? p.act_shared + row * I : p.act + (row * p.topk + tok_slot[r]) * I;
+  };
+  gemm::TileOperands op;
+  op.x_lo = g < ntok ? act_row(g) : nullptr;
+  op.x_hi = g + 8 < ntok ? act_row(g + 8) : nullptr;
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int n = n0 + j * 8 + g;
+    if (n < H) {
+      op.w_row[j] = weight_row<kFp8>(set.w2, e * H + n, I);
+      if constexpr (kFp8) op.scale_row[j] = scale_row(set.w2_scale, e * H + n, I);
+    }
+  }
+  op.chunks = I / gemm::kChunk;
+  gemm::tile_accumulate<kFp8, kMmaUnroll<kFp8>, false, kMmaWarps, 1, kFp8>(op, s_red);
+  for (int o = threadIdx.x; o < kSkinnyMaxRows * gemm::kColsPerCta; o += kMmaThreads) {
+    const int r = o / gemm::kColsPerCta;
+    const int n = n0 + o % gemm::kColsPerCta;
+    if (r >= ntok || n >= H) continue;
+    float sum = s_red[0][r][o % gemm::kColsPerCta];
+#pragma unroll
+    for (int w = 1; w < kMmaWarps; ++w) sum = __fadd_rn(sum, s_red[w][r][o % gemm::kColsPerCta]);
+    p.y[(static_cast<int64_t>(tok_row[r]) * (p.topk + 1) + tok_slot[r]) * H + n] = sum;
   }
 }
 

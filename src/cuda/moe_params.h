@@ -30,6 +30,9 @@ struct MoeParams {
   MoeExpertSet experts;
   MoeExpertSet shared;
   bool fp8 = false;  // both sets MXFP8 (else both bf16)
+  // The expert projections on tensor cores (moe_*_mma_kernel) where hidden and the intermediates
+  // are multiples of 64; false, or other shapes: the fp32 FMA kernels.
+  bool tensor_cores = true;
   int rows = 0;
   int hidden = 0;
   int num_experts = 0;

@@ -2,7 +2,9 @@
 // M3's per-rank shapes at TP 4 and 8 and a small one, 1..16 token rows, bf16 and MXFP8 experts;
 // CUDA-graph replay equals eager bit for bit; deterministic run to run. The dense MLP on the same
 // kernels (cuda::launch_dense_mlp) against cpu::dense_mlp alike, at M3's dense rank shapes.
-// Skips without a GPU.
+// The expert projections run both ways: on tensor cores (MoeParams::tensor_cores, shapes with
+// hidden and intermediates multiples of 64) and as fp32 FMA; the "no shared" case (intermediate
+// 96) takes the FMA kernels either way. Skips without a GPU.
 //
 // Routing: the GPU sums a logit in another fp32 order than the CPU, so two experts whose keys are
 // within 1e-5 of each other across the k-th place may swap; such rows are counted and skipped
@@ -147,60 +149,65 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
           sorted[std::size_t(c.topk - 1)] - sorted[std::size_t(c.topk)] < 1e-5;
     }
 
-    // GPU.
-    MoeArgs g = weights_on_gpu;
-    const DevTensor dx = to_dev(x);
-    g.x = dx.view;
-    HostTensor out_host(DType::kF32, {rows, c.hidden});
-    DevTensor dout = to_dev(out_host);
-    g.out = dout.view;
-    g.topk_ids = {};
-    g.topk_weights = {};
-    cuda::DeviceBuffer workspace(cuda::moe_workspace_bytes(config, rows));
-    const cuda::MoeParams p = cuda::moe_params(config, g, workspace.data());
-    cuda::Stream stream;
-    cuda::launch_moe(p, stream.get());
-    stream.synchronize();
-    HostTensor got(DType::kF32, {rows, c.hidden});
-    CUDA_CHECK(cudaMemcpy(got.data(), dout.view.data, got.nbytes(), cudaMemcpyDeviceToHost));
-    HostTensor gpu_ids(DType::kI32, {rows, c.topk});
-    HostTensor gpu_weights(DType::kF32, {rows, c.topk});
-    CUDA_CHECK(cudaMemcpy(gpu_ids.data(), p.topk_ids, gpu_ids.nbytes(), cudaMemcpyDeviceToHost));
-    CUDA_CHECK(cudaMemcpy(gpu_weights.data(), p.topk_weights, gpu_weights.nbytes(),
-                          cudaMemcpyDeviceToHost));
+    // GPU: the tensor-core kernels (where the shapes allow) and the fp32 FMA kernels.
+    for (bool tensor_cores : {true, false}) {
+      SCOPED_TRACE(tensor_cores ? "tensor cores" : "fp32 fma");
+      MoeArgs g = weights_on_gpu;
+      const DevTensor dx = to_dev(x);
+      g.x = dx.view;
+      HostTensor out_host(DType::kF32, {rows, c.hidden});
+      DevTensor dout = to_dev(out_host);
+      g.out = dout.view;
+      g.topk_ids = {};
+      g.topk_weights = {};
+      cuda::DeviceBuffer workspace(cuda::moe_workspace_bytes(config, rows));
+      cuda::MoeParams p = cuda::moe_params(config, g, workspace.data());
+      p.tensor_cores = tensor_cores;
+      cuda::Stream stream;
+      cuda::launch_moe(p, stream.get());
+      stream.synchronize();
+      HostTensor got(DType::kF32, {rows, c.hidden});
+      CUDA_CHECK(cudaMemcpy(got.data(), dout.view.data, got.nbytes(), cudaMemcpyDeviceToHost));
+      HostTensor gpu_ids(DType::kI32, {rows, c.topk});
+      HostTensor gpu_weights(DType::kF32, {rows, c.topk});
+      CUDA_CHECK(cudaMemcpy(gpu_ids.data(), p.topk_ids, gpu_ids.nbytes(), cudaMemcpyDeviceToHost));
+      CUDA_CHECK(cudaMemcpy(gpu_weights.data(), p.topk_weights, gpu_weights.nbytes(),
+                            cudaMemcpyDeviceToHost));
 
-    int skipped = 0;
-    double worst = 0;
-    for (int r = 0; r < rows; ++r) {
-      if (near_tie[std::size_t(r)]) {
-        ++skipped;
-        continue;
+      int skipped = 0;
+      double worst = 0;
+      for (int r = 0; r < rows; ++r) {
+        if (near_tie[std::size_t(r)]) {
+          ++skipped;
+          continue;
+        }
+        for (int i = 0; i < c.topk; ++i) {
+          ASSERT_EQ(gpu_ids.ptr<int32_t>()[r * c.topk + i], ids.ptr<int32_t>()[r * c.topk + i])
+              << "row " << r << " pick " << i;
+          const float w = weights.ptr<float>()[r * c.topk + i];
+          EXPECT_NEAR(gpu_weights.ptr<float>()[r * c.topk + i], w, 1e-5f * std::fabs(w) + 1e-7f);
+        }
+        double row_max = 0;
+        for (int n = 0; n < c.hidden; ++n) {
+          row_max = std::max(row_max, double(std::fabs(want.ptr<float>()[r * c.hidden + n])));
+        }
+        for (int n = 0; n < c.hidden; ++n) {
+          const double a = got.ptr<float>()[r * c.hidden + n];
+          const double b = want.ptr<float>()[r * c.hidden + n];
+          const double tol = row_max / 128 + 1e-6;
+          worst = std::max(worst, std::fabs(a - b) / tol);
+          ASSERT_LE(std::fabs(a - b), tol) << "row " << r << " element " << n;
+        }
       }
-      for (int i = 0; i < c.topk; ++i) {
-        ASSERT_EQ(gpu_ids.ptr<int32_t>()[r * c.topk + i], ids.ptr<int32_t>()[r * c.topk + i])
-            << "row " << r << " pick " << i;
-        const float w = weights.ptr<float>()[r * c.topk + i];
-        EXPECT_NEAR(gpu_weights.ptr<float>()[r * c.topk + i], w, 1e-5f * std::fabs(w) + 1e-7f);
-      }
-      double row_max = 0;
-      for (int n = 0; n < c.hidden; ++n) {
-        row_max = std::max(row_max, double(std::fabs(want.ptr<float>()[r * c.hidden + n])));
-      }
-      for (int n = 0; n < c.hidden; ++n) {
-        const double a = got.ptr<float>()[r * c.hidden + n];
-        const double b = want.ptr<float>()[r * c.hidden + n];
-        const double tol = row_max / 128 + 1e-6;
-        worst = std::max(worst, std::fabs(a - b) / tol);
-        ASSERT_LE(std::fabs(a - b), tol) << "row " << r << " element " << n;
-      }
+      std::printf(
+          "[ info ] %s rows %d %s %s: worst error / tolerance %.3f, near-tie rows skipped %d\n",
+          c.name, rows, c.fp8 ? "mxfp8" : "bf16", tensor_cores ? "mma" : "fma", worst, skipped);
+      EXPECT_LT(skipped, std::max(1, rows / 2 + 1));
+
+      // Graph replay == eager, and a second eager run changes no bit.
+      expect_replay_equals_eager([&](cudaStream_t s) { cuda::launch_moe(p, s); }, stream.get(),
+                                 dout.view, got);
     }
-    std::printf("[ info ] %s rows %d %s: worst error / tolerance %.3f, near-tie rows skipped %d\n",
-                c.name, rows, c.fp8 ? "mxfp8" : "bf16", worst, skipped);
-    EXPECT_LT(skipped, std::max(1, rows / 2 + 1));
-
-    // Graph replay == eager, and a second eager run changes no bit.
-    expect_replay_equals_eager([&](cudaStream_t s) { cuda::launch_moe(p, s); }, stream.get(),
-                               dout.view, got);
   }
 }
 
@@ -254,40 +261,44 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
     cpu_args.out = want.view();
     cpu::dense_mlp(cpu_args, 0);
 
-    const DevTensor dx = to_dev(x);
-    HostTensor out_host(DType::kF32, {rows, hidden});
-    DevTensor dout = to_dev(out_host);
-    DenseMlpArgs g;
-    g.x = dx.view;
-    g.mlp = on_gpu;
-    g.out = dout.view;
-    cuda::DeviceBuffer workspace(cuda::dense_mlp_workspace_bytes(width, rows));
-    const cuda::MoeParams p = cuda::dense_mlp_params(g, workspace.data());
-    cuda::Stream stream;
-    cuda::launch_dense_mlp(p, stream.get());
-    stream.synchronize();
-    HostTensor got(DType::kF32, {rows, hidden});
-    CUDA_CHECK(cudaMemcpy(got.data(), dout.view.data, got.nbytes(), cudaMemcpyDeviceToHost));
-    double worst = 0;
-    for (int r = 0; r < rows; ++r) {
-      double row_max = 0;
-      for (int n = 0; n < hidden; ++n) {
-        row_max = std::max(row_max, double(std::fabs(want.ptr<float>()[r * hidden + n])));
+    for (bool tensor_cores : {true, false}) {
+      SCOPED_TRACE(tensor_cores ? "tensor cores" : "fp32 fma");
+      const DevTensor dx = to_dev(x);
+      HostTensor out_host(DType::kF32, {rows, hidden});
+      DevTensor dout = to_dev(out_host);
+      DenseMlpArgs g;
+      g.x = dx.view;
+      g.mlp = on_gpu;
+      g.out = dout.view;
+      cuda::DeviceBuffer workspace(cuda::dense_mlp_workspace_bytes(width, rows));
+      cuda::MoeParams p = cuda::dense_mlp_params(g, workspace.data());
+      p.tensor_cores = tensor_cores;
+      cuda::Stream stream;
+      cuda::launch_dense_mlp(p, stream.get());
+      stream.synchronize();
+      HostTensor got(DType::kF32, {rows, hidden});
+      CUDA_CHECK(cudaMemcpy(got.data(), dout.view.data, got.nbytes(), cudaMemcpyDeviceToHost));
+      double worst = 0;
+      for (int r = 0; r < rows; ++r) {
+        double row_max = 0;
+        for (int n = 0; n < hidden; ++n) {
+          row_max = std::max(row_max, double(std::fabs(want.ptr<float>()[r * hidden + n])));
+        }
+        for (int n = 0; n < hidden; ++n) {
+          const double a = got.ptr<float>()[r * hidden + n];
+          const double b = want.ptr<float>()[r * hidden + n];
+          const double tol = row_max / 128 + 1e-6;
+          worst = std::max(worst, std::fabs(a - b) / tol);
+          ASSERT_LE(std::fabs(a - b), tol) << "row " << r << " element " << n;
+        }
       }
-      for (int n = 0; n < hidden; ++n) {
-        const double a = got.ptr<float>()[r * hidden + n];
-        const double b = want.ptr<float>()[r * hidden + n];
-        const double tol = row_max / 128 + 1e-6;
-        worst = std::max(worst, std::fabs(a - b) / tol);
-        ASSERT_LE(std::fabs(a - b), tol) << "row " << r << " element " << n;
-      }
-    }
-    std::printf("[ info ] dense mlp %d x %d rows %d %s: worst error / tolerance %.3f\n", hidden,
-                width, rows, fp8 ? "mxfp8" : "bf16", worst);
+      std::printf("[ info ] dense mlp %d x %d rows %d %s %s: worst error / tolerance %.3f\n",
+                  hidden, width, rows, fp8 ? "mxfp8" : "bf16", tensor_cores ? "mma" : "fma", worst);
 
-    // Graph replay == eager, and a second eager run changes no bit.
-    expect_replay_equals_eager([&](cudaStream_t s) { cuda::launch_dense_mlp(p, s); }, stream.get(),
-                               dout.view, got);
+      // Graph replay == eager, and a second eager run changes no bit.
+      expect_replay_equals_eager([&](cudaStream_t s) { cuda::launch_dense_mlp(p, s); },
+                                 stream.get(), dout.view, got);
+    }
   }
 }
 

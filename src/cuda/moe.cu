@@ -52,14 +52,17 @@ void launch_expert_projections(const MoeParams& p, int sets, cudaStream_t stream
 }
 
 struct Layout {
-  std::size_t ids = 0, weights = 0, act = 0, act_shared = 0, y = 0, total = 0;
+  std::size_t route_s = 0, route_key = 0, ids = 0, weights = 0, act = 0, act_shared = 0, y = 0,
+              total = 0;
 };
 
 Layout layout_of(const MoeConfig& c, int rows) {
   const std::size_t r = static_cast<std::size_t>(rows);
   const std::size_t k = static_cast<std::size_t>(c.experts_per_token);
   Layout l;
-  l.ids = 0;
+  l.route_s = 0;
+  l.route_key = l.route_s + align256(r * static_cast<std::size_t>(c.num_experts) * sizeof(float));
+  l.ids = l.route_key + align256(r * static_cast<std::size_t>(c.num_experts) * sizeof(float));
   l.weights = l.ids + align256(r * k * sizeof(int32_t));
   l.act = l.weights + align256(r * k * sizeof(float));
   l.act_shared = l.act + align256(r * k * static_cast<std::size_t>(c.intermediate) * 2);
@@ -77,6 +80,8 @@ std::size_t moe_workspace_bytes(const MoeConfig& config, int rows) {
 void moe_carve(const MoeConfig& config, int rows, void* workspace, MoeParams& p) {
   const Layout l = layout_of(config, rows);
   char* base = static_cast<char*>(workspace);
+  p.route_s = reinterpret_cast<float*>(base + l.route_s);
+  p.route_key = reinterpret_cast<float*>(base + l.route_key);
   p.topk_ids = reinterpret_cast<int32_t*>(base + l.ids);
   p.topk_weights = reinterpret_cast<float*>(base + l.weights);
   p.act = reinterpret_cast<uint16_t*>(base + l.act);
@@ -143,18 +148,21 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                   "moe: the intermediates must be multiples of 8, got ", p.experts.inter, " and ",
                   p.shared.inter);
   M3MSA_CHECK_ARG(p.x && p.router_weight && p.experts.w13 && p.experts.w2 && p.out && p.y &&
-                      p.act && p.topk_ids && p.topk_weights,
+                      p.act && p.topk_ids && p.topk_weights && p.route_s && p.route_key,
                   "moe: null pointer");
   M3MSA_CHECK_ARG(!p.fp8 || (p.experts.w13_scale && p.experts.w2_scale),
                   "moe: MXFP8 weights without scales");
-  const void* aligned[] = {p.x, p.experts.w13, p.experts.w2, p.shared.w13, p.shared.w2};
+  const void* aligned[] = {p.x,          p.router_weight, p.experts.w13,
+                           p.experts.w2, p.shared.w13,    p.shared.w2};
   for (const void* ptr : aligned) {
     M3MSA_CHECK_ARG(ptr == nullptr || aligned16(ptr),
                     "moe: the activations and weights must be 16-byte aligned");
   }
   if (p.rows == 0) return;
-  const std::size_t route_smem = 2 * sizeof(float) * static_cast<std::size_t>(p.num_experts);
-  moe::moe_route_kernel<<<static_cast<unsigned>(p.rows), moe::kThreads, route_smem, stream>>>(p);
+  moe::moe_route_logits_kernel<<<static_cast<unsigned>(p.num_experts), moe::kThreads, 0, stream>>>(
+      p);
+  CUDA_CHECK_LAUNCH();
+  moe::moe_route_topk_kernel<<<1, moe::kThreads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
   // One slot per distinct expert the step can pick, plus the shared expert's.
   const int sets = std::min(p.num_experts, p.rows * p.topk) + (p.shared.inter > 0 ? 1 : 0);

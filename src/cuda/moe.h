@@ -1,10 +1,10 @@
 // Host launchers of the moe family: the mixture of experts of one rank (docs/spec.md section 8)
-// for decode steps of 1..16 token rows. Three launches: the router with its top-k (one CTA per
-// row), the gate/up projections with the activation and the down projection (one CTA per
-// distinct picked expert, plus the shared expert, and tile of outputs, so each selected expert's
-// weights are read once per step whatever the number of tokens routed to it), and the weighted
-// sum in pick order. MXFP8 weights are decoded in registers; the projections run on tensor cores
-// (fp32 accumulation) where hidden and the intermediates are multiples of 64
+// for decode steps of 1..16 token rows. Five launches: the router's logits (one CTA per expert)
+// and its top-k (one CTA), the gate/up projections with the activation and the down projection (one
+// CTA per distinct picked expert, plus the shared expert, and tile of outputs, so each selected
+// expert's weights are read once per step whatever the number of tokens routed to it), and the
+// weighted sum in pick order. MXFP8 weights are decoded in registers; the projections run on tensor
+// cores (fp32 accumulation) where hidden and the intermediates are multiples of 64
 // (MoeParams::tensor_cores), else as fp32 FMA.
 // Validates on the host, allocates nothing, never synchronizes, CUDA-graph capturable;
 // deterministic run to run.
@@ -28,7 +28,7 @@ void moe_carve(const MoeConfig& config, int rows, void* workspace, MoeParams& p)
 // the f32 partial) and a workspace of moe_workspace_bytes. Throws naming the argument.
 MoeParams moe_params(const MoeConfig& config, const MoeArgs& args, void* workspace);
 
-// The three launches on `stream`.
+// The five launches on `stream`.
 void launch_moe(const MoeParams& p, cudaStream_t stream);
 
 // A dense layer's MLP (docs/spec.md section 8, "Dense MLP") on the same kernels: the shared-expert

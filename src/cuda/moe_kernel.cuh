@@ -2,9 +2,12 @@
 // kMoeMaxRows token rows (docs/spec.md section 8). Framework-free: raw pointers and MoeParams;
 // launched by moe.cu.
 //
-//  - moe_route_kernel: one CTA per row; a warp per expert computes the fp32 logit (lanes over K,
-//    then a butterfly sum), s = sigmoid, key = s + bias; one thread picks the top-k keys (NaN
-//    last, the lower id on ties) and writes ids and weights routed_scaling * s_i / sum s.
+//  - moe_route_logits_kernel: one CTA per expert (the router's bytes spread over the GPU: a row
+//    of CTAs would leave one SM to stream the whole [E, hidden] fp32 gate); warp w takes 1/8 of K,
+//    each gate float4 loaded once for every row, lanes then a butterfly sum, the 8 warps' partials
+//    added in warp order; s = sigmoid(logit), key = s + bias, per (row, expert).
+//  - moe_route_topk_kernel: one CTA, a warp per row: the top-k keys (NaN last, the lower id on
+//    ties) by k warp-wide arg-max rounds; ids and weights routed_scaling * s_i / sum s.
 //  - moe_gate_up_kernel: one CTA per (tile of 16 intermediate rows j, expert slot); slot y is the
 //    y-th smallest distinct expert the step picked (min(E, rows * k) slots: a slot past the count
 //    returns at once), the last slot the shared expert. The CTA lists the rows that picked its
@@ -104,44 +107,102 @@ __device__ __forceinline__ bool key_before(float ka, int a, float kb, int b) {
   return a < b;
 }
 
-__global__ void __launch_bounds__(kThreads) moe_route_kernel(const __grid_constant__ MoeParams p) {
-  extern __shared__ float route_smem[];
-  float* s = route_smem;
-  float* key = route_smem + p.num_experts;
-  const int row = blockIdx.x;
+// Warps of the logits kernel: each takes a contiguous 1/kRouteWarps of K.
+inline constexpr int kRouteWarps = kMoeWarps;
+
+__global__ void __launch_bounds__(kThreads)
+    moe_route_logits_kernel(const __grid_constant__ MoeParams p) {
+  __shared__ float partial[kRouteWarps][kMoeMaxRows];
+  const int e = blockIdx.x;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const uint16_t* x = p.x + static_cast<int64_t>(row) * p.hidden;
-  for (int e = warp; e < p.num_experts; e += kMoeWarps) {
-    const float* g = p.router_weight + static_cast<int64_t>(e) * p.hidden;
-    float acc = 0.0f;
-    for (int k = lane; k < p.hidden; k += 32) acc = fmaf(bf16_to_float(x[k]), __ldg(g + k), acc);
-    acc = warp_sum(acc);
-    if (lane == 0) {
-      const float sv = 1.0f / (1.0f + expf(-acc));
-      s[e] = sv;
-      key[e] = p.router_bias != nullptr ? __fadd_rn(sv, p.router_bias[e]) : sv;
+  // hidden % 8 == 0: whole float4s of the gate row, whole 8-byte pieces of x.
+  const int n4 = p.hidden / 4;
+  const int per_warp = (n4 + kRouteWarps - 1) / kRouteWarps;
+  const int begin = min(n4, warp * per_warp);
+  const int end = min(n4, begin + per_warp);
+  const float4* g =
+      reinterpret_cast<const float4*>(p.router_weight + static_cast<int64_t>(e) * p.hidden);
+  float acc[kMoeMaxRows];
+#pragma unroll
+  for (int r = 0; r < kMoeMaxRows; ++r) acc[r] = 0.0f;
+#pragma unroll 4
+  for (int i = begin + lane; i < end; i += 32) {
+    const float4 w = __ldg(g + i);
+#pragma unroll
+    for (int r = 0; r < kMoeMaxRows; ++r) {
+      if (r < p.rows) {
+        const uint2 xr =
+            __ldg(reinterpret_cast<const uint2*>(p.x + static_cast<int64_t>(r) * p.hidden) + i);
+        acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.x)), w.x, acc[r]);
+        acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.x >> 16)), w.y, acc[r]);
+        acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.y)), w.z, acc[r]);
+        acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.y >> 16)), w.w, acc[r]);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < kMoeMaxRows; ++r) {
+    if (r < p.rows) {
+      const float sum = warp_sum(acc[r]);
+      if (lane == 0) partial[warp][r] = sum;
     }
   }
   __syncthreads();
-  if (threadIdx.x != 0) return;
-  int picked[kMoeMaxTopk];
-  float sum = 0.0f;
-  for (int i = 0; i < p.topk; ++i) {
-    int best = -1;
-    for (int e = 0; e < p.num_experts; ++e) {
-      bool used = false;
-      for (int t = 0; t < i; ++t) used = used || picked[t] == e;
-      if (used) continue;
-      if (best < 0 || key_before(key[e], e, key[best], best)) best = e;
-    }
-    picked[i] = best;
-    sum = __fadd_rn(sum, s[best]);
+  if (static_cast<int>(threadIdx.x) < p.rows) {
+    const int r = threadIdx.x;
+    float logit = partial[0][r];
+#pragma unroll
+    for (int w = 1; w < kRouteWarps; ++w) logit = __fadd_rn(logit, partial[w][r]);
+    const float sv = 1.0f / (1.0f + expf(-logit));
+    p.route_s[static_cast<int64_t>(r) * p.num_experts + e] = sv;
+    p.route_key[static_cast<int64_t>(r) * p.num_experts + e] =
+        p.router_bias != nullptr ? __fadd_rn(sv, p.router_bias[e]) : sv;
   }
-  for (int i = 0; i < p.topk; ++i) {
-    p.topk_ids[row * p.topk + i] = picked[i];
-    p.topk_weights[row * p.topk + i] =
-        sum == 0.0f ? 0.0f : __fdiv_rn(__fmul_rn(p.routed_scaling, s[picked[i]]), sum);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    moe_route_topk_kernel(const __grid_constant__ MoeParams p) {
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  for (int row = warp; row < p.rows; row += kMoeWarps) {
+    const float* key = p.route_key + static_cast<int64_t>(row) * p.num_experts;
+    const float* s = p.route_s + static_cast<int64_t>(row) * p.num_experts;
+    int picked[kMoeMaxTopk];
+    float sum = 0.0f;
+    for (int i = 0; i < p.topk; ++i) {
+      // This lane's best expert not yet picked, then the warp's best of the lanes' bests.
+      int best = -1;
+      float best_key = 0.0f;
+      for (int e = lane; e < p.num_experts; e += 32) {
+        bool used = false;
+        for (int t = 0; t < i; ++t) used = used || picked[t] == e;
+        if (used) continue;
+        const float k = key[e];
+        if (best < 0 || key_before(k, e, best_key, best)) {
+          best = e;
+          best_key = k;
+        }
+      }
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) {
+        const int other = __shfl_xor_sync(0xFFFFFFFFu, best, offset);
+        const float other_key = __shfl_xor_sync(0xFFFFFFFFu, best_key, offset);
+        if (other >= 0 && (best < 0 || key_before(other_key, other, best_key, best))) {
+          best = other;
+          best_key = other_key;
+        }
+      }
+      picked[i] = best;  // topk <= num_experts: some expert is always left
+      sum = __fadd_rn(sum, s[best]);
+    }
+    if (lane == 0) {
+      for (int i = 0; i < p.topk; ++i) {
+        p.topk_ids[row * p.topk + i] = picked[i];
+        p.topk_weights[row * p.topk + i] =
+            sum == 0.0f ? 0.0f : __fdiv_rn(__fmul_rn(p.routed_scaling, s[picked[i]]), sum);
+      }
+    }
   }
 }
 

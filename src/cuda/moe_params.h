@@ -40,6 +40,8 @@ struct MoeParams {
   float routed_scaling = 2.0f;
   float limit = 7.0f;
   // Workspace (moe_workspace_bytes) and outputs.
+  float* route_s = nullptr;        // [rows, E] f32: sigmoid of the router logits
+  float* route_key = nullptr;      // [rows, E] f32: s + bias, the picking keys
   int32_t* topk_ids = nullptr;     // [rows, topk] i32: the picked experts, pick order
   float* topk_weights = nullptr;   // [rows, topk] f32
   uint16_t* act = nullptr;         // [rows, topk, I] bf16: the routed experts' activations

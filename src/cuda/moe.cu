@@ -24,30 +24,41 @@ bool use_tensor_cores(const MoeParams& p) {
          p.shared.inter % kChunk == 0;
 }
 
-// The gate/up and down launches of the expert slots (routed and shared, or the dense MLP's one).
-void launch_expert_projections(const MoeParams& p, int sets, cudaStream_t stream) {
-  const int inter = std::max(p.experts.inter, p.shared.inter);
+// The gate/up and down launches over `routed` expert slots plus the shared expert's (or the dense
+// MLP's) slot. shared_gate_up: the shared expert's gate/up tiles are in this gate/up launch (the
+// last row of its grid); else they ran beside the router.
+void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_up,
+                               cudaStream_t stream) {
+  const bool has_shared = p.shared.inter > 0;
+  MoeParams gate_up = p;
+  gate_up.shared_slot = has_shared && shared_gate_up ? 1 : 0;
+  MoeParams down = p;
+  down.shared_slot = has_shared ? 1 : 0;
+  const int gate_up_sets = routed + gate_up.shared_slot;
+  const int down_sets = routed + down.shared_slot;
+  const int inter = std::max(p.experts.inter, gate_up.shared_slot ? p.shared.inter : 0);
   if (use_tensor_cores(p)) {
-    const dim3 gate_up_grid((inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows, sets);
-    const dim3 down_grid((p.hidden + gemm::kColsPerCta - 1) / gemm::kColsPerCta, sets);
-    if (p.fp8) {
-      moe::moe_gate_up_mma_kernel<true><<<gate_up_grid, moe::kMmaThreads, 0, stream>>>(p);
-      CUDA_CHECK_LAUNCH();
-      moe::moe_down_mma_kernel<true><<<down_grid, moe::kMmaThreads, 0, stream>>>(p);
-      CUDA_CHECK_LAUNCH();
-    } else {
-      moe::moe_gate_up_mma_kernel<false><<<gate_up_grid, moe::kMmaThreads, 0, stream>>>(p);
-      CUDA_CHECK_LAUNCH();
-      moe::moe_down_mma_kernel<false><<<down_grid, moe::kMmaThreads, 0, stream>>>(p);
+    const dim3 gate_up_grid((inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows, gate_up_sets);
+    const dim3 down_grid((p.hidden + gemm::kColsPerCta - 1) / gemm::kColsPerCta, down_sets);
+    const auto gate_up_kernel =
+        p.fp8 ? moe::moe_gate_up_mma_kernel<true> : moe::moe_gate_up_mma_kernel<false>;
+    const auto down_kernel =
+        p.fp8 ? moe::moe_down_mma_kernel<true> : moe::moe_down_mma_kernel<false>;
+    if (gate_up_sets > 0) {
+      gate_up_kernel<<<gate_up_grid, moe::kMmaThreads, 0, stream>>>(gate_up);
       CUDA_CHECK_LAUNCH();
     }
+    down_kernel<<<down_grid, moe::kMmaThreads, 0, stream>>>(down);
+    CUDA_CHECK_LAUNCH();
     return;
   }
-  const dim3 gate_up_grid((inter + moe::kGateUpTile - 1) / moe::kGateUpTile, sets);
-  moe::moe_gate_up_kernel<<<gate_up_grid, moe::kThreads, 0, stream>>>(p);
+  M3MSA_CHECK_INTERNAL(shared_gate_up || !has_shared,
+                       "the FMA path takes the shared expert's gate/up");
+  const dim3 gate_up_grid((inter + moe::kGateUpTile - 1) / moe::kGateUpTile, gate_up_sets);
+  moe::moe_gate_up_kernel<<<gate_up_grid, moe::kThreads, 0, stream>>>(gate_up);
   CUDA_CHECK_LAUNCH();
-  const dim3 down_grid((p.hidden + moe::kDownTile - 1) / moe::kDownTile, sets);
-  moe::moe_down_kernel<<<down_grid, moe::kThreads, 0, stream>>>(p);
+  const dim3 down_grid((p.hidden + moe::kDownTile - 1) / moe::kDownTile, down_sets);
+  moe::moe_down_kernel<<<down_grid, moe::kThreads, 0, stream>>>(down);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -159,14 +170,23 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                     "moe: the activations and weights must be 16-byte aligned");
   }
   if (p.rows == 0) return;
-  moe::moe_route_logits_kernel<<<static_cast<unsigned>(p.num_experts), moe::kThreads, 0, stream>>>(
-      p);
+  // One slot per distinct expert the step can pick.
+  const int routed = std::min(p.num_experts, p.rows * p.topk);
+  // On tensor cores the shared expert's gate/up tiles run in the router's launch.
+  const bool shared_beside_router = use_tensor_cores(p) && p.shared.inter > 0;
+  if (shared_beside_router) {
+    const int shared_ctas = (p.shared.inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows;
+    const auto kernel =
+        p.fp8 ? moe::moe_route_and_shared_kernel<true> : moe::moe_route_and_shared_kernel<false>;
+    kernel<<<static_cast<unsigned>(p.num_experts + shared_ctas), moe::kMmaThreads, 0, stream>>>(p);
+  } else {
+    moe::moe_route_logits_kernel<<<static_cast<unsigned>(p.num_experts), moe::kRouteThreads, 0,
+                                   stream>>>(p);
+  }
   CUDA_CHECK_LAUNCH();
   moe::moe_route_topk_kernel<<<1, moe::kThreads, 0, stream>>>(p);
   CUDA_CHECK_LAUNCH();
-  // One slot per distinct expert the step can pick, plus the shared expert's.
-  const int sets = std::min(p.num_experts, p.rows * p.topk) + (p.shared.inter > 0 ? 1 : 0);
-  launch_expert_projections(p, sets, stream);
+  launch_expert_projections(p, routed, !shared_beside_router, stream);
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);
   moe::moe_combine_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
@@ -227,7 +247,7 @@ void launch_dense_mlp(const MoeParams& p, cudaStream_t stream) {
                     "dense mlp: the activations and weights must be 16-byte aligned");
   }
   if (p.rows == 0) return;
-  launch_expert_projections(p, 1, stream);
+  launch_expert_projections(p, 0, true, stream);
 }
 
 }  // namespace m3msa::cuda

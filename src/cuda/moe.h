@@ -6,6 +6,8 @@
 // weighted sum in pick order. MXFP8 weights are decoded in registers; the projections run on tensor
 // cores (fp32 accumulation) where hidden and the intermediates are multiples of 64
 // (MoeParams::tensor_cores), else as fp32 FMA.
+// On tensor cores the shared expert's gate/up tiles run in the router's launch, beside the
+// logits, since they need no routing.
 // Validates on the host, allocates nothing, never synchronizes, CUDA-graph capturable;
 // deterministic run to run.
 #pragma once

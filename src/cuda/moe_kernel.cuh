@@ -3,7 +3,7 @@
 // launched by moe.cu.
 //
 //  - moe_route_logits_kernel: one CTA per expert (the router's bytes spread over the GPU: a row
-//    of CTAs would leave one SM to stream the whole [E, hidden] fp32 gate); warp w takes 1/8 of K,
+//    of CTAs would leave one SM to stream the whole [E, hidden] fp32 gate); warp w takes 1/4 of K,
 //    each gate float4 loaded once for every row, lanes then a butterfly sum, the 8 warps' partials
 //    added in warp order; s = sigmoid(logit), key = s + bias, per (row, expert).
 //  - moe_route_topk_kernel: one CTA, a warp per row: the top-k keys (NaN last, the lower id on
@@ -31,7 +31,8 @@
 // chunk, which caps them at a few tokens per expert). MXFP8 weights: e4m3 -> bf16 exactly on the
 // integer pipes, times the block's power-of-two scale in registers. A gate/up CTA takes 8 rows j:
 // gate rows as the first n8 tile, the matching up rows as the second, so the activation needs no
-// exchange between CTAs.
+// exchange between CTAs. The shared expert's gate/up tiles run in the router's launch
+// (moe_route_and_shared_kernel), beside the logits: they need no routing.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -107,13 +108,13 @@ __device__ __forceinline__ bool key_before(float ka, int a, float kb, int b) {
   return a < b;
 }
 
-// Warps of the logits kernel: each takes a contiguous 1/kRouteWarps of K.
-inline constexpr int kRouteWarps = kMoeWarps;
+// Warps of a logits CTA: each takes a contiguous 1/kRouteWarps of K.
+inline constexpr int kRouteWarps = 4;
+inline constexpr int kRouteThreads = kRouteWarps * 32;
 
-__global__ void __launch_bounds__(kThreads)
-    moe_route_logits_kernel(const __grid_constant__ MoeParams p) {
-  __shared__ float partial[kRouteWarps][kMoeMaxRows];
-  const int e = blockIdx.x;
+// Expert e's logit for every row (a CTA of kRouteThreads): s and key into the workspace.
+__device__ __forceinline__ void route_logits(const MoeParams& p, int e,
+                                             float (&partial)[kRouteWarps][kMoeMaxRows]) {
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   // hidden % 8 == 0: whole float4s of the gate row, whole 8-byte pieces of x.
@@ -159,6 +160,12 @@ __global__ void __launch_bounds__(kThreads)
     p.route_key[static_cast<int64_t>(r) * p.num_experts + e] =
         p.router_bias != nullptr ? __fadd_rn(sv, p.router_bias[e]) : sv;
   }
+}
+
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_logits_kernel(const __grid_constant__ MoeParams p) {
+  __shared__ float partial[kRouteWarps][kMoeMaxRows];
+  route_logits(p, blockIdx.x, partial);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -217,7 +224,7 @@ __device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int
   __shared__ int count;
   __shared__ int expert;
   const int y = blockIdx.y;
-  const bool shared = p.shared.inter > 0 && y == static_cast<int>(gridDim.y) - 1;
+  const bool shared = p.shared_slot != 0 && y == static_cast<int>(gridDim.y) - 1;
   const int words = (p.num_experts + 31) / 32;
   if (!shared) {
     for (int w = threadIdx.x; w < words; w += blockDim.x) used[w] = 0u;
@@ -401,22 +408,16 @@ __device__ __forceinline__ const uint8_t* scale_row(const uint8_t* scales, int64
   return scales + row * (k / kMxfp8Block);
 }
 
+// One gate/up tile (rows j0 .. j0 + 7 of gate and up) of expert e (the shared expert: e = 0 of
+// p.shared) for the ntok listed tokens, with the activation stored.
 template <bool kFp8>
-__global__ void __launch_bounds__(kMmaThreads)
-    moe_gate_up_mma_kernel(const __grid_constant__ MoeParams p) {
-  __shared__ int tok_row[kMoeMaxRows];
-  __shared__ int tok_slot[kMoeMaxRows];
-  __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
-  int ex = -1;
-  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
-  if (ntok == 0) return;
-  const bool shared = ex == p.num_experts;
+__device__ __forceinline__ void gate_up_tile(
+    const MoeParams& p, bool shared, int64_t e, int ntok, const int* tok_row, const int* tok_slot,
+    int j0, float (&s_red)[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1]) {
   const MoeExpertSet& set = shared ? p.shared : p.experts;
   const int I = set.inter;
-  const int j0 = blockIdx.x * kMmaGateUpRows;
   if (j0 >= I) return;
   const int H = p.hidden;
-  const int64_t e = shared ? 0 : ex;
   const int g = (threadIdx.x & 31) >> 2;
   gemm::TileOperands op;
   op.x_lo = g < ntok ? p.x + static_cast<int64_t>(tok_row[g]) * H : nullptr;
@@ -454,6 +455,45 @@ __global__ void __launch_bounds__(kMmaThreads)
       p.act[(row * p.topk + tok_slot[r]) * I + j] = a;
     }
   }
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kMmaThreads)
+    moe_gate_up_mma_kernel(const __grid_constant__ MoeParams p) {
+  __shared__ int tok_row[kMoeMaxRows];
+  __shared__ int tok_slot[kMoeMaxRows];
+  __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  int ex = -1;
+  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
+  const bool shared = ex == p.num_experts;
+  gate_up_tile<kFp8>(p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot,
+                     blockIdx.x * kMmaGateUpRows, s_red);
+}
+
+// The router's logits (CTAs 0 .. E - 1, one expert each) beside the shared expert's gate/up tiles
+// (the CTAs after them), which need no routing: one launch, so the shared expert's weights stream
+// while the router reads its gate.
+template <bool kFp8>
+__global__ void __launch_bounds__(kMmaThreads)
+    moe_route_and_shared_kernel(const __grid_constant__ MoeParams p) {
+  static_assert(kMmaThreads == kRouteThreads, "one CTA size for both halves");
+  __shared__ float partial[kRouteWarps][kMoeMaxRows];
+  __shared__ int tok_row[kMoeMaxRows];
+  __shared__ int tok_slot[kMoeMaxRows];
+  __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  const int cta = blockIdx.x;
+  if (cta < p.num_experts) {
+    route_logits(p, cta, partial);
+    return;
+  }
+  if (static_cast<int>(threadIdx.x) < p.rows) {
+    tok_row[threadIdx.x] = threadIdx.x;
+    tok_slot[threadIdx.x] = p.topk;
+  }
+  __syncthreads();
+  gate_up_tile<kFp8>(p, true, 0, p.rows, tok_row, tok_slot, (cta - p.num_experts) * kMmaGateUpRows,
+                     s_red);
 }
 
 template <bool kFp8>

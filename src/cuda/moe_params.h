@@ -33,6 +33,8 @@ struct MoeParams {
   // The expert projections on tensor cores (moe_*_mma_kernel) where hidden and the intermediates
   // are multiples of 64; false, or other shapes: the fp32 FMA kernels.
   bool tensor_cores = true;
+  // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
+  int shared_slot = 0;
   int rows = 0;
   int hidden = 0;
   int num_experts = 0;

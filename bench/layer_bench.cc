@@ -1,13 +1,16 @@
-// m3msa bench layer: one sparse layer of the fused decode runtime (runtime.h, CUDA backend)
-// under CUDA-graph replay, at M3's attention dimensions (hidden 6144, 64 q heads, 4 KV heads,
-// 4 index heads, head and index dim 128, blocks of 128, top-16), no MLP.
+// m3msa bench layer: one layer of the fused decode runtime (runtime.h, CUDA backend) under
+// CUDA-graph replay, at M3's attention dimensions (hidden 6144, 64 q heads, 4 KV heads,
+// 4 index heads, head and index dim 128, blocks of 128, top-16). --layer-kind sparse,dense picks
+// which of M3's layers (default sparse); each kind has its own rows (column and JSON field
+// `kind`).
 //
-// Per configuration (TP x CP x weights x tokens x q_len x context): every rank binds `--layers`
-// distinct sparse layers (their own weights and caches, so no layer finds another's bytes in the
-// 60 MB L2), StepGraphs captures the whole step once, and each replay runs all of them; the time
-// of one layer = replay time / layers (CUDA events on rank 0's stream; ranks as threads, one GPU
-// each; the TP all-reduce as `--allreduce` says: auto = the one-shot peer all-reduce on one
-// host). Median and noise ((p90 - p10) / median) over the replays.
+// Sparse layers (no MLP unless --moe). Per configuration (TP x CP x weights x tokens x q_len x
+// context): every rank binds `--layers` distinct sparse layers (their own weights and caches, so no
+// layer finds another's bytes in the 60 MB L2), StepGraphs captures the whole step once, and each
+// replay runs all of them; the time of one layer = replay time / layers (CUDA events on rank 0's
+// stream; ranks as threads, one GPU each; the TP all-reduce as `--allreduce` says: auto = the
+// one-shot peer all-reduce on one host). Median and noise ((p90 - p10) / median) over the
+// replays.
 //
 // Floor (per rank): (projection weights + norms + the cache bytes a layer must read) / 4.57 TB/s,
 // plus one all-reduce of the layer's o_proj output (rows x hidden f32), the faster of NCCL and
@@ -22,7 +25,28 @@
 // experts the step reads: the router, the shared expert and, for t token rows under uniform
 // routing, E (1 - (1 - k / E)^t) distinct routed experts (their w13, w2 and MXFP8 scales), plus
 // one more all-reduce. --rank-of P runs one rank's shapes of TP P on one GPU (q heads / P, KV and
-// index heads max(1, 4 / P), expert intermediate / P; no all-reduce).
+// index heads max(1, 4 / P), expert and dense intermediates / P; no all-reduce).
+//
+// Dense layers (--layer-kind dense; M3's layers 0..first_sparse_layer-1 = 0-2): the [q | k | v]
+// projection, dense causal attention over every visible key, o_proj, then the dense SwiGLU-OAI
+// MLP of width 12288 / P, in the format --moe names (bf16, or MXFP8 with e8m0 scales). The
+// runtime binds the dense layers all or none, and every sparse layer, so every rank binds M3's
+// three dense layers (their own weights and caches; their weights alone are over twice the L2 at
+// every rank shape) and the single sparse layer the model then has (no MoE; bound, never run). The
+// step is staged with begin_step, padded to the bucket as StepGraphs pads it, and forward_layer of
+// the three dense layers is captured into one graph on the runtime's stream, over StepGraphs' fixed
+// buffers (StepGraphs' own graph would hold the sparse layer too); the time of one dense layer =
+// replay time / 3, timed as above. --moe is required for dense rows: --layer-kind dense with
+// --moe off alone is refused (a dense layer has no FFN-less form and no format is assumed);
+// with --moe off,mxfp8 the dense rows run for mxfp8 only. --layers, --share-period and
+// --overlap do not apply (no indexer): dense rows run for the first --cp and --overlap values
+// only and report overlap "none".
+// Floor (per rank): (the [q | k | v] and o_proj weights (+ fp8 per-channel scales), the input,
+// post-attention, q and k norms, the dense MLP's w13 and w2 of this rank's 12288 / P columns
+// (bf16, or fp8 codes + one e8m0 scale byte per 32) and the K and V rows of every visible key of
+// every request (context tokens each, the rank's KV heads; no index cache)) / 4.57 TB/s, plus at
+// TP > 1 two all-reduces of rows x hidden f32 (o_proj's and the MLP's), each the faster of NCCL
+// and the one-shot peer all-reduce as above.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -59,6 +83,7 @@ namespace m3msa::bench {
 namespace {
 
 struct Config {
+  std::string kind = "sparse";  // sparse | dense (M3's layers [0, first_sparse_layer))
   int tp = 1;
   bool cp = false;
   int share_period = 1;
@@ -70,7 +95,7 @@ struct Config {
   int q_len = 1;
   int64_t context = 0;
   int layers = 4;
-  std::string moe = "off";  // off | bf16 | mxfp8
+  std::string moe = "off";  // off | bf16 | mxfp8 (a dense layer: its MLP's format, never off)
   int rank_of = 1;          // > 1: one rank's shapes of TP rank_of, on one GPU
 };
 
@@ -84,18 +109,26 @@ struct Result {
   double peer_allreduce_us = 0;
   std::string allreduce_used;  // what the runtime ran ("none", "nccl", "peer")
   double floor_us = 0;
-  double moe_bytes = 0;  // the experts' share of weight_bytes
+  double moe_bytes = 0;        // the experts' share of weight_bytes
+  double dense_mlp_bytes = 0;  // the dense MLP's share of weight_bytes (dense layers)
+  int layers = 0;              // layers per replay: the time of one = replay time / layers
 };
+
+bool is_dense(const Config& c) {
+  return c.kind == "dense";
+}
 
 ModelConfig m3_model(const Config& c) {
   ModelConfig m;  // M3 defaults
-  m.num_layers = m.first_sparse_layer + c.layers;
+  // A dense run binds the one sparse layer the model must have besides its dense layers.
+  m.num_layers = m.first_sparse_layer + (is_dense(c) ? 1 : c.layers);
   m.intermediate = 0;
   if (c.rank_of > 1) {
     m.q_heads /= c.rank_of;
     m.kv_heads = std::max(1, m.kv_heads / c.rank_of);
     m.index_heads = m.kv_heads;
     m.moe_intermediate /= c.rank_of;
+    m.dense_intermediate /= c.rank_of;
   }
   return m;
 }
@@ -121,26 +154,13 @@ TensorView device_view(void* data, DType dtype, std::vector<int64_t> shape, int 
   return TensorView::contiguous(data, dtype, shape, Device::cuda(device));
 }
 
-// Random experts of one layer: the router spreads the rows over the experts; MXFP8 scales of
-// 2^-5 keep unit-variance codes' sums O(1).
-void bind_moe(const Config& c, const ModelConfig& m, LayerWeights& w, RankModel& r, int device,
-              uint64_t seed) {
-  const MoeConfig mc = m.moe(c.tp);
-  const bool fp8 = c.moe == "mxfp8";
+// Random weights in the experts' format (w13 [..., 2 I, K] rows [gate | up], w2 [..., K, I]),
+// bf16 or MXFP8; MXFP8 scales of 2^-5 keep unit-variance codes' sums O(1).
+ExpertWeights random_expert_weights(bool fp8, std::vector<int64_t> w13_shape,
+                                    std::vector<int64_t> w2_shape, RankModel& r, int device,
+                                    uint64_t& seed) {
   const DType wd = fp8 ? DType::kFP8E4M3 : DType::kBF16;
-  const int64_t E = mc.num_experts, H = mc.hidden;
-  auto host_f32 = [&](std::vector<int64_t> shape, float scale) {
-    int64_t n = 1;
-    for (int64_t e : shape) n *= e;
-    testkit::SplitMix64 rng(seed++);
-    std::vector<float> host(static_cast<std::size_t>(n));
-    for (float& v : host) v = rng.signed_unit() * scale;
-    r.buffers.emplace_back(host.size() * sizeof(float));
-    CUDA_CHECK(cudaMemcpy(r.buffers.back().data(), host.data(), host.size() * sizeof(float),
-                          cudaMemcpyHostToDevice));
-    return device_view(r.buffers.back().data(), DType::kF32, shape, device);
-  };
-  auto weights = [&](std::vector<int64_t> shape) {
+  auto weights = [&](const std::vector<int64_t>& shape) {
     int64_t n = 1;
     for (int64_t e : shape) n *= e;
     r.buffers.emplace_back(static_cast<std::size_t>(n) * dtype_size(wd));
@@ -156,14 +176,31 @@ void bind_moe(const Config& c, const ModelConfig& m, LayerWeights& w, RankModel&
     CUDA_CHECK(cudaMemset(r.buffers.back().data(), 127 - 5, static_cast<std::size_t>(n)));
     return device_view(r.buffers.back().data(), DType::kU8, shape, device);
   };
+  return {weights(w13_shape), scales(w13_shape), weights(w2_shape), scales(w2_shape)};
+}
+
+// Random experts of one layer: the router spreads the rows over the experts.
+void bind_moe(const Config& c, const ModelConfig& m, LayerWeights& w, RankModel& r, int device,
+              uint64_t seed) {
+  const MoeConfig mc = m.moe(c.tp);
+  const bool fp8 = c.moe == "mxfp8";
+  const int64_t E = mc.num_experts, H = mc.hidden;
+  auto host_f32 = [&](std::vector<int64_t> shape, float scale) {
+    int64_t n = 1;
+    for (int64_t e : shape) n *= e;
+    testkit::SplitMix64 rng(seed++);
+    std::vector<float> host(static_cast<std::size_t>(n));
+    for (float& v : host) v = rng.signed_unit() * scale;
+    r.buffers.emplace_back(host.size() * sizeof(float));
+    CUDA_CHECK(cudaMemcpy(r.buffers.back().data(), host.data(), host.size() * sizeof(float),
+                          cudaMemcpyHostToDevice));
+    return device_view(r.buffers.back().data(), DType::kF32, shape, device);
+  };
   w.router_weight = host_f32({E, H}, 2.0f / std::sqrt(static_cast<float>(H)));
   w.router_bias = host_f32({E}, 0.01f);
   const int64_t I = mc.intermediate, S = mc.shared_intermediate;
-  w.experts = {weights({E, 2 * I, H}), scales({E, 2 * I, H}), weights({E, H, I}),
-               scales({E, H, I})};
-  if (S > 0) {
-    w.shared_expert = {weights({2 * S, H}), scales({2 * S, H}), weights({H, S}), scales({H, S})};
-  }
+  w.experts = random_expert_weights(fp8, {E, 2 * I, H}, {E, H, I}, r, device, seed);
+  if (S > 0) w.shared_expert = random_expert_weights(fp8, {2 * S, H}, {H, S}, r, device, seed);
 }
 
 RankModel build_rank(const Config& c, const ModelConfig& m, int device, int64_t pages,
@@ -173,8 +210,10 @@ RankModel build_rank(const Config& c, const ModelConfig& m, int device, int64_t 
   const int64_t W = sc.qkv_width();
   const int64_t A = int64_t{sc.q_heads} * sc.head_dim;
   const bool fp8 = c.weights == DType::kFP8E4M3;
+  const bool dense_run = is_dense(c);
+  const int sparse_layers = dense_run ? 1 : c.layers;
   RankModel r;
-  r.buffers.reserve(static_cast<std::size_t>(c.layers) * 16);
+  r.buffers.reserve(static_cast<std::size_t>(sparse_layers + m.first_sparse_layer) * 16);
   auto random = [&](DType dtype, std::vector<int64_t> shape) {
     int64_t n = 1;
     for (int64_t e : shape) n *= e;
@@ -190,15 +229,21 @@ RankModel build_rank(const Config& c, const ModelConfig& m, int device, int64_t 
                           cudaMemcpyHostToDevice));
     return device_view(r.buffers.back().data(), DType::kF32, {n}, device);
   };
-  for (int i = 0; i < c.layers; ++i) {
+  // A dense layer (runtime.h, LayerWeights): [q | k | v] rows, no index part, its dense MLP in
+  // the format --moe names.
+  const int64_t dense_W = rank_layout(m, 0, c.tp, c.cp).dense_qkv_width;
+  auto bind_layer = [&](int id, bool dense) {
     LayerWeights w;
-    w.layer = m.first_sparse_layer + i;
-    w.qkv_proj = random(c.weights, {W, H});
-    if (fp8) w.qkv_proj_scale = scales(W);
+    w.layer = id;
+    const int64_t rows = dense ? dense_W : W;
+    w.qkv_proj = random(c.weights, {rows, H});
+    if (fp8) w.qkv_proj_scale = scales(rows);
     w.q_norm = random(DType::kBF16, {sc.head_dim});
     w.k_norm = random(DType::kBF16, {sc.head_dim});
-    w.index_q_norm = random(DType::kBF16, {sc.index_dim});
-    w.index_k_norm = random(DType::kBF16, {sc.index_dim});
+    if (!dense) {
+      w.index_q_norm = random(DType::kBF16, {sc.index_dim});
+      w.index_k_norm = random(DType::kBF16, {sc.index_dim});
+    }
     w.input_norm = random(DType::kBF16, {H});
     w.post_attention_norm = random(DType::kBF16, {H});
     w.o_proj = random(c.weights, {H, A});
@@ -206,9 +251,18 @@ RankModel build_rank(const Config& c, const ModelConfig& m, int device, int64_t 
     w.kv_cache.data = random(c.kv, {pages, sc.kv_heads, 2, sc.block_size, sc.head_dim});
     w.kv_cache.k_scale = c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
     w.kv_cache.v_scale = c.kv == DType::kFP8E4M3 ? 0.5f : 1.0f;
-    w.index_cache.data = random(DType::kBF16, {pages, sc.block_size, sc.index_dim});
-    if (c.moe != "off") bind_moe(c, m, w, r, device, seed++);
+    if (dense) {
+      const int64_t D = m.dense_intermediate / c.tp;
+      w.dense_mlp = random_expert_weights(c.moe == "mxfp8", {2 * D, H}, {H, D}, r, device, seed);
+    } else {
+      w.index_cache.data = random(DType::kBF16, {pages, sc.block_size, sc.index_dim});
+      if (c.moe != "off" && !dense_run) bind_moe(c, m, w, r, device, seed++);
+    }
     r.weights.layers.push_back(w);
+  };
+  for (int i = 0; i < sparse_layers; ++i) bind_layer(m.first_sparse_layer + i, false);
+  if (dense_run) {
+    for (int id = 0; id < m.first_sparse_layer; ++id) bind_layer(id, true);
   }
   // The fills ran on `stream`, the scale copies on the legacy stream: wait for both.
   CUDA_CHECK(cudaDeviceSynchronize());
@@ -321,6 +375,7 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
   const SparseConfig sc = m.sparse(c.tp, c.cp);
 
   Result res;
+  res.layers = is_dense(c) ? m.first_sparse_layer : c.layers;
   std::vector<Timing> timings(static_cast<std::size_t>(c.tp));
   std::vector<int64_t> launches(static_cast<std::size_t>(c.tp), 0);
   run_threads(c.tp, [&](int r) {
@@ -351,17 +406,53 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
       fill_random(graphs.residual().data, rows * m.hidden, false, seed + 8, stream.get());
       CUDA_CHECK(cudaMemcpyAsync(graphs.positions().data, meta.positions.data(),
                                  meta.positions.nbytes(), cudaMemcpyHostToDevice, stream.get()));
-      M3MSA_CHECK(graphs.run(meta.batch), ErrorCode::kInternal,
-                  "bench layer: step refused: ", rt.stats().last_refusal);
-      for (int i = 0; i < 3; ++i) graphs.replay_last();
+      // Dense layers: StepGraphs' graph holds every bound layer (the sparse one too), so the
+      // step is staged and padded as StepGraphs does and the dense layers alone are captured,
+      // over its buffers, as an engine captures the runtime.
+      cuda::Graph dense_graph;
+      if (is_dense(c)) {
+        const int padded = graphs.padded_requests(meta.batch.num_reqs, meta.batch.q_len);
+        M3MSA_CHECK(rt.begin_step(meta.batch, padded), ErrorCode::kInternal,
+                    "bench layer: step refused: ", rt.stats().last_refusal);
+        const int64_t padded_rows = int64_t{padded} * meta.batch.q_len;
+        if (padded_rows > rows) {
+          CUDA_CHECK(cudaMemsetAsync(graphs.positions().ptr<int64_t>() + rows, 0xFF,
+                                     sizeof(int64_t) * static_cast<std::size_t>(padded_rows - rows),
+                                     stream.get()));
+        }
+        const Device dev = Device::cuda(device);
+        const TensorView hidden = TensorView::contiguous(graphs.hidden().data, DType::kBF16,
+                                                         {padded_rows, m.hidden}, dev);
+        const TensorView residual = TensorView::contiguous(graphs.residual().data, DType::kBF16,
+                                                           {padded_rows, m.hidden}, dev);
+        const TensorView positions =
+            TensorView::contiguous(graphs.positions().data, DType::kI64, {padded_rows}, dev);
+        dense_graph = cuda::Graph::capture(stream.get(), [&] {
+          for (int layer = 0; layer < m.first_sparse_layer; ++layer) {
+            rt.forward_layer(layer, hidden, residual, positions);
+          }
+        });
+        dense_graph.launch(stream.get());
+      } else {
+        M3MSA_CHECK(graphs.run(meta.batch), ErrorCode::kInternal,
+                    "bench layer: step refused: ", rt.stats().last_refusal);
+      }
+      auto replay = [&] {
+        if (is_dense(c)) {
+          dense_graph.launch(stream.get());
+        } else {
+          graphs.replay_last();
+        }
+      };
+      for (int i = 0; i < 3; ++i) replay();
       CUDA_CHECK(cudaStreamSynchronize(stream.get()));
       cuda::Event start, stop;
       std::vector<double> per_layer_us;
       for (int i = 0; i < reps; ++i) {
         start.record(stream.get());
-        graphs.replay_last();
+        replay();
         stop.record(stream.get());
-        per_layer_us.push_back(stop.elapsed_ms_since(start) * 1000.0 / c.layers);
+        per_layer_us.push_back(stop.elapsed_ms_since(start) * 1000.0 / res.layers);
       }
       Timing t;
       t.median_us = percentile(per_layer_us, 0.5);
@@ -379,35 +470,49 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
   res.launches = launches[0];
 
   const double welem = c.weights == DType::kFP8E4M3 ? 1.0 : 2.0;
-  // Per layer on average: one layer in share_period runs the index columns and the indexer.
-  const double indexer_share = 1.0 / c.share_period;
-  const double index_cols = (static_cast<double>(sc.index_heads) + 1) * sc.index_dim;
-  const double W = static_cast<double>(sc.qkv_width()) - (1.0 - indexer_share) * index_cols;
   const double H = m.hidden;
   const double A = static_cast<double>(sc.q_heads) * sc.head_dim;
-  res.weight_bytes = (W * H + H * A) * welem +
-                     (c.weights == DType::kFP8E4M3 ? (W + H) * 4.0 : 0.0) +
-                     (2.0 * H + 2.0 * sc.head_dim + 2.0 * sc.index_dim) * 2.0;
   const double kv_elem = c.kv == DType::kFP8E4M3 ? 1.0 : 2.0;
-  const double block_tokens = sc.block_size;
-  // With CP each rank reads its round-robin shard: ceil(nb / P) blocks.
-  const double index_blocks = c.cp ? std::ceil(static_cast<double>(nb) / c.tp) : nb;
-  const double index_bytes =
-      indexer_share * reqs * index_blocks * block_tokens * sc.index_dim * 2.0;
-  const double kv_bytes = reqs * static_cast<double>(sc.kv_heads) *
-                          std::min<double>(sc.topk, static_cast<double>(nb)) * 2.0 * block_tokens *
-                          sc.head_dim * kv_elem;
-  res.cache_bytes = index_bytes + kv_bytes;
-  if (c.moe != "off") {
-    res.moe_bytes = moe_step_bytes(m, c.tp, c.moe == "mxfp8", c.tokens);
-    res.weight_bytes += res.moe_bytes;
+  if (is_dense(c)) {
+    const double W = static_cast<double>(rank_layout(m, 0, c.tp, c.cp).dense_qkv_width);
+    res.weight_bytes = (W * H + H * A) * welem +
+                       (c.weights == DType::kFP8E4M3 ? (W + H) * 4.0 : 0.0) +
+                       (2.0 * H + 2.0 * sc.head_dim) * 2.0;
+    const double mlp_elem = c.moe == "mxfp8" ? 1.0 + 1.0 / kMxfp8Block : 2.0;
+    res.dense_mlp_bytes = 3.0 * H * static_cast<double>(m.dense_intermediate / c.tp) * mlp_elem;
+    res.weight_bytes += res.dense_mlp_bytes;
+    // Dense attention reads the K and V rows of every visible key, once per request and KV head.
+    res.cache_bytes = reqs * static_cast<double>(sc.kv_heads) * static_cast<double>(c.context) *
+                      2.0 * sc.head_dim * kv_elem;
+  } else {
+    // Per layer on average: one layer in share_period runs the index columns and the indexer.
+    const double indexer_share = 1.0 / c.share_period;
+    const double index_cols = (static_cast<double>(sc.index_heads) + 1) * sc.index_dim;
+    const double W = static_cast<double>(sc.qkv_width()) - (1.0 - indexer_share) * index_cols;
+    res.weight_bytes = (W * H + H * A) * welem +
+                       (c.weights == DType::kFP8E4M3 ? (W + H) * 4.0 : 0.0) +
+                       (2.0 * H + 2.0 * sc.head_dim + 2.0 * sc.index_dim) * 2.0;
+    const double block_tokens = sc.block_size;
+    // With CP each rank reads its round-robin shard: ceil(nb / P) blocks.
+    const double index_blocks = c.cp ? std::ceil(static_cast<double>(nb) / c.tp) : nb;
+    const double index_bytes =
+        indexer_share * reqs * index_blocks * block_tokens * sc.index_dim * 2.0;
+    const double kv_bytes = reqs * static_cast<double>(sc.kv_heads) *
+                            std::min<double>(sc.topk, static_cast<double>(nb)) * 2.0 *
+                            block_tokens * sc.head_dim * kv_elem;
+    res.cache_bytes = index_bytes + kv_bytes;
+    if (c.moe != "off") {
+      res.moe_bytes = moe_step_bytes(m, c.tp, c.moe == "mxfp8", c.tokens);
+      res.weight_bytes += res.moe_bytes;
+    }
   }
   if (c.tp > 1) {
     const int64_t count = int64_t{c.tokens} * m.hidden;
     res.nccl_allreduce_us = measure_allreduce(comms, count, /*peer=*/false);
     res.peer_allreduce_us = measure_allreduce(comms, count, /*peer=*/true);
     res.allreduce_us = std::min(res.nccl_allreduce_us, res.peer_allreduce_us);
-    if (c.moe != "off") res.allreduce_us *= 2;  // the MoE's all-reduce: the same size
+    // The FFN's all-reduce (the MoE's or the dense MLP's): the same size.
+    if (c.moe != "off" || is_dense(c)) res.allreduce_us *= 2;
   }
   res.floor_us =
       (res.weight_bytes + res.cache_bytes) / (kReadCeilingTBs * 1e12) * 1e6 + res.allreduce_us;
@@ -435,7 +540,9 @@ std::optional<std::vector<bool>> parse_switches(const std::string& text, const c
 }
 
 int run_layer_bench(int argc, char** argv) {
-  CLI::App app{"one sparse layer of the fused decode runtime (graph replay, M3 dimensions)"};
+  CLI::App app{
+      "one sparse or dense layer of the fused decode runtime (graph replay, M3 dimensions)"};
+  std::string kinds = "sparse";
   std::string tokens = "1,4,16";
   std::string q_lens = "1,4";
   std::string contexts = "16384,131072";
@@ -454,6 +561,10 @@ int run_layer_bench(int argc, char** argv) {
   bool quick = false;
   std::string json_path;
   std::string commit = "unknown";
+  app.add_option("--layer-kind", kinds,
+                 "comma-separated: sparse, dense (M3's dense layers 0-2: dense causal attention "
+                 "and the dense MLP of width 12288 / P, its weights in the format --moe names; "
+                 "dense needs --moe bf16 and/or mxfp8)");
   app.add_option("--tokens", tokens, "comma-separated token rows per step (requests * q_len)");
   app.add_option("--q-len", q_lens, "comma-separated query lengths");
   app.add_option("--context", contexts, "comma-separated context lengths (tokens)");
@@ -469,10 +580,11 @@ int run_layer_bench(int argc, char** argv) {
   app.add_option("--kv", kv, "KV cache dtype: bf16 or fp8");
   app.add_option("--moe", moe,
                  "comma-separated: off, bf16, mxfp8 (M3's mixture of experts after the attention "
-                 "block, its experts in that format)");
+                 "block, its experts in that format; for dense layers the dense MLP's format)");
   app.add_option("--rank-of", rank_of,
                  "comma-separated P: one rank's shapes of TP P on one GPU (with --tp 1)");
-  app.add_option("--layers", layers, "distinct sparse layers per captured step (L2 rotation)");
+  app.add_option("--layers", layers,
+                 "distinct sparse layers per captured step (L2 rotation; dense layers: M3's 3)");
   app.add_option("--reps", reps, "graph replays per configuration (median over them)");
   app.add_option("--seed", seed, "random seed");
   app.add_flag("--quick", quick,
@@ -489,6 +601,32 @@ int run_layer_bench(int argc, char** argv) {
     q_lens = "1";
     contexts = "131072";
     reps = std::min(reps, 20);
+  }
+  // Checked before the device: a refused command line says why on any machine.
+  std::vector<std::string> moe_list = split_list(moe);
+  bool dense_format = false;  // a weight format for the dense MLP
+  for (const std::string& v : moe_list) {
+    if (v != "off" && v != "bf16" && v != "mxfp8") {
+      std::fprintf(stderr, "m3msa bench layer: --moe takes off, bf16 and/or mxfp8, got '%s'\n",
+                   v.c_str());
+      return 2;
+    }
+    dense_format = dense_format || v != "off";
+  }
+  const std::vector<std::string> kind_list = split_list(kinds);
+  for (const std::string& v : kind_list) {
+    if (v != "sparse" && v != "dense") {
+      std::fprintf(stderr, "m3msa bench layer: --layer-kind takes sparse and/or dense, got '%s'\n",
+                   v.c_str());
+      return 2;
+    }
+    if (v == "dense" && !dense_format) {
+      std::fprintf(stderr,
+                   "m3msa bench layer: --layer-kind dense needs the dense MLP's weight format: "
+                   "--moe bf16 and/or mxfp8 (got --moe %s)\n",
+                   moe.c_str());
+      return 2;
+    }
   }
   const int gpus = cuda_device_count();
   if (gpus == 0) {
@@ -516,23 +654,16 @@ int run_layer_bench(int argc, char** argv) {
   const std::string device = device_description();
   const ResultFile results("layer", argc, argv, json_path, commit);
   std::printf(
-      "m3msa bench layer on %s; read ceiling %.2f TB/s; M3 attention dims, %d layers per graph, "
-      "kv %s, MoE %s, share period %d; per layer under graph replay\n",
-      device.c_str(), kReadCeilingTBs, layers, dtype_name(kv_dtype), moe.c_str(), share_period);
+      "m3msa bench layer on %s; read ceiling %.2f TB/s; M3 attention dims, layer kinds %s, %d "
+      "sparse layers per graph, kv %s, MoE %s, share period %d; per layer under graph replay\n",
+      device.c_str(), kReadCeilingTBs, kinds.c_str(), layers, dtype_name(kv_dtype), moe.c_str(),
+      share_period);
   std::vector<IndexerOverlap> overlap_list;
   for (const std::string& v : split_list(overlap)) overlap_list.push_back(parse_indexer_overlap(v));
-  std::vector<std::string> moe_list = split_list(moe);
-  for (const std::string& v : moe_list) {
-    if (v != "off" && v != "bf16" && v != "mxfp8") {
-      std::fprintf(stderr, "m3msa bench layer: --moe takes off, bf16 and/or mxfp8, got '%s'\n",
-                   v.c_str());
-      return 2;
-    }
-  }
   const std::vector<int64_t> rank_of_list = parse_list(rank_of);
-  Table table({"tp", "rank of", "moe", "cp", "weights", "tokens", "q_len", "reqs", "context",
-               "overlap", "median us", "noise", "launches", "MB", "allreduce", "nccl us", "peer us",
-               "floor us", "ratio"});
+  Table table({"kind",  "tp",        "rank of", "moe",     "cp",        "weights", "tokens",
+               "q_len", "reqs",      "context", "overlap", "median us", "noise",   "launches",
+               "MB",    "allreduce", "nccl us", "peer us", "floor us",  "ratio"});
   for (int tp : tp_list) {
     std::vector<std::unique_ptr<NcclCommunicator>> comms;
     if (tp > 1) {
@@ -540,93 +671,110 @@ int run_layer_bench(int argc, char** argv) {
       for (int r = 0; r < tp; ++r) devices.push_back(r);
       comms = make_nccl_communicators_in_process(devices);
     }
-    for (bool cp : *cp_list) {
-      for (DType w : weight_dtypes) {
-        for (int64_t context : parse_list(contexts)) {
-          for (int64_t q : parse_list(q_lens)) {
-            for (int64_t t : parse_list(tokens)) {
-              for (IndexerOverlap with_overlap : overlap_list) {
-                for (const std::string& moe_mode : moe_list) {
-                  for (int64_t rank_shape : rank_of_list) {
-                    if (t % q != 0) continue;                // tokens = requests * q_len
-                    if (rank_shape > 1 && tp > 1) continue;  // rank shapes run on one GPU
-                    Config c;
-                    // With CP the runtime is serial: one row, not two identical ones.
-                    if (cp && with_overlap != overlap_list.front()) continue;
-                    c.overlap = with_overlap;
-                    c.tp = tp;
-                    c.cp = cp;
-                    c.share_period = share_period;
-                    c.allreduce = allreduce_mode;
-                    c.weights = w;
-                    c.kv = kv_dtype;
-                    c.tokens = static_cast<int>(t);
-                    c.q_len = static_cast<int>(q);
-                    c.context = context;
-                    c.layers = layers;
-                    c.moe = moe_mode;
-                    c.rank_of = static_cast<int>(rank_shape);
-                    const Result r = run_config(c, comms, reps, seed);
-                    const double us = r.timing.median_us;
-                    const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;
-                    std::vector<std::string> cells = {
-                        fmt::format("{}", tp),
-                        fmt::format("{}", rank_shape),
-                        moe_mode,
-                        cp ? "on" : "off",
-                        dtype_name(w),
-                        fmt::format("{}", t),
-                        fmt::format("{}", q),
-                        fmt::format("{}", t / q),
-                        fmt::format("{}", context),
-                        cp ? "serial" : indexer_overlap_name(with_overlap),
-                        fmt::format("{:.2f}", us),
-                        fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
-                        fmt::format("{}", r.launches),
-                        fmt::format("{:.1f}", mb),
-                        r.allreduce_used,
-                        fmt::format("{:.2f}", r.nccl_allreduce_us),
-                        fmt::format("{:.2f}", r.peer_allreduce_us),
-                        fmt::format("{:.2f}", r.floor_us),
-                        fmt::format("{:.2f}", us / r.floor_us)};
-                    std::fprintf(stderr, "%s\n", fmt::format("{}", fmt::join(cells, " ")).c_str());
-                    const double tbs = (r.weight_bytes + r.cache_bytes) / (us * 1e-6) / 1e12;
-                    table.add(cells, {{"bench", "layer"},
-                                      {"tp", tp},
-                                      {"rank_of", rank_shape},
-                                      {"moe", moe_mode},
-                                      {"moe_bytes", r.moe_bytes},
-                                      {"cp", cp},
-                                      {"share_period", share_period},
-                                      {"allreduce", r.allreduce_used},
-                                      {"nccl_allreduce_us", r.nccl_allreduce_us},
-                                      {"peer_allreduce_us", r.peer_allreduce_us},
-                                      {"weights", dtype_name(w)},
-                                      {"kv", dtype_name(kv_dtype)},
-                                      {"tokens", t},
-                                      {"q_len", q},
-                                      {"requests", t / q},
-                                      {"context", context},
-                                      {"indexer_overlap",
-                                       cp ? "serial" : indexer_overlap_name(with_overlap)},
-                                      {"layers_per_graph", layers},
-                                      {"median_us", us},
-                                      {"p10_us", r.timing.p10_us},
-                                      {"p90_us", r.timing.p90_us},
-                                      {"noise", r.timing.noise()},
-                                      {"launches_per_layer", r.launches},
-                                      {"weight_bytes", r.weight_bytes},
-                                      {"cache_bytes", r.cache_bytes},
-                                      {"allreduce_us", r.allreduce_us},
-                                      {"floor_us", r.floor_us},
-                                      {"ratio", us / r.floor_us},
-                                      {"tb_per_s", tbs},
-                                      {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
-                                      {"device", device},
-                                      {"commit", results.commit()}});
-                    table.last_record().update(
-                        measured_fields(r.timing, r.weight_bytes + r.cache_bytes, r.floor_us));
-                    results.write(table.records(), false);  // a stopped run keeps what it measured
+    for (const std::string& kind : kind_list) {
+      const bool dense = kind == "dense";
+      for (bool cp : *cp_list) {
+        for (DType w : weight_dtypes) {
+          for (int64_t context : parse_list(contexts)) {
+            for (int64_t q : parse_list(q_lens)) {
+              for (int64_t t : parse_list(tokens)) {
+                for (IndexerOverlap with_overlap : overlap_list) {
+                  for (const std::string& moe_mode : moe_list) {
+                    for (int64_t rank_shape : rank_of_list) {
+                      if (t % q != 0) continue;                // tokens = requests * q_len
+                      if (rank_shape > 1 && tp > 1) continue;  // rank shapes run on one GPU
+                      Config c;
+                      // With CP the runtime is serial: one row, not two identical ones.
+                      if (cp && with_overlap != overlap_list.front()) continue;
+                      // A dense layer has no indexer (CP and the overlap change nothing in it) and
+                      // always an MLP.
+                      if (dense && (cp != cp_list->front() ||
+                                    with_overlap != overlap_list.front() || moe_mode == "off")) {
+                        continue;
+                      }
+                      c.kind = kind;
+                      c.overlap = with_overlap;
+                      c.tp = tp;
+                      c.cp = cp;
+                      c.share_period = share_period;
+                      c.allreduce = allreduce_mode;
+                      c.weights = w;
+                      c.kv = kv_dtype;
+                      c.tokens = static_cast<int>(t);
+                      c.q_len = static_cast<int>(q);
+                      c.context = context;
+                      c.layers = layers;
+                      c.moe = moe_mode;
+                      c.rank_of = static_cast<int>(rank_shape);
+                      const Result r = run_config(c, comms, reps, seed);
+                      const double us = r.timing.median_us;
+                      const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;
+                      const std::string overlap_used = dense ? "none"
+                                                       : cp  ? "serial"
+                                                             : indexer_overlap_name(with_overlap);
+                      std::vector<std::string> cells = {
+                          kind,
+                          fmt::format("{}", tp),
+                          fmt::format("{}", rank_shape),
+                          moe_mode,
+                          cp ? "on" : "off",
+                          dtype_name(w),
+                          fmt::format("{}", t),
+                          fmt::format("{}", q),
+                          fmt::format("{}", t / q),
+                          fmt::format("{}", context),
+                          overlap_used,
+                          fmt::format("{:.2f}", us),
+                          fmt::format("{:.1f}%", 100.0 * r.timing.noise()),
+                          fmt::format("{}", r.launches),
+                          fmt::format("{:.1f}", mb),
+                          r.allreduce_used,
+                          fmt::format("{:.2f}", r.nccl_allreduce_us),
+                          fmt::format("{:.2f}", r.peer_allreduce_us),
+                          fmt::format("{:.2f}", r.floor_us),
+                          fmt::format("{:.2f}", us / r.floor_us)};
+                      std::fprintf(stderr, "%s\n",
+                                   fmt::format("{}", fmt::join(cells, " ")).c_str());
+                      const double tbs = (r.weight_bytes + r.cache_bytes) / (us * 1e-6) / 1e12;
+                      table.add(cells, {{"bench", "layer"},
+                                        {"kind", kind},
+                                        {"tp", tp},
+                                        {"rank_of", rank_shape},
+                                        {"moe", moe_mode},
+                                        {"moe_bytes", r.moe_bytes},
+                                        {"dense_mlp_bytes", r.dense_mlp_bytes},
+                                        {"cp", cp},
+                                        {"share_period", share_period},
+                                        {"allreduce", r.allreduce_used},
+                                        {"nccl_allreduce_us", r.nccl_allreduce_us},
+                                        {"peer_allreduce_us", r.peer_allreduce_us},
+                                        {"weights", dtype_name(w)},
+                                        {"kv", dtype_name(kv_dtype)},
+                                        {"tokens", t},
+                                        {"q_len", q},
+                                        {"requests", t / q},
+                                        {"context", context},
+                                        {"indexer_overlap", overlap_used},
+                                        {"layers_per_graph", r.layers},
+                                        {"median_us", us},
+                                        {"p10_us", r.timing.p10_us},
+                                        {"p90_us", r.timing.p90_us},
+                                        {"noise", r.timing.noise()},
+                                        {"launches_per_layer", r.launches},
+                                        {"weight_bytes", r.weight_bytes},
+                                        {"cache_bytes", r.cache_bytes},
+                                        {"allreduce_us", r.allreduce_us},
+                                        {"floor_us", r.floor_us},
+                                        {"ratio", us / r.floor_us},
+                                        {"tb_per_s", tbs},
+                                        {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
+                                        {"device", device},
+                                        {"commit", results.commit()}});
+                      table.last_record().update(
+                          measured_fields(r.timing, r.weight_bytes + r.cache_bytes, r.floor_us));
+                      results.write(table.records(),
+                                    false);  // a stopped run keeps what it measured
+                    }
                   }
                 }
               }
@@ -641,9 +789,8 @@ int run_layer_bench(int argc, char** argv) {
   return 0;
 }
 
-const m3msa::cli::BenchRegistrar kRegistrar("layer",
-                                            "one sparse layer of the fused runtime (graph replay)",
-                                            run_layer_bench);
+const m3msa::cli::BenchRegistrar kRegistrar(
+    "layer", "one sparse or dense layer of the fused runtime (graph replay)", run_layer_bench);
 
 }  // namespace
 }  // namespace m3msa::bench

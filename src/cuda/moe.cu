@@ -24,6 +24,23 @@ bool use_tensor_cores(const MoeParams& p) {
          p.shared.inter % kChunk == 0;
 }
 
+// One launch of a moe kernel; with p.pdl as a programmatic dependent of the previous kernel in the
+// stream (each kernel waits for it on the device before its first read).
+void launch_kernel(void (*kernel)(MoeParams), dim3 grid, unsigned threads, const MoeParams& p,
+                   cudaStream_t stream) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = p.pdl ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
 // The gate/up and down launches over `routed` expert slots plus the shared expert's (or the dense
 // MLP's) slot. shared_gate_up: the shared expert's gate/up tiles are in this gate/up launch (the
 // last row of its grid); else they ran beside the router.
@@ -44,22 +61,17 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
         p.fp8 ? moe::moe_gate_up_mma_kernel<true> : moe::moe_gate_up_mma_kernel<false>;
     const auto down_kernel =
         p.fp8 ? moe::moe_down_mma_kernel<true> : moe::moe_down_mma_kernel<false>;
-    if (gate_up_sets > 0) {
-      gate_up_kernel<<<gate_up_grid, moe::kMmaThreads, 0, stream>>>(gate_up);
-      CUDA_CHECK_LAUNCH();
-    }
-    down_kernel<<<down_grid, moe::kMmaThreads, 0, stream>>>(down);
-    CUDA_CHECK_LAUNCH();
+    if (gate_up_sets > 0)
+      launch_kernel(gate_up_kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream);
+    launch_kernel(down_kernel, down_grid, moe::kMmaThreads, down, stream);
     return;
   }
   M3MSA_CHECK_INTERNAL(shared_gate_up || !has_shared,
                        "the FMA path takes the shared expert's gate/up");
   const dim3 gate_up_grid((inter + moe::kGateUpTile - 1) / moe::kGateUpTile, gate_up_sets);
-  moe::moe_gate_up_kernel<<<gate_up_grid, moe::kThreads, 0, stream>>>(gate_up);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(moe::moe_gate_up_kernel, gate_up_grid, moe::kThreads, gate_up, stream);
   const dim3 down_grid((p.hidden + moe::kDownTile - 1) / moe::kDownTile, down_sets);
-  moe::moe_down_kernel<<<down_grid, moe::kThreads, 0, stream>>>(down);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(moe::moe_down_kernel, down_grid, moe::kThreads, down, stream);
 }
 
 struct Layout {
@@ -178,19 +190,17 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
     const int shared_ctas = (p.shared.inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows;
     const auto kernel =
         p.fp8 ? moe::moe_route_and_shared_kernel<true> : moe::moe_route_and_shared_kernel<false>;
-    kernel<<<static_cast<unsigned>(p.num_experts + shared_ctas), moe::kMmaThreads, 0, stream>>>(p);
+    launch_kernel(kernel, dim3(static_cast<unsigned>(p.num_experts + shared_ctas)),
+                  moe::kMmaThreads, p, stream);
   } else {
-    moe::moe_route_logits_kernel<<<static_cast<unsigned>(p.num_experts), moe::kRouteThreads, 0,
-                                   stream>>>(p);
+    launch_kernel(moe::moe_route_logits_kernel, dim3(static_cast<unsigned>(p.num_experts)),
+                  moe::kRouteThreads, p, stream);
   }
-  CUDA_CHECK_LAUNCH();
-  moe::moe_route_topk_kernel<<<1, moe::kThreads, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(moe::moe_route_topk_kernel, dim3(1), moe::kThreads, p, stream);
   launch_expert_projections(p, routed, !shared_beside_router, stream);
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);
-  moe::moe_combine_kernel<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
-  CUDA_CHECK_LAUNCH();
+  launch_kernel(moe::moe_combine_kernel, dim3(static_cast<unsigned>(blocks)), 256, p, stream);
 }
 
 std::size_t dense_mlp_workspace_bytes(int intermediate, int rows) {

@@ -50,6 +50,17 @@ inline constexpr int kThreads = kMoeWarps * 32;
 inline constexpr int kGateUpTile = 16;  // intermediate rows j per CTA
 inline constexpr int kDownTile = 32;    // hidden rows n per CTA
 
+// Programmatic dependent launch (MoeParams::pdl): every kernel waits for the previous kernel of
+// the stream before its first read (a no-op without a programmatic edge) and lets the next one be
+// scheduled once its main work is issued; the next one's CTAs then wait on the hardware, not on
+// a launch.
+__device__ __forceinline__ void wait_previous_kernel() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void release_next_kernel() {
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
@@ -165,11 +176,15 @@ __device__ __forceinline__ void route_logits(const MoeParams& p, int e,
 __global__ void __launch_bounds__(kRouteThreads)
     moe_route_logits_kernel(const __grid_constant__ MoeParams p) {
   __shared__ float partial[kRouteWarps][kMoeMaxRows];
+  wait_previous_kernel();
+  release_next_kernel();
   route_logits(p, blockIdx.x, partial);
 }
 
 __global__ void __launch_bounds__(kThreads)
     moe_route_topk_kernel(const __grid_constant__ MoeParams p) {
+  wait_previous_kernel();
+  release_next_kernel();
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   for (int row = warp; row < p.rows; row += kMoeWarps) {
@@ -286,8 +301,10 @@ __global__ void __launch_bounds__(kThreads)
     moe_gate_up_kernel(const __grid_constant__ MoeParams p) {
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
+  wait_previous_kernel();
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  release_next_kernel();
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
   const MoeExpertSet& set = shared ? p.shared : p.experts;
@@ -344,8 +361,10 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads) moe_down_kernel(const __grid_constant__ MoeParams p) {
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
+  wait_previous_kernel();
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  release_next_kernel();
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
   const MoeExpertSet& set = shared ? p.shared : p.experts;
@@ -463,8 +482,10 @@ __global__ void __launch_bounds__(kMmaThreads)
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  wait_previous_kernel();
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  release_next_kernel();
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
   gate_up_tile<kFp8>(p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot,
@@ -482,6 +503,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  wait_previous_kernel();
+  release_next_kernel();
   const int cta = blockIdx.x;
   if (cta < p.num_experts) {
     route_logits(p, cta, partial);
@@ -502,8 +525,10 @@ __global__ void __launch_bounds__(kMmaThreads)
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  wait_previous_kernel();
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  release_next_kernel();
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
   const MoeExpertSet& set = shared ? p.shared : p.experts;
@@ -543,6 +568,8 @@ __global__ void __launch_bounds__(kMmaThreads)
 }
 
 __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
+  wait_previous_kernel();
+  release_next_kernel();
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   const bool shared = p.shared.inter > 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;

@@ -33,6 +33,10 @@ struct MoeParams {
   // The expert projections on tensor cores (moe_*_mma_kernel) where hidden and the intermediates
   // are multiples of 64; false, or other shapes: the fp32 FMA kernels.
   bool tensor_cores = true;
+  // Each kernel launched as a programmatic dependent of the previous one in the stream (PDL): the
+  // next kernel is scheduled while this one finishes and waits on the device. Off by default
+  // until measured (bench moe --pdl).
+  bool pdl = false;
   // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
   int shared_slot = 0;
   int rows = 0;

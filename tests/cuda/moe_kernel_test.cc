@@ -3,8 +3,9 @@
 // CUDA-graph replay equals eager bit for bit; deterministic run to run. The dense MLP on the same
 // kernels (cuda::launch_dense_mlp) against cpu::dense_mlp alike, at M3's dense rank shapes.
 // The expert projections run both ways: on tensor cores (MoeParams::tensor_cores, shapes with
-// hidden and intermediates multiples of 64) and as fp32 FMA; the "no shared" case (intermediate
-// 96) takes the FMA kernels either way. Skips without a GPU.
+// hidden and intermediates multiples of 64) and as fp32 FMA, and on tensor cores with
+// programmatic dependent launches (MoeParams::pdl); the "no shared" case (intermediate 96) takes
+// the FMA kernels either way. Skips without a GPU.
 //
 // Routing: the GPU sums a logit in another fp32 order than the CPU, so two experts whose keys are
 // within 1e-5 of each other across the k-th place may swap; such rows are counted and skipped
@@ -43,6 +44,16 @@ HostTensor host_of(const TensorView& v) {
   if (v.defined()) std::memcpy(t.data(), v.data, v.nbytes());
   return t;
 }
+
+// The kernel choices every case runs: tensor cores (where the shapes allow), the fp32 FMA
+// kernels, and tensor cores with programmatic dependent launches.
+struct KernelChoice {
+  bool tensor_cores;
+  bool pdl;
+  const char* name;
+};
+constexpr KernelChoice kKernelChoices[] = {
+    {true, false, "mma"}, {false, false, "fma"}, {true, true, "mma+pdl"}};
 
 struct Case {
   const char* name;
@@ -150,8 +161,8 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
     }
 
     // GPU: the tensor-core kernels (where the shapes allow) and the fp32 FMA kernels.
-    for (bool tensor_cores : {true, false}) {
-      SCOPED_TRACE(tensor_cores ? "tensor cores" : "fp32 fma");
+    for (const KernelChoice& kernels : kKernelChoices) {
+      SCOPED_TRACE(kernels.name);
       MoeArgs g = weights_on_gpu;
       const DevTensor dx = to_dev(x);
       g.x = dx.view;
@@ -162,7 +173,8 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       g.topk_weights = {};
       cuda::DeviceBuffer workspace(cuda::moe_workspace_bytes(config, rows));
       cuda::MoeParams p = cuda::moe_params(config, g, workspace.data());
-      p.tensor_cores = tensor_cores;
+      p.tensor_cores = kernels.tensor_cores;
+      p.pdl = kernels.pdl;
       cuda::Stream stream;
       cuda::launch_moe(p, stream.get());
       stream.synchronize();
@@ -201,7 +213,7 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       }
       std::printf(
           "[ info ] %s rows %d %s %s: worst error / tolerance %.3f, near-tie rows skipped %d\n",
-          c.name, rows, c.fp8 ? "mxfp8" : "bf16", tensor_cores ? "mma" : "fma", worst, skipped);
+          c.name, rows, c.fp8 ? "mxfp8" : "bf16", kernels.name, worst, skipped);
       EXPECT_LT(skipped, std::max(1, rows / 2 + 1));
 
       // Graph replay == eager, and a second eager run changes no bit.
@@ -261,8 +273,8 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
     cpu_args.out = want.view();
     cpu::dense_mlp(cpu_args, 0);
 
-    for (bool tensor_cores : {true, false}) {
-      SCOPED_TRACE(tensor_cores ? "tensor cores" : "fp32 fma");
+    for (const KernelChoice& kernels : kKernelChoices) {
+      SCOPED_TRACE(kernels.name);
       const DevTensor dx = to_dev(x);
       HostTensor out_host(DType::kF32, {rows, hidden});
       DevTensor dout = to_dev(out_host);
@@ -272,7 +284,8 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
       g.out = dout.view;
       cuda::DeviceBuffer workspace(cuda::dense_mlp_workspace_bytes(width, rows));
       cuda::MoeParams p = cuda::dense_mlp_params(g, workspace.data());
-      p.tensor_cores = tensor_cores;
+      p.tensor_cores = kernels.tensor_cores;
+      p.pdl = kernels.pdl;
       cuda::Stream stream;
       cuda::launch_dense_mlp(p, stream.get());
       stream.synchronize();
@@ -293,7 +306,7 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
         }
       }
       std::printf("[ info ] dense mlp %d x %d rows %d %s %s: worst error / tolerance %.3f\n",
-                  hidden, width, rows, fp8 ? "mxfp8" : "bf16", tensor_cores ? "mma" : "fma", worst);
+                  hidden, width, rows, fp8 ? "mxfp8" : "bf16", kernels.name, worst);
 
       // Graph replay == eager, and a second eager run changes no bit.
       expect_replay_equals_eager([&](cudaStream_t s) { cuda::launch_dense_mlp(p, s); },

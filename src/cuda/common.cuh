@@ -40,6 +40,25 @@ inline bool aligned16(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
 }
 
+// Launches kernel(params) on `stream`; pdl: as a programmatic dependent of the previous kernel in
+// the stream (scheduled while that one finishes; the kernel waits for it with
+// griddepcontrol.wait before its first read of what it wrote).
+template <typename Params>
+void launch_kernel_ex(void (*kernel)(Params), dim3 grid, dim3 block, std::size_t smem,
+                      cudaStream_t stream, bool pdl, const Params& params) {
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, params));
+}
+
 // Makes `device` current for the scope and restores the previous one.
 class DeviceGuard {
  public:

@@ -28,17 +28,7 @@ bool use_tensor_cores(const MoeParams& p) {
 // stream (each kernel waits for it on the device before its first read).
 void launch_kernel(void (*kernel)(MoeParams), dim3 grid, unsigned threads, const MoeParams& p,
                    cudaStream_t stream) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(threads);
-  cfg.dynamicSmemBytes = 0;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = p.pdl ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  launch_kernel_ex(kernel, grid, dim3(threads), 0, stream, p.pdl, p);
 }
 
 // The gate/up and down launches over `routed` expert slots plus the shared expert's (or the dense

@@ -3,12 +3,14 @@
 # packed as $OUT/bench_results.tgz (<benchmark>.json and <benchmark>.log for each; unpack the JSON
 # into bench/results/) with the printed tables in $OUT/bench_results.txt: two files, whatever the
 # number of benchmarks. Every bench rewrites its JSON after each configuration, so one stopped by
-# its time limit keeps the rows it measured ("complete": false). On one H200 about 5 minutes:
+# its time limit keeps the rows it measured ("complete": false). On one H200 about 7 minutes:
 #   indexer, attention, sparse-step  batch {1,4,32,128} x context {4K,32K,128K} x q_len {1,4} x
 #                                    {bf16,fp8}, 20 replays (48 configurations each)
 #   layer                            TP 1 (and 2 with 2 GPUs), CP off, tokens {1,4,16} x q_len
 #                                    {1,4} x context {16K,128K} x weights {bf16,fp8}
 #   gemm                             M3's four projection shapes x rows {1,2,4,8,16} x {bf16,fp8}
+#   moe                              {MoE, dense MLP} x TP {1,4,8} rank shapes x tokens {1,4,16} x
+#                                    {bf16,mxfp8} x {mma,fma} kernels
 #   cp, allreduce                    only with 2 GPUs visible (P = 2 / TP = 2 over NVLink)
 # BENCH_RESULTS_ONLY (comma list, default all of the above) picks benchmarks;
 # BENCH_RESULTS_<NAME>_ARGS (NAME upper case, '-' as '_', e.g. BENCH_RESULTS_SPARSE_STEP_ARGS)
@@ -27,13 +29,14 @@ declare -A brs_args=(
   [sparse-step]="--batches $brs_grid --contexts $brs_ctx --q-lens 1,4 --dtypes bf16,fp8 --reps 20"
   [layer]="--tp 1 --cp off --tokens 1,4,16 --q-len 1,4 --context 16384,131072 --weights bf16,fp8 --reps 20"
   [gemm]="--reps 30"
+  [moe]="--tp 1,4,8 --tokens 1,4,16 --dtypes bf16,mxfp8 --kernels mma,fma --what moe,dense --reps 20"
   [cp]="--worlds 2 --batches 1,4,32 --contexts $brs_ctx --dtypes fp8 --q-lens 1 --reps 20"
   [allreduce]="--tp 2"
 )
-declare -A brs_timeout=([indexer]=75 [attention]=45 [sparse-step]=75 [layer]=75 [gemm]=30 [cp]=60
-  [allreduce]=30)
+declare -A brs_timeout=([indexer]=75 [attention]=45 [sparse-step]=75 [layer]=75 [gemm]=30 [moe]=150
+  [cp]=60 [allreduce]=30)
 [[ $brs_gpus -ge 2 ]] && brs_args[layer]=${brs_args[layer]/--tp 1/--tp 1,2}
-IFS=',' read -ra brs_list <<<"${BENCH_RESULTS_ONLY:-indexer,attention,sparse-step,layer,gemm,cp,allreduce}"
+IFS=',' read -ra brs_list <<<"${BENCH_RESULTS_ONLY:-indexer,attention,sparse-step,layer,gemm,moe,cp,allreduce}"
 : >"$OUT/bench_results.txt"
 for brs_name in "${brs_list[@]}"; do
   if [[ -z "${brs_args[$brs_name]+set}" ]]; then

@@ -3,7 +3,7 @@
 # packed as $OUT/bench_results.tgz (<benchmark>.json and <benchmark>.log for each; unpack the JSON
 # into bench/results/) with the printed tables in $OUT/bench_results.txt: two files, whatever the
 # number of benchmarks. Every bench rewrites its JSON after each configuration, so one stopped by
-# its time limit keeps the rows it measured ("complete": false). On one H200 about 7 minutes:
+# its time limit keeps the rows it measured ("complete": false). On one H200 about 8 minutes:
 #   indexer, attention, sparse-step  batch {1,4,32,128} x context {4K,32K,128K} x q_len {1,4} x
 #                                    {bf16,fp8}, 20 replays (48 configurations each)
 #   layer                            TP 1 (and 2 with 2 GPUs), CP off, tokens {1,4,16} x q_len
@@ -33,7 +33,7 @@ declare -A brs_args=(
   [cp]="--worlds 2 --batches 1,4,32 --contexts $brs_ctx --dtypes fp8 --q-lens 1 --reps 20"
   [allreduce]="--tp 2"
 )
-declare -A brs_timeout=([indexer]=75 [attention]=45 [sparse-step]=75 [layer]=75 [gemm]=30 [moe]=150
+declare -A brs_timeout=([indexer]=75 [attention]=45 [sparse-step]=75 [layer]=75 [gemm]=30 [moe]=240
   [cp]=60 [allreduce]=30)
 [[ $brs_gpus -ge 2 ]] && brs_args[layer]=${brs_args[layer]/--tp 1/--tp 1,2}
 IFS=',' read -ra brs_list <<<"${BENCH_RESULTS_ONLY:-indexer,attention,sparse-step,layer,gemm,moe,cp,allreduce}"

@@ -203,7 +203,8 @@ int run_moe_bench(int argc, char** argv) {
   app.add_option("--dtypes", opt.dtypes, "weights: bf16, mxfp8 (e4m3 + e8m0 per 32)")
       ->delimiter(',');
   app.add_option("--kernels", opt.kernels,
-                 "expert projections: mma (tensor cores), fma (fp32 FMA kernels)")
+                 "expert projections: mma (tensor cores), fma (fp32 FMA kernels), mma+pdl "
+                 "(tensor cores, programmatic dependent launches)")
       ->delimiter(',');
   app.add_option("--what", opt.what,
                  "moe (router + routed + shared experts), dense (the MLP of layers 0-2)")
@@ -254,8 +255,8 @@ int run_moe_bench(int argc, char** argv) {
     }
   }
   for (const std::string& k : opt.kernels) {
-    if (k != "mma" && k != "fma") {
-      return refuse(fmt::format("--kernels: unknown kernels '{}' (mma, fma)", k));
+    if (k != "mma" && k != "fma" && k != "mma+pdl") {
+      return refuse(fmt::format("--kernels: unknown kernels '{}' (mma, fma, mma+pdl)", k));
     }
   }
   for (const std::string& w : opt.what) {
@@ -400,7 +401,8 @@ int run_moe_bench(int argc, char** argv) {
           };
           const TensorView out_view =
               TensorView::contiguous(out_all.data, DType::kF32, {t, H}, out_all.device);
-          auto params = [&](int l, int s, bool tensor_cores) {
+          // kernels: "mma", "fma" or "mma+pdl" (tensor cores, programmatic dependent launches).
+          auto params = [&](int l, int s, const std::string& kernels) {
             cuda::MoeParams p;
             if (dense) {
               DenseMlpArgs a;
@@ -415,7 +417,8 @@ int run_moe_bench(int argc, char** argv) {
               a.out = out_view;
               p = cuda::moe_params(mc, a, workspace.data());
             }
-            p.tensor_cores = tensor_cores;
+            p.tensor_cores = kernels != "fma";
+            p.pdl = kernels == "mma+pdl";
             return p;
           };
           auto launch = [&](const cuda::MoeParams& p) {
@@ -442,7 +445,7 @@ int run_moe_bench(int argc, char** argv) {
             const int k = mc.experts_per_token;
             std::vector<int32_t> ids(static_cast<std::size_t>(t * k));
             for (int s = 0; s < S; ++s) {
-              const cuda::MoeParams p = params(0, s, opt.kernels.front() == "mma");
+              const cuda::MoeParams p = params(0, s, opt.kernels.front());
               launch(p);
               stream.synchronize();
               CUDA_CHECK(
@@ -457,7 +460,7 @@ int run_moe_bench(int argc, char** argv) {
           for (std::size_t ki = 0; ki < opt.kernels.size(); ++ki) {
             KernelCheck& c = checks[ki];
             poison();
-            launch(params(0, 0, opt.kernels[ki] == "mma"));
+            launch(params(0, 0, opt.kernels[ki]));
             std::vector<float> host;
             read_out(host, out_elems + H);
             for (int64_t i = 0; i < out_elems; ++i) {
@@ -501,12 +504,11 @@ int run_moe_bench(int argc, char** argv) {
 
           for (std::size_t ki = 0; ki < opt.kernels.size(); ++ki) {
             const std::string& kernels = opt.kernels[ki];
-            const bool tensor_cores = kernels == "mma";
             KernelCheck& chk = checks[ki];
 
             // Graph replay of one launch over the poisoned output == the eager bits.
             {
-              const cuda::MoeParams p = params(0, 0, tensor_cores);
+              const cuda::MoeParams p = params(0, 0, kernels);
               cuda::Graph one = cuda::Graph::capture(stream.get(), [&] { launch(p); });
               poison();
               one.launch(stream.get());
@@ -522,7 +524,7 @@ int run_moe_bench(int argc, char** argv) {
             double bytes_sum = 0.0, distinct_sum = 0.0;
             const double io_bytes = static_cast<double>(t) * H * (2 + 4);
             for (int i = 0; i < launches; ++i) {
-              plist.push_back(params(i % L, i % S, tensor_cores));
+              plist.push_back(params(i % L, i % S, kernels));
               if (dense) {
                 bytes_sum += static_cast<double>(dense_bytes) + io_bytes;
               } else {

@@ -5,6 +5,11 @@
 // share the page id (one table serves both caches). Input copies on disjoint pages (own tables,
 // queries and outputs) rotate so that one graph's launches read several times the 60 MB L2.
 //
+// Each configuration's data is timed under every pair of --indexer variant (fused: the split kernel
+// with its merge inside; split-merge: its merge as a second, programmatically dependent kernel)
+// and --attention-tunings entry (attention.h, e.g. "default;pdl=1"); --tp times one rank's shapes
+// under tensor parallelism (ModelConfig::sparse(tp): one index and one KV head from TP 4).
+//
 // Bytes (the floor): the indexer's (every visible index-K row once + queries + table + output, as
 // in `bench indexer`) plus the attention's: the K and V tiles of every distinct (request, KV head,
 // block) the step selected, counted from the selections it actually made, plus q and out. Floor =
@@ -27,6 +32,7 @@
 #include "cuda/indexer.h"
 #include "fill.h"
 #include "harness.h"
+#include "m3msa/config.h"
 #include "m3msa/cuda_backend.h"
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
@@ -40,6 +46,9 @@ struct StepOptions {
   std::vector<int64_t> contexts = {16384, 131072};
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   std::vector<int> q_lens = {1, 4};
+  std::vector<int> tps = {1};
+  std::vector<std::string> indexers = {"fused"};
+  std::string attention_tunings = "default";
   bool quick = false;
   int reps = 30;
   int64_t rotate_bytes = 4 * kL2Bytes;
@@ -61,7 +70,16 @@ int run_sparse_step_bench(int argc, char** argv) {
   app.add_option("--dtypes", opt.dtypes, "cache dtypes (index-K and KV): bf16, fp8")
       ->delimiter(',');
   app.add_option("--q-lens", opt.q_lens, "query rows per request")->delimiter(',');
-  app.add_flag("--quick", opt.quick, "batch 4, 16K, q 4 only (the issue's target point)");
+  app.add_option("--tp", opt.tps, "one rank's shapes under tensor parallelism: 1, 2, 4, 8")
+      ->delimiter(',');
+  app.add_option("--indexer", opt.indexers,
+                 "indexer variants: fused (the split kernel's merge inside it), split-merge (the "
+                 "merge as a second, programmatically dependent kernel)")
+      ->delimiter(',');
+  app.add_option("--attention-tunings", opt.attention_tunings,
+                 "';'-separated attention launcher tunings (attention.h: splitp, cluster, pdl, "
+                 "splits, rows; 'default' = the library default)");
+  app.add_flag("--quick", opt.quick, "batch 1, 128K, q 1 only (the target point)");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
   app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
@@ -71,186 +89,242 @@ int run_sparse_step_bench(int argc, char** argv) {
     return app.exit(e);
   }
   if (opt.quick) {
-    opt.batches = {4};
-    opt.contexts = {16384};
-    opt.q_lens = {4};
+    opt.batches = {1};
+    opt.contexts = {131072};
+    opt.q_lens = {1};
+  }
+  std::vector<IndexerVariant> variants;
+  for (const std::string& name : opt.indexers) {
+    if (name == "fused") {
+      variants.push_back(IndexerVariant::kFused);
+    } else if (name == "split-merge") {
+      variants.push_back(IndexerVariant::kSplitMerge);
+    } else {
+      std::fprintf(stderr,
+                   "m3msa bench sparse-step: --indexer: unknown variant '%s' (fused, "
+                   "split-merge)\n",
+                   name.c_str());
+      return 2;
+    }
+  }
+  std::vector<cuda::AttentionTuning> tunings;
+  {
+    size_t at = 0;
+    const std::string& text = opt.attention_tunings;
+    while (at <= text.size()) {
+      size_t end = text.find(';', at);
+      if (end == std::string::npos) end = text.size();
+      const std::string item = text.substr(at, end - at);
+      tunings.push_back(item == "default" || item.empty() ? cuda::default_attention_tuning()
+                                                          : cuda::AttentionTuning::parse(item));
+      at = end + 1;
+    }
+  }
+  for (int tp : opt.tps) {
+    if (tp != 1 && tp != 2 && tp != 4 && tp != 8) {
+      std::fprintf(stderr, "m3msa bench sparse-step: --tp: %d is not 1, 2, 4 or 8\n", tp);
+      return 2;
+    }
   }
   M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, "bench sparse-step: no CUDA device visible");
   ResultFile results("sparse-step", argc, argv, opt.json_path, opt.commit);
 
-  SparseConfig config;  // M3 per rank at TP 1: 64 q heads, 4 KV heads, 4 index heads, top-16
-  const int H = config.index_heads;
-  const int KVH = config.kv_heads;
-  const int QH = config.q_heads;
-  const int HD = config.head_dim;
-  const int k = config.topk;
   cuda::Stream stream;
   const std::string device = device_description();
   std::printf("m3msa bench sparse-step on %s\n", device.c_str());
-  std::printf("indexer (fused) -> sparse attention, one graph; roof = 4.57 TB/s\n\n");
+  std::printf("indexer -> sparse attention, one graph; roof = 4.57 TB/s\n\n");
 
-  Table table(
-      {"batch", "context", "dtype", "q", "step us", "noise", "MB", "floor us", "% roof", "target"});
-  const size_t total_configs =
-      opt.dtypes.size() * opt.q_lens.size() * opt.batches.size() * opt.contexts.size();
+  Table table({"tp", "batch", "context", "dtype", "q", "indexer", "attention", "step us", "noise",
+               "MB", "floor us", "% roof", "target"});
+  const size_t total_configs = opt.tps.size() * opt.dtypes.size() * opt.q_lens.size() *
+                               opt.batches.size() * opt.contexts.size();
   size_t done = 0;
-  for (const std::string& dt : opt.dtypes) {
-    const DType dtype = parse_dtype(dt, "--dtypes");
-    const bool fp8 = dtype == DType::kFP8E4M3;
-    const int elem = fp8 ? 1 : 2;
-    for (int q_len : opt.q_lens) {
-      for (int batch : opt.batches) {
-        for (int64_t context : opt.contexts) {
-          ++done;
-          std::fprintf(stderr, "[%zu/%zu] batch %d context %s %s q %d\n", done, total_configs,
-                       batch, context_label(context).c_str(), dt.c_str(), q_len);
-          const int64_t nb = (context + 127) / 128;
-          const int64_t rows = int64_t{batch} * q_len;
-          const int64_t index_page = int64_t{128} * config.index_dim * elem;
-          const int64_t kv_page = int64_t{KVH} * 2 * 128 * HD * elem;
-          const int64_t pages_per_copy = batch * nb;
-          const int copies = static_cast<int>(std::clamp<int64_t>(
-              (opt.rotate_bytes + pages_per_copy * index_page - 1) / (pages_per_copy * index_page),
-              1, opt.max_copies));
-          const int64_t pool_pages = pages_per_copy * copies;
-          size_t free_bytes = 0, total_bytes = 0;
-          CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
-          const double need = static_cast<double>(pool_pages) * (index_page + kv_page) + (1 << 28);
-          if (need > 0.85 * static_cast<double>(free_bytes)) {
-            std::printf("skip batch %d context %s %s q %d: needs %.1f GB\n", batch,
-                        context_label(context).c_str(), dt.c_str(), q_len, need / 1e9);
-            continue;
-          }
-          DeviceTensor index_pool(dtype, {pool_pages, 128, config.index_dim});
-          DeviceTensor kv_pool(dtype, {pool_pages, KVH, 2, 128, HD});
-          fill_random(index_pool.data(), index_pool.numel(), fp8, 11 + batch, stream.get());
-          fill_random(kv_pool.data(), kv_pool.numel(), fp8, 13 + batch, stream.get());
-
-          std::vector<DeviceTensor> tables, seqs, index_q, q, out, topk;
-          uint64_t state = 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(batch + context);
-          auto next = [&] {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            return state;
-          };
-          for (int c = 0; c < copies; ++c) {
-            HostTensor t(DType::kI32, {batch, nb});
-            std::vector<int32_t> order(static_cast<size_t>(pages_per_copy));
-            std::iota(order.begin(), order.end(), static_cast<int32_t>(c * pages_per_copy));
-            for (int64_t i = pages_per_copy - 1; i > 0; --i) {
-              std::swap(order[i], order[next() % static_cast<uint64_t>(i + 1)]);
+  for (int tp : opt.tps) {
+    // M3 per rank: at TP 1 64 q heads, 4 KV heads, 4 index heads; top-16.
+    const SparseConfig config = ModelConfig{}.sparse(tp);
+    const int H = config.index_heads;
+    const int KVH = config.kv_heads;
+    const int QH = config.q_heads;
+    const int HD = config.head_dim;
+    const int k = config.topk;
+    for (const std::string& dt : opt.dtypes) {
+      const DType dtype = parse_dtype(dt, "--dtypes");
+      const bool fp8 = dtype == DType::kFP8E4M3;
+      const int elem = fp8 ? 1 : 2;
+      for (int q_len : opt.q_lens) {
+        for (int batch : opt.batches) {
+          for (int64_t context : opt.contexts) {
+            ++done;
+            std::fprintf(stderr, "[%zu/%zu] tp %d batch %d context %s %s q %d\n", done,
+                         total_configs, tp, batch, context_label(context).c_str(), dt.c_str(),
+                         q_len);
+            const int64_t nb = (context + 127) / 128;
+            const int64_t rows = int64_t{batch} * q_len;
+            const int64_t index_page = int64_t{128} * config.index_dim * elem;
+            const int64_t kv_page = int64_t{KVH} * 2 * 128 * HD * elem;
+            const int64_t pages_per_copy = batch * nb;
+            const int copies = static_cast<int>(
+                std::clamp<int64_t>((opt.rotate_bytes + pages_per_copy * index_page - 1) /
+                                        (pages_per_copy * index_page),
+                                    1, opt.max_copies));
+            const int64_t pool_pages = pages_per_copy * copies;
+            size_t free_bytes = 0, total_bytes = 0;
+            CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+            const double need =
+                static_cast<double>(pool_pages) * (index_page + kv_page) + (1 << 28);
+            if (need > 0.85 * static_cast<double>(free_bytes)) {
+              std::printf("skip batch %d context %s %s q %d: needs %.1f GB\n", batch,
+                          context_label(context).c_str(), dt.c_str(), q_len, need / 1e9);
+              continue;
             }
-            std::copy(order.begin(), order.end(), t.ptr<int32_t>());
-            tables.push_back(to_device(t));
-            HostTensor s(DType::kI32, {batch});
-            for (int r = 0; r < batch; ++r) s.ptr<int32_t>()[r] = static_cast<int32_t>(context);
-            seqs.push_back(to_device(s));
-            index_q.emplace_back(DType::kBF16, std::vector<int64_t>{rows, H, config.index_dim});
-            fill_random(index_q.back().data(), index_q.back().numel(), false, 100 + c,
-                        stream.get());
-            q.emplace_back(DType::kBF16, std::vector<int64_t>{rows, QH, HD});
-            fill_random(q.back().data(), q.back().numel(), false, 200 + c, stream.get());
-            out.emplace_back(DType::kBF16, std::vector<int64_t>{rows, QH, HD});
-            topk.emplace_back(DType::kI32, std::vector<int64_t>{rows, H, k});
-          }
-          auto batch_of = [&](int c) {
-            BatchMeta b;
-            b.kind = BatchKind::kDecode;
-            b.num_reqs = batch;
-            b.q_len = q_len;
-            b.seq_lens = seqs[c].view();
-            b.index_block_table = tables[c].view();
-            b.kv_block_table = tables[c].view();
-            return b;
-          };
-          PlanLimits limits;
-          limits.max_reqs = batch;
-          limits.max_q_len = q_len;
-          limits.max_context = 0;  // the fused indexer needs no score tensor
-          const cuda::IndexerPlan plan = cuda::plan_indexer(config, limits, 0);
-          cuda::DeviceBuffer index_ws(plan.workspace_bytes);
-          cuda::init_indexer_workspace(plan, index_ws.data(), stream.get());
-          PlanLimits attn_limits = limits;
-          attn_limits.max_context = context;
-          const size_t attn_bytes = cuda::attention_workspace_size(config, attn_limits);
-          cuda::DeviceBuffer attn_ws(std::max<size_t>(attn_bytes, 16));
-          CUDA_CHECK(cudaMemsetAsync(attn_ws.data(), 0, attn_ws.bytes(), stream.get()));
-          stream.synchronize();
+            DeviceTensor index_pool(dtype, {pool_pages, 128, config.index_dim});
+            DeviceTensor kv_pool(dtype, {pool_pages, KVH, 2, 128, HD});
+            fill_random(index_pool.data(), index_pool.numel(), fp8, 11 + batch, stream.get());
+            fill_random(kv_pool.data(), kv_pool.numel(), fp8, 13 + batch, stream.get());
 
-          cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
+            std::vector<DeviceTensor> tables, seqs, index_q, q, out, topk;
+            uint64_t state = 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(batch + context);
+            auto next = [&] {
+              state ^= state << 13;
+              state ^= state >> 7;
+              state ^= state << 17;
+              return state;
+            };
             for (int c = 0; c < copies; ++c) {
-              IndexerArgs ia;
-              ia.index_q = index_q[c].view();
-              ia.index_cache = IndexCache{index_pool.view()};
-              ia.batch = batch_of(c);
-              ia.topk_idx = topk[c].view();
-              cuda::launch_indexer(plan, config, ia, IndexerVariant::kFused, index_ws.data(),
-                                   stream.get());
-              AttentionArgs aa;
-              aa.q = q[c].view();
-              aa.kv_cache = KVCache{kv_pool.view(), fp8 ? 0.5f : 1.0f, fp8 ? 0.25f : 1.0f};
-              aa.batch = batch_of(c);
-              aa.topk_idx = topk[c].view();
-              aa.out = out[c].view();
-              cuda::launch_attention(config, aa, attn_ws.data(), attn_ws.bytes(), stream.get());
-            }
-          });
-          const Timing timing = time_graph(graph, stream.get(), copies, 2, opt.reps);
-          const uint32_t status =
-              cuda::read_indexer_status(plan, index_ws.data(), stream.get(), true);
-
-          // The floor, from the selections the step made (copy 0).
-          HostTensor sel;
-          copy_to_host(topk[0].view(), sel);
-          int64_t kv_tiles = 0;
-          for (int r = 0; r < batch; ++r) {
-            for (int h = 0; h < KVH; ++h) {
-              std::set<int32_t> blocks;
-              for (int row = 0; row < q_len; ++row) {
-                const int32_t* s = sel.ptr<int32_t>() + ((int64_t{r} * q_len + row) * H + h) * k;
-                for (int j = 0; j < k; ++j) {
-                  if (s[j] >= 0) blocks.insert(s[j]);
-                }
+              HostTensor t(DType::kI32, {batch, nb});
+              std::vector<int32_t> order(static_cast<size_t>(pages_per_copy));
+              std::iota(order.begin(), order.end(), static_cast<int32_t>(c * pages_per_copy));
+              for (int64_t i = pages_per_copy - 1; i > 0; --i) {
+                std::swap(order[i], order[next() % static_cast<uint64_t>(i + 1)]);
               }
-              kv_tiles += static_cast<int64_t>(blocks.size());
+              std::copy(order.begin(), order.end(), t.ptr<int32_t>());
+              tables.push_back(to_device(t));
+              HostTensor s(DType::kI32, {batch});
+              for (int r = 0; r < batch; ++r) s.ptr<int32_t>()[r] = static_cast<int32_t>(context);
+              seqs.push_back(to_device(s));
+              index_q.emplace_back(DType::kBF16, std::vector<int64_t>{rows, H, config.index_dim});
+              fill_random(index_q.back().data(), index_q.back().numel(), false, 100 + c,
+                          stream.get());
+              q.emplace_back(DType::kBF16, std::vector<int64_t>{rows, QH, HD});
+              fill_random(q.back().data(), q.back().numel(), false, 200 + c, stream.get());
+              out.emplace_back(DType::kBF16, std::vector<int64_t>{rows, QH, HD});
+              topk.emplace_back(DType::kI32, std::vector<int64_t>{rows, H, k});
+            }
+            auto batch_of = [&](int c) {
+              BatchMeta b;
+              b.kind = BatchKind::kDecode;
+              b.num_reqs = batch;
+              b.q_len = q_len;
+              b.seq_lens = seqs[c].view();
+              b.index_block_table = tables[c].view();
+              b.kv_block_table = tables[c].view();
+              return b;
+            };
+            PlanLimits limits;
+            limits.max_reqs = batch;
+            limits.max_q_len = q_len;
+            limits.max_context = 0;  // the fused indexer needs no score tensor
+            const cuda::IndexerPlan plan = cuda::plan_indexer(config, limits, 0);
+            cuda::DeviceBuffer index_ws(plan.workspace_bytes);
+            cuda::init_indexer_workspace(plan, index_ws.data(), stream.get());
+            PlanLimits attn_limits = limits;
+            attn_limits.max_context = context;
+            const size_t attn_bytes = cuda::attention_workspace_size(config, attn_limits);
+            cuda::DeviceBuffer attn_ws(std::max<size_t>(attn_bytes, 16));
+            CUDA_CHECK(cudaMemsetAsync(attn_ws.data(), 0, attn_ws.bytes(), stream.get()));
+            stream.synchronize();
+
+            for (IndexerVariant variant : variants) {
+              for (const cuda::AttentionTuning& tuning : tunings) {
+                const std::string indexer_name =
+                    variant == IndexerVariant::kSplitMerge ? "split-merge" : "fused";
+                const std::string tuning_name = tuning.name();
+                cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
+                  for (int c = 0; c < copies; ++c) {
+                    IndexerArgs ia;
+                    ia.index_q = index_q[c].view();
+                    ia.index_cache = IndexCache{index_pool.view()};
+                    ia.batch = batch_of(c);
+                    ia.topk_idx = topk[c].view();
+                    cuda::launch_indexer(plan, config, ia, variant, index_ws.data(), stream.get());
+                    AttentionArgs aa;
+                    aa.q = q[c].view();
+                    aa.kv_cache = KVCache{kv_pool.view(), fp8 ? 0.5f : 1.0f, fp8 ? 0.25f : 1.0f};
+                    aa.batch = batch_of(c);
+                    aa.topk_idx = topk[c].view();
+                    aa.out = out[c].view();
+                    cuda::launch_attention_tuned(config, aa, attn_ws.data(), attn_ws.bytes(),
+                                                 stream.get(), tuning);
+                  }
+                });
+                const Timing timing = time_graph(graph, stream.get(), copies, 2, opt.reps);
+                const uint32_t status =
+                    cuda::read_indexer_status(plan, index_ws.data(), stream.get(), true);
+
+                // The floor, from the selections the step made (copy 0).
+                HostTensor sel;
+                copy_to_host(topk[0].view(), sel);
+                int64_t kv_tiles = 0;
+                for (int r = 0; r < batch; ++r) {
+                  for (int h = 0; h < KVH; ++h) {
+                    std::set<int32_t> blocks;
+                    for (int row = 0; row < q_len; ++row) {
+                      const int32_t* s =
+                          sel.ptr<int32_t>() + ((int64_t{r} * q_len + row) * H + h) * k;
+                      for (int j = 0; j < k; ++j) {
+                        if (s[j] >= 0) blocks.insert(s[j]);
+                      }
+                    }
+                    kv_tiles += static_cast<int64_t>(blocks.size());
+                  }
+                }
+                const int64_t index_bytes = pages_per_copy * index_page + rows * H * 128 * 2 +
+                                            pages_per_copy * 4 + batch * 4 + rows * H * k * 4;
+                const int64_t attn_bytes_read =
+                    kv_tiles * 2 * 128 * HD * elem + 2 * rows * QH * HD * 2 + rows * H * k * 4;
+                const int64_t bytes = index_bytes + attn_bytes_read;
+                const double floor_us = static_cast<double>(bytes) / (kReadCeilingTBs * 1e12) * 1e6;
+                const double roof = 100.0 * floor_us / timing.median_us;
+                const bool target_point = tp == 1 && batch == 1 && q_len == 1 && context == 131072;
+                const std::string target =
+                    target_point ? (timing.median_us <= 16.0 ? "<= 16 us: met" : "<= 16 us: missed")
+                                 : "-";
+                nlohmann::json rec = {{"tp", tp},
+                                      {"q_heads", QH},
+                                      {"kv_heads", KVH},
+                                      {"index_heads", H},
+                                      {"indexer", indexer_name},
+                                      {"attention_tuning", tuning_name},
+                                      {"batch", batch},
+                                      {"context", context},
+                                      {"dtype", dt},
+                                      {"q_len", q_len},
+                                      {"step_us", timing.median_us},
+                                      {"p10_us", timing.p10_us},
+                                      {"p90_us", timing.p90_us},
+                                      {"bytes", bytes},
+                                      {"floor_us", floor_us},
+                                      {"pct_roof", roof},
+                                      {"copies", copies},
+                                      {"indexer_status", status}};
+                rec.update(measured_fields(timing, static_cast<double>(bytes)));
+                table.add({std::to_string(tp), std::to_string(batch), context_label(context), dt,
+                           std::to_string(q_len), indexer_name, tuning_name,
+                           fmt::format("{:.1f}", timing.median_us),
+                           fmt::format("{:.0f}%", 100.0 * timing.noise()),
+                           fmt::format("{:.1f}", bytes / 1e6), fmt::format("{:.1f}", floor_us),
+                           fmt::format("{:.0f}%", roof), target},
+                          rec);
+                results.write(table.records(), false);
+                std::printf(
+                    "tp %d batch %3d context %5s %-4s q %d %s / %s: %8.1f us (floor %.1f us)%s\n",
+                    tp, batch, context_label(context).c_str(), dt.c_str(), q_len,
+                    indexer_name.c_str(), tuning_name.c_str(), timing.median_us, floor_us,
+                    status ? " [indexer status set]" : "");
+                std::fflush(stdout);
+              }
             }
           }
-          const int64_t index_bytes = pages_per_copy * index_page + rows * H * 128 * 2 +
-                                      pages_per_copy * 4 + batch * 4 + rows * H * k * 4;
-          const int64_t attn_bytes_read =
-              kv_tiles * 2 * 128 * HD * elem + 2 * rows * QH * HD * 2 + rows * H * k * 4;
-          const int64_t bytes = index_bytes + attn_bytes_read;
-          const double floor_us = static_cast<double>(bytes) / (kReadCeilingTBs * 1e12) * 1e6;
-          const double roof = 100.0 * floor_us / timing.median_us;
-          const bool target_point = batch == 4 && q_len == 4 && context == 16384;
-          const std::string target =
-              target_point ? (timing.median_us <= 15.0 ? "<= 15 us: met" : "<= 15 us: missed")
-                           : "-";
-          nlohmann::json rec = {{"batch", batch},
-                                {"context", context},
-                                {"dtype", dt},
-                                {"q_len", q_len},
-                                {"step_us", timing.median_us},
-                                {"p10_us", timing.p10_us},
-                                {"p90_us", timing.p90_us},
-                                {"bytes", bytes},
-                                {"floor_us", floor_us},
-                                {"pct_roof", roof},
-                                {"copies", copies},
-                                {"indexer_status", status}};
-          rec.update(measured_fields(timing, static_cast<double>(bytes)));
-          table.add(
-              {std::to_string(batch), context_label(context), dt, std::to_string(q_len),
-               fmt::format("{:.1f}", timing.median_us),
-               fmt::format("{:.0f}%", 100.0 * timing.noise()), fmt::format("{:.1f}", bytes / 1e6),
-               fmt::format("{:.1f}", floor_us), fmt::format("{:.0f}%", roof), target},
-              rec);
-          results.write(table.records(), false);
-          std::printf("batch %3d context %5s %-4s q %d: %8.1f us (floor %.1f us)%s\n", batch,
-                      context_label(context).c_str(), dt.c_str(), q_len, timing.median_us, floor_us,
-                      status ? " [indexer status set]" : "");
-          std::fflush(stdout);
         }
       }
     }

@@ -2,8 +2,9 @@
 // include/m3msa/cp_cuda.h). Framework-free: raw pointers and one params struct
 // (cp_exchange_params.h), launched by cp_exchange.cu.
 //
-// Scoring of a rank's round-robin shard reuses the one-GPU scoring kernel (indexer.cuh) in its
-// scores-only mode over a *shard table*: local block l of shard r is global block l*P + r. The
+// Scoring of a rank's round-robin shard reuses the one-GPU scoring kernels (indexer_kernel.cuh:
+// the split kernel, or the span kernel under M3MSA_CP_SPAN_SCORING=1) in their scores-only modes
+// over a *shard table*: local block l of shard r is global block l*P + r. The
 // kernel masks tokens by the local position, so cp_exchange_shard_tables_kernel gives every live
 // request a local length that makes all of its shard's blocks fully visible; this is exact because
 // every block a row scores (rather than forces) is fully visible to it: the only partly visible

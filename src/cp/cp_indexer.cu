@@ -259,6 +259,23 @@ ScoreKernel score_kernel(bool fp8, bool q8, int tiles) {
   }
 }
 
+// The split kernel of one operand pair, in its scores-only mode the shard scoring's default (the
+// same block scores as the span kernel, each request's shard spread over the whole GPU).
+template <int kNT>
+ScoreKernel split_score_kernel_of(bool fp8, bool q8) {
+  using cuda::indexer::indexer_split_kernel;
+  if (q8) return indexer_split_kernel<true, kNT, true>;
+  return fp8 ? indexer_split_kernel<true, kNT> : indexer_split_kernel<false, kNT>;
+}
+
+ScoreKernel split_score_kernel(bool fp8, bool q8, int tiles) {
+  switch (tiles) {
+    case 1: return split_score_kernel_of<1>(fp8, q8);
+    case 2: return split_score_kernel_of<2>(fp8, q8);
+    default: return split_score_kernel_of<4>(fp8, q8);
+  }
+}
+
 // Dynamic shared memory of the scoring kernel: the units' prefix sums.
 // Must equal dynamic_smem_bytes() of indexer.cu (the one-GPU launcher), which it mirrors.
 std::size_t score_smem_bytes(int max_units) {
@@ -286,6 +303,8 @@ struct CudaCpIndexer::Impl {
   int grid_sm = 0;
   // Peer: nominate and merge in one launch (M3MSA_CP_SPLIT_EXCHANGE=1: two launches, to compare).
   bool fused_exchange = true;
+  // Shard scoring on the split kernel (M3MSA_CP_SPAN_SCORING=1: the span kernel, to compare).
+  bool split_scoring = true;
 
   DeviceBuffer local_seq_lens, local_table, scores, full_scores, send, recv, full_topk;
   cuda::IndexerPlan plan;  // replicated: the one-GPU indexer
@@ -441,6 +460,18 @@ void CudaCpIndexer::Impl::launch_score(const IndexerArgs& args, cudaStream_t str
   const bool fp8 = args.index_cache.data.dtype == DType::kFP8E4M3;
   const bool q8 = args.index_q.dtype == DType::kFP8E4M3;
   const int tiles = s.unit_vectors <= 8 ? 1 : s.unit_vectors <= 16 ? 2 : 4;
+  if (split_scoring && batch.num_reqs <= 65535) {  // grid.y limit
+    // Every request's shard gets an equal share of the CTAs (the grid depends on num_reqs only).
+    const int splits = std::max(1, grid_sm / batch.num_reqs);
+    s.scores_only = 1;
+    s.split_ctas = splits;
+    const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(batch.num_reqs));
+    split_score_kernel(
+        fp8, q8,
+        tiles)<<<grid, cuda::indexer::kThreads, cuda::indexer::kSplitRingBytes, stream>>>(s);
+    CUDA_CHECK_LAUNCH();
+    return;
+  }
   const std::size_t smem = score_smem_bytes(cp.max_reqs);
   score_kernel(fp8, q8, tiles)<<<grid_sm, cuda::indexer::kThreads, smem, stream>>>(s);
   CUDA_CHECK_LAUNCH();
@@ -530,6 +561,8 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
     m.comm = &comm;
     const char* split = std::getenv("M3MSA_CP_SPLIT_EXCHANGE");
     m.fused_exchange = split == nullptr || std::string(split) != "1";
+    const char* span = std::getenv("M3MSA_CP_SPAN_SCORING");
+    m.split_scoring = span == nullptr || std::string(span) != "1";
     m.rank = rank;
     m.device = device;
     m.config = config;
@@ -574,6 +607,12 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
             CUDA_CHECK(cudaFuncSetAttribute(score_kernel(fp8, q8, tiles),
                                             cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(smem)));
+            // The split kernel's page ring (a fixed size): set with the first limit raised.
+            if (limit == 0) {
+              CUDA_CHECK(cudaFuncSetAttribute(split_score_kernel(fp8, q8, tiles),
+                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                              cuda::indexer::kSplitRingBytes));
+            }
           }
         }
         limit = smem;

@@ -978,8 +978,11 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const Unit unit = load_unit(p, r);
   const int nvec = unit.rows * H;
+  // Scores only (p.scores_only, the CP shard scoring): every block score of the CTA's range to
+  // p.scores, as the span kernel's scores mode writes them (the same bits), and no selection.
+  const bool scores_only = p.scores_only != 0;
   if (unit.blocks == 0) {  // padding request or unreadable length: every row -1
-    if (split == 0) write_dead_answers(p, unit.row0, unit.rows, tid, kThreads);
+    if (split == 0 && !scores_only) write_dead_answers(p, unit.row0, unit.rows, tid, kThreads);
     return;
   }
   const int per = max(p.min_blocks_per_cta, (unit.blocks + splits - 1) / splits);
@@ -1045,6 +1048,18 @@ __global__ void __launch_bounds__(kThreads, 2)
       bulk_copy_page(s_ring + slot * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
                      kPageBytes, &s_full[slot]);
     }
+    if (scores_only) {
+      if (owner && lb < own_blocks) {
+        const float score = block_score<kNT>(s_red[parity], own_n);
+        if (lb < p.score_cols) {
+          p.scores[(static_cast<int64_t>(unit.row0 + own_n / H) * H + own_n % H) * p.score_cols +
+                   lb] = score;
+        } else {
+          atomicOr(p.status, kStatusBadLength);
+        }
+      }
+      continue;
+    }
     if (owner && lb < own_blocks) {
       const uint64_t key = block_key(p, block_score<kNT>(s_red[parity], own_n), lb, own_blocks);
       if (key > kth) my_keys[count++] = key;
@@ -1052,6 +1067,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     cut_full_buffers(&s_keys[warp][0], owner, count, kth, k);
   }
   __syncwarp();
+  if (scores_only) return;
 
   // ---- This CTA's best keys: the answer itself, or candidates for the request's last CTA ----
   if (active == 1) {

@@ -93,6 +93,15 @@ TEST(CudaCp, PeerTwoRanksBitIdentical) {
   check_transport(CpTransport::kPeer, 2);
 }
 
+// The shard scoring on the span kernel (M3MSA_CP_SPAN_SCORING=1, read when an indexer is built)
+// instead of the split kernel: the same block scores, so the same bits.
+TEST(CudaCp, PeerTwoRanksSpanScoringBitIdentical) {
+  M3MSA_REQUIRE_GPUS(1);
+  ASSERT_EQ(setenv("M3MSA_CP_SPAN_SCORING", "1", 1), 0);
+  check_transport(CpTransport::kPeer, 2);
+  ASSERT_EQ(unsetenv("M3MSA_CP_SPAN_SCORING"), 0);
+}
+
 // P > H: one index head, both ranks merge it (each consumer merges for itself).
 TEST(CudaCp, PeerMoreRanksThanHeads) {
   M3MSA_REQUIRE_GPUS(1);

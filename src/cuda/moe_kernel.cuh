@@ -232,9 +232,11 @@ __global__ void __launch_bounds__(kThreads)
 // Rows y < grid.y - 1 (all rows without a shared expert) take the y-th smallest distinct expert
 // the step picked (none past their count: the CTA has nothing to do); the last row with a shared
 // expert takes the shared expert (id E, every row, slot k). Returns the token count (0: return);
-// every thread of the CTA gets it and `ex`.
+// every thread of the CTA gets it and `ex`. Waits for the previous kernel first and then releases
+// the next one (MoeParams::pdl), as every expert kernel starts with it.
 __device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int* tok_slot,
                                            int& ex) {
+  wait_previous_kernel();  // the routing and the activations come from earlier kernels
   __shared__ uint32_t used[kMoeMaxExperts / 32];
   __shared__ int count;
   __shared__ int expert;
@@ -293,6 +295,7 @@ __device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int
     expert = e;
   }
   __syncthreads();
+  release_next_kernel();
   ex = expert;
   return count;
 }
@@ -301,10 +304,8 @@ __global__ void __launch_bounds__(kThreads)
     moe_gate_up_kernel(const __grid_constant__ MoeParams p) {
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
-  wait_previous_kernel();
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
-  release_next_kernel();
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
   const MoeExpertSet& set = shared ? p.shared : p.experts;
@@ -361,10 +362,8 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads) moe_down_kernel(const __grid_constant__ MoeParams p) {
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
-  wait_previous_kernel();
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
-  release_next_kernel();
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
   const MoeExpertSet& set = shared ? p.shared : p.experts;
@@ -482,10 +481,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
-  wait_previous_kernel();
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
-  release_next_kernel();
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
   gate_up_tile<kFp8>(p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot,
@@ -525,10 +522,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
-  wait_previous_kernel();
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
-  release_next_kernel();
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
   const MoeExpertSet& set = shared ? p.shared : p.experts;

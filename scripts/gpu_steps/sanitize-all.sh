@@ -5,8 +5,9 @@
 #
 # Excluded, because the sanitizer cannot run them (SANITIZE_EXCLUDE overrides the list):
 #  - tests whose ranks wait on each other's kernels: peer transport with 2 ranks
-#    (CudaCp.PeerTwoRanksBitIdentical, PeerMoreRanksThanHeads, PeerGraphReplayedThousandTimes,
-#    SkippedCallTimesOutNamingTheRank, CudaCpFaults.*) and NCCL (CudaCp.Nccl*,
+#    (CudaCp.PeerTwoRanksBitIdentical, PeerTwoRanksSpanScoringBitIdentical,
+#    PeerMoreRanksThanHeads, PeerGraphReplayedThousandTimes, SkippedCallTimesOutNamingTheRank,
+#    CudaCpFaults.*) and NCCL (CudaCp.Nccl*,
 #    CudaCp.AllReduceMax*, RuntimeGpu.TensorParallel2MatchesTp1), the peer all-reduce with 2 or 4
 #    ranks (PeerAllReduce.Exact*Ranks*, .ExactTwoGpus, .GraphReplayedTwoHundredTimes,
 #    PeerAllReduceFaults.*) and the runtime's TP = 2 on one GPU
@@ -29,7 +30,7 @@
 #   SANITIZE_TOOL_TIMEOUT   seconds per tool, default 140 (4 tools fit one 10-minute command)
 start=$SECONDS
 sanitizer=$(command -v compute-sanitizer || echo "${CUDA_HOME:-/usr/local/cuda}/bin/compute-sanitizer")
-sanitize_exclude=${SANITIZE_EXCLUDE:-CudaCp.PeerTwoRanksBitIdentical:CudaCp.PeerMoreRanksThanHeads:CudaCp.PeerGraphReplayedThousandTimes:CudaCp.SkippedCallTimesOutNamingTheRank:CudaCp.Nccl*:CudaCp.AllReduceMax*:CudaCpFaults.*:CudaCpMultiProcess*:RuntimeGpu.TensorParallel2MatchesTp1:RuntimeGpu.TensorParallel2OnOneGpuMatchesTp1:RuntimeGpu.FaultsOfOneRankAreNamedOnTheOther:PeerAllReduce.Exact*:PeerAllReduce.GraphReplayedTwoHundredTimes:PeerAllReduceFaults.*:MemoryStability.*:RuntimeGpu.DetachPrepareCyclesKeepDeviceMemoryStable}
+sanitize_exclude=${SANITIZE_EXCLUDE:-CudaCp.PeerTwoRanksBitIdentical:CudaCp.PeerTwoRanksSpanScoringBitIdentical:CudaCp.PeerMoreRanksThanHeads:CudaCp.PeerGraphReplayedThousandTimes:CudaCp.SkippedCallTimesOutNamingTheRank:CudaCp.Nccl*:CudaCp.AllReduceMax*:CudaCpFaults.*:CudaCpMultiProcess*:RuntimeGpu.TensorParallel2MatchesTp1:RuntimeGpu.TensorParallel2OnOneGpuMatchesTp1:RuntimeGpu.FaultsOfOneRankAreNamedOnTheOther:PeerAllReduce.Exact*:PeerAllReduce.GraphReplayedTwoHundredTimes:PeerAllReduceFaults.*:MemoryStability.*:RuntimeGpu.DetachPrepareCyclesKeepDeviceMemoryStable}
 sanitize_filter="*-$sanitize_exclude"
 sanitize_total=$("$TESTS" --gtest_list_tests --gtest_filter="$sanitize_filter" 2>/dev/null | grep -c '^  ')
 note "sanitize-all: $sanitize_total tests selected; excluded: $sanitize_exclude"

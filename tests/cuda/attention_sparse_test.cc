@@ -19,6 +19,7 @@
 #include "m3msa/cpu_reference.h"
 #include "m3msa/error.h"
 #include "m3msa/synthetic.h"
+#include "test_env.h"
 
 namespace m3msa {
 namespace {
@@ -237,7 +238,12 @@ TEST(CudaSparseAttention, SpeculativeRowGroupsMatchCpuReference) {
   };
   std::vector<Shape> shapes;
   for (int q_len : {2, 3, 4, 5, 8}) {
-    for (int reqs : {1, 3, 40}) shapes.push_back({16, q_len, reqs});
+    for (int reqs : {1, 3, 40}) {
+      // Under compute-sanitizer: q_len 3 and 5 (groups with dead tiles), no 40-request batches.
+      if (!test_small() || ((q_len == 3 || q_len == 5) && reqs < 40)) {
+        shapes.push_back({16, q_len, reqs});
+      }
+    }
   }
   shapes.push_back({32, 4, 3});
   shapes.push_back({32, 3, 1});
@@ -251,7 +257,7 @@ TEST(CudaSparseAttention, SpeculativeRowGroupsMatchCpuReference) {
       const DecodeShape s{reqs,
                           q_len,
                           1,
-                          reqs > 8 ? 6000 : 40000,
+                          reqs > 8 ? 6000 : (test_small() ? 4000 : 40000),
                           reqs > 1 ? 1 : 0,
                           kv,
                           1.5f,

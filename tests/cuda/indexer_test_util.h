@@ -35,6 +35,7 @@
 #include "m3msa/synthetic.h"
 #include "m3msa/testing/checks.h"
 #include "m3msa/testing/splitmix.h"
+#include "test_env.h"
 
 namespace m3msa::idxtest {
 
@@ -51,15 +52,8 @@ using Rng = testkit::SaltedRng<5>;
 inline constexpr double kTieTolerance = testkit::kSelectionTieTolerance;
 inline constexpr uint8_t kPoisonByte = 0x5A;  // int32 0x5A5A5A5A: never a valid entry
 
-// M3MSA_TEST_SMALL=1 (set by scripts/gpu_steps/sanitize-all.sh): the suite runs under
-// compute-sanitizer, where every kernel is instrumented, so drawn contexts are capped at
-// kSmallTestContext tokens. Only the range decode_spec draws from shrinks: explicit seq_lens, the
-// number of requests and every check stay as they are.
-inline constexpr int64_t kSmallTestContext = 16384;
-inline bool test_small() {
-  const char* value = std::getenv("M3MSA_TEST_SMALL");
-  return value != nullptr && value[0] != '\0' && value[0] != '0';
-}
+// test_small() (test_env.h): only the range decode_spec draws contexts from shrinks; explicit
+// seq_lens, the number of requests and every check stay as they are.
 
 inline SyntheticSpec decode_spec(int reqs, int q_len, int64_t min_ctx, int64_t max_ctx, DType dtype,
                                  int padding, uint64_t seed, int topk = 16) {

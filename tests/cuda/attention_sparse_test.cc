@@ -307,7 +307,7 @@ TEST(CudaSparseAttention, SpeculativeRowGroupsMatchCpuReference) {
                        what + ": head-major selection view");
         }
       }
-      if (reqs == 3) {
+      if (reqs == 3 && (q_len == 3 || q_len == 5)) {  // dense rows, groups with dead tiles
         const HostTensor ref = run_ref(c, nullptr, true);
         for (const cuda::AttentionTuning& tuning : tunings) {
           expect_close(RunOut{gpu(TensorView{}, tuning), ref},

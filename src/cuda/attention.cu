@@ -1,9 +1,9 @@
 // Host side of the block-sparse attention kernel: validation, the split plan, the workspace layout
 // and the launch (attention_kernel.cuh has the algorithm).
 //
-// Row groups: the decode rows of one request (q_len > 1) share a CTA, 2 (q_len 2) or 4 (q_len >= 3)
-// at a time, so the blocks their selections have in common are read once; prefill, q_len 1 and a
-// topk above kMaxGroupedTopk take one row per CTA.
+// Row groups: the decode rows of one request (q_len > 1) share a CTA, 4 or 2 at a time
+// (choose_row_tiles), so the blocks their selections have in common are read once; prefill,
+// q_len 1 and a topk above kMaxGroupedTopk take one row per CTA.
 //
 // Split plan: a (row, kv head) "unit" is one CTA unless there are too few units to fill the GPU;
 // then each unit's selected blocks are split over `splits` CTAs (for a selection a power of two,

@@ -65,8 +65,8 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
 }
 
 struct Layout {
-  std::size_t route_s = 0, route_key = 0, ids = 0, weights = 0, act = 0, act_shared = 0, y = 0,
-              total = 0;
+  std::size_t route_s = 0, route_key = 0, ids = 0, weights = 0, slot_expert = 0, slot_count = 0,
+              slot_picks = 0, act = 0, act_shared = 0, y = 0, total = 0;
 };
 
 Layout layout_of(const MoeConfig& c, int rows) {
@@ -77,7 +77,12 @@ Layout layout_of(const MoeConfig& c, int rows) {
   l.route_key = l.route_s + align256(r * static_cast<std::size_t>(c.num_experts) * sizeof(float));
   l.ids = l.route_key + align256(r * static_cast<std::size_t>(c.num_experts) * sizeof(float));
   l.weights = l.ids + align256(r * k * sizeof(int32_t));
-  l.act = l.weights + align256(r * k * sizeof(float));
+  const std::size_t slots =
+      std::min(static_cast<std::size_t>(c.num_experts), r * k);  // distinct experts a step picks
+  l.slot_expert = l.weights + align256(r * k * sizeof(float));
+  l.slot_count = l.slot_expert + align256(slots * sizeof(int32_t));
+  l.slot_picks = l.slot_count + align256(slots * sizeof(int32_t));
+  l.act = l.slot_picks + align256(slots * kMoeMaxRows * sizeof(int32_t));
   l.act_shared = l.act + align256(r * k * static_cast<std::size_t>(c.intermediate) * 2);
   l.y = l.act_shared + align256(r * static_cast<std::size_t>(c.shared_intermediate) * 2);
   l.total = l.y + align256(r * (k + 1) * static_cast<std::size_t>(c.hidden) * sizeof(float));
@@ -96,6 +101,9 @@ void moe_carve(const MoeConfig& config, int rows, void* workspace, MoeParams& p)
   p.route_s = reinterpret_cast<float*>(base + l.route_s);
   p.route_key = reinterpret_cast<float*>(base + l.route_key);
   p.topk_ids = reinterpret_cast<int32_t*>(base + l.ids);
+  p.slot_expert = reinterpret_cast<int32_t*>(base + l.slot_expert);
+  p.slot_count = reinterpret_cast<int32_t*>(base + l.slot_count);
+  p.slot_picks = reinterpret_cast<int32_t*>(base + l.slot_picks);
   p.topk_weights = reinterpret_cast<float*>(base + l.weights);
   p.act = reinterpret_cast<uint16_t*>(base + l.act);
   p.act_shared = reinterpret_cast<uint16_t*>(base + l.act_shared);
@@ -161,7 +169,8 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                   "moe: the intermediates must be multiples of 8, got ", p.experts.inter, " and ",
                   p.shared.inter);
   M3MSA_CHECK_ARG(p.x && p.router_weight && p.experts.w13 && p.experts.w2 && p.out && p.y &&
-                      p.act && p.topk_ids && p.topk_weights && p.route_s && p.route_key,
+                      p.act && p.topk_ids && p.topk_weights && p.route_s && p.route_key &&
+                      p.slot_expert && p.slot_count && p.slot_picks,
                   "moe: null pointer");
   M3MSA_CHECK_ARG(!p.fp8 || (p.experts.w13_scale && p.experts.w2_scale),
                   "moe: MXFP8 weights without scales");

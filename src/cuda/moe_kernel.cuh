@@ -7,11 +7,12 @@
 //    each gate float4 loaded once for every row, lanes then a butterfly sum, the 8 warps' partials
 //    added in warp order; s = sigmoid(logit), key = s + bias, per (row, expert).
 //  - moe_route_topk_kernel: one CTA, a warp per row: the top-k keys (NaN last, the lower id on
-//    ties) by k warp-wide arg-max rounds; ids and weights routed_scaling * s_i / sum s.
+//    ties) by k warp-wide arg-max rounds; ids and weights routed_scaling * s_i / sum s; then the
+//    step's expert slots (MoeParams::slot_*), made once for every expert CTA.
 //  - moe_gate_up_kernel: one CTA per (tile of 16 intermediate rows j, expert slot); slot y is the
 //    y-th smallest distinct expert the step picked (min(E, rows * k) slots: a slot past the count
-//    returns at once), the last slot the shared expert. The CTA lists the rows that picked its
-//    expert (all rows for the shared one); each warp takes
+//    returns at once), the last slot the shared expert. The CTA reads the slot's rows (made by the
+//    top-k kernel; all rows for the shared one); each warp takes
 //    rows j of the tile and reads the gate row j and the up row I + j once, for every listed token
 //    (x from global memory, L1/L2 resident), accumulating in fp32; then g and u are rounded to
 //    bf16 and the SwiGLU-OAI activation is stored as bf16.
@@ -183,10 +184,16 @@ __global__ void __launch_bounds__(kRouteThreads)
 
 __global__ void __launch_bounds__(kThreads)
     moe_route_topk_kernel(const __grid_constant__ MoeParams p) {
+  __shared__ int s_pick[kMoeMaxRows * kMoeMaxTopk];
+  __shared__ uint32_t s_used[kMoeMaxExperts / 32];
   wait_previous_kernel();
   release_next_kernel();
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int words = (p.num_experts + 31) / 32;
+  for (int w = tid; w < words; w += kThreads) s_used[w] = 0u;
+  __syncthreads();
   for (int row = warp; row < p.rows; row += kMoeWarps) {
     const float* key = p.route_key + static_cast<int64_t>(row) * p.num_experts;
     const float* s = p.route_s + static_cast<int64_t>(row) * p.num_experts;
@@ -223,76 +230,77 @@ __global__ void __launch_bounds__(kThreads)
         p.topk_ids[row * p.topk + i] = picked[i];
         p.topk_weights[row * p.topk + i] =
             sum == 0.0f ? 0.0f : __fdiv_rn(__fmul_rn(p.routed_scaling, s[picked[i]]), sum);
+        s_pick[row * p.topk + i] = picked[i];
+        atomicOr(&s_used[picked[i] / 32], 1u << (picked[i] % 32));
       }
     }
+  }
+  __syncthreads();
+  // The expert slots, one thread per pick: its slot is the number of distinct experts below its
+  // expert, its place in the slot's list the number of earlier picks of the same expert.
+  const int picks = p.rows * p.topk;
+  const int max_slots = min(p.num_experts, picks);
+  if (tid < picks) {
+    const int e = s_pick[tid];
+    int slot = __popc(s_used[e / 32] & ((1u << (e % 32)) - 1u));
+    for (int w = 0; w < e / 32; ++w) slot += __popc(s_used[w]);
+    int place = 0;
+    int count = 0;
+    for (int j = 0; j < picks; ++j) {
+      const bool same = s_pick[j] == e;
+      place += same && j < tid;
+      count += same;
+    }
+    p.slot_picks[slot * kMoeMaxRows + place] = tid;
+    if (place == 0) {
+      p.slot_expert[slot] = e;
+      p.slot_count[slot] = count;
+    }
+  }
+  // Slots past the distinct experts: nothing to do.
+  int distinct = 0;
+  for (int w = 0; w < words; ++w) distinct += __popc(s_used[w]);
+  for (int y = distinct + tid; y < max_slots; y += kThreads) {
+    p.slot_expert[y] = -1;
+    p.slot_count[y] = 0;
   }
 }
 
 // The expert CTA row `y` of the expert grid serves and the rows (and pick slots) that use it.
-// Rows y < grid.y - 1 (all rows without a shared expert) take the y-th smallest distinct expert
-// the step picked (none past their count: the CTA has nothing to do); the last row with a shared
-// expert takes the shared expert (id E, every row, slot k). Returns the token count (0: return);
-// every thread of the CTA gets it and `ex`. Waits for the previous kernel first and then releases
-// the next one (MoeParams::pdl), as every expert kernel starts with it.
+// Rows y < grid.y - 1 (all rows without a shared expert) take expert slot y (MoeParams::slot_*,
+// the y-th smallest distinct expert the step picked; none past their count: the CTA has nothing to
+// do); the last row with a shared expert takes the shared expert (id E, every row, slot k).
+// Returns the token count (0: return); every thread of the CTA gets it and `ex`. Waits for the
+// previous kernel first and then releases the next one (MoeParams::pdl), as every expert kernel
+// starts with it.
 __device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int* tok_slot,
                                            int& ex) {
   wait_previous_kernel();  // the routing and the activations come from earlier kernels
-  __shared__ uint32_t used[kMoeMaxExperts / 32];
   __shared__ int count;
   __shared__ int expert;
   const int y = blockIdx.y;
-  const bool shared = p.shared_slot != 0 && y == static_cast<int>(gridDim.y) - 1;
-  const int words = (p.num_experts + 31) / 32;
-  if (!shared) {
-    for (int w = threadIdx.x; w < words; w += blockDim.x) used[w] = 0u;
-    __syncthreads();
-    for (int i = threadIdx.x; i < p.rows * p.topk; i += blockDim.x) {
-      const int id = p.topk_ids[i];
-      atomicOr(&used[id / 32], 1u << (id % 32));
+  const int tid = static_cast<int>(threadIdx.x);
+  if (p.shared_slot != 0 && y == static_cast<int>(gridDim.y) - 1) {
+    if (tid < p.rows) {
+      tok_row[tid] = tid;
+      tok_slot[tid] = p.topk;
     }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) {
-    int e = -1;
-    if (shared) {
-      e = p.num_experts;
-    } else {
-      int seen = 0;
-      for (int w = 0; w < words && e < 0; ++w) {
-        uint32_t bits = used[w];
-        const int here = __popc(bits);
-        if (seen + here <= y) {
-          seen += here;
-          continue;
-        }
-        for (; bits != 0u; bits &= bits - 1u, ++seen) {
-          if (seen == y) {
-            e = w * 32 + __ffs(bits) - 1;
-            break;
-          }
-        }
-      }
+    if (tid == 0) {
+      count = p.rows;
+      expert = p.num_experts;
     }
-    int n = 0;
-    if (e == p.num_experts) {
-      for (int r = 0; r < p.rows; ++r) {
-        tok_row[n] = r;
-        tok_slot[n] = p.topk;
-        ++n;
-      }
-    } else if (e >= 0) {
-      for (int r = 0; r < p.rows; ++r) {
-        for (int i = 0; i < p.topk; ++i) {
-          if (p.topk_ids[r * p.topk + i] == e) {
-            tok_row[n] = r;
-            tok_slot[n] = i;
-            ++n;
-          }
-        }
-      }
+  } else {
+    // The slot's list, made once by the top-k kernel.
+    const int n = p.slot_count[y];
+    if (tid < n) {
+      const int pick = p.slot_picks[y * kMoeMaxRows + tid];
+      tok_row[tid] = pick / p.topk;
+      tok_slot[tid] = pick % p.topk;
     }
-    count = n;
-    expert = e;
+    if (tid == 0) {
+      count = n;
+      expert = p.slot_expert[y];
+    }
   }
   __syncthreads();
   release_next_kernel();

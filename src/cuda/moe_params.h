@@ -46,9 +46,14 @@ struct MoeParams {
   float routed_scaling = 2.0f;
   float limit = 7.0f;
   // Workspace (moe_workspace_bytes) and outputs.
-  float* route_s = nullptr;        // [rows, E] f32: sigmoid of the router logits
-  float* route_key = nullptr;      // [rows, E] f32: s + bias, the picking keys
-  int32_t* topk_ids = nullptr;     // [rows, topk] i32: the picked experts, pick order
+  float* route_s = nullptr;     // [rows, E] f32: sigmoid of the router logits
+  float* route_key = nullptr;   // [rows, E] f32: s + bias, the picking keys
+  int32_t* topk_ids = nullptr;  // [rows, topk] i32: the picked experts, pick order
+  // The expert slots of the step, written with the picks: slot y is the y-th smallest distinct
+  // expert picked, with its picks in row order, then pick order (max_slots = min(E, rows * topk)).
+  int32_t* slot_expert = nullptr;  // [max_slots] the expert (-1: no expert left for the slot)
+  int32_t* slot_count = nullptr;   // [max_slots] its picks (<= rows: a row picks it at most once)
+  int32_t* slot_picks = nullptr;   // [max_slots, kMoeMaxRows] pick index row * topk + i
   float* topk_weights = nullptr;   // [rows, topk] f32
   uint16_t* act = nullptr;         // [rows, topk, I] bf16: the routed experts' activations
   uint16_t* act_shared = nullptr;  // [rows, S] bf16

@@ -4,7 +4,7 @@
 //
 //  - moe_route_logits_kernel: one CTA per expert (the router's bytes spread over the GPU: a row
 //    of CTAs would leave one SM to stream the whole [E, hidden] fp32 gate); warp w takes 1/4 of K,
-//    each gate float4 loaded once for every row, lanes then a butterfly sum, the 8 warps' partials
+//    each gate float4 loaded once for every row, lanes then a butterfly sum, the 4 warps' partials
 //    added in warp order; s = sigmoid(logit), key = s + bias, per (row, expert).
 //  - moe_route_topk_kernel: one CTA, a warp per row: the top-k keys (NaN last, the lower id on
 //    ties) by k warp-wide arg-max rounds; ids and weights routed_scaling * s_i / sum s; then the

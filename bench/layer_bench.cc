@@ -78,6 +78,7 @@
 #include "m3msa/moe.h"
 #include "m3msa/runtime.h"
 #include "m3msa/testing/splitmix.h"
+#include "moe_floor.h"
 
 namespace m3msa::bench {
 namespace {
@@ -133,15 +134,15 @@ ModelConfig m3_model(const Config& c) {
   return m;
 }
 
-// The MoE bytes one rank reads per layer for `tokens` rows under uniform routing.
+// The MoE bytes one rank reads per layer for `tokens` rows under uniform routing: the distinct
+// routed experts, the shared expert and the fp32 router with its bias.
 double moe_step_bytes(const ModelConfig& m, int tp, bool fp8, int tokens) {
   const MoeConfig mc = m.moe(tp);
-  const double H = mc.hidden;
-  const double per_elem = fp8 ? 1.0 + 1.0 / kMxfp8Block : 2.0;
   const double E = mc.num_experts;
-  const double distinct = E * (1.0 - std::pow(1.0 - mc.experts_per_token / E, tokens));
-  return distinct * 3.0 * H * mc.intermediate * per_elem +
-         3.0 * H * mc.shared_intermediate * per_elem + 4.0 * E * (H + 1);
+  return expected_distinct_experts(mc, tokens) *
+             static_cast<double>(expert_bytes(mc.hidden, mc.intermediate, fp8)) +
+         static_cast<double>(expert_bytes(mc.hidden, mc.shared_intermediate, fp8)) +
+         4.0 * E * (mc.hidden + 1);
 }
 
 // One rank's bound model: random weights and caches in device memory it owns.
@@ -473,13 +474,17 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
   const double H = m.hidden;
   const double A = static_cast<double>(sc.q_heads) * sc.head_dim;
   const double kv_elem = c.kv == DType::kFP8E4M3 ? 1.0 : 2.0;
+  // The [q | k | v] projection of width W and o_proj (+ fp8 per-channel scales), and the bf16
+  // norm weights (the input and post-attention norms, and `head_norms` per-head ones).
+  auto projection_bytes = [&](double W, double head_norms) {
+    return (W * H + H * A) * welem + (c.weights == DType::kFP8E4M3 ? (W + H) * 4.0 : 0.0) +
+           (2.0 * H + head_norms) * 2.0;
+  };
   if (is_dense(c)) {
     const double W = static_cast<double>(rank_layout(m, 0, c.tp, c.cp).dense_qkv_width);
-    res.weight_bytes = (W * H + H * A) * welem +
-                       (c.weights == DType::kFP8E4M3 ? (W + H) * 4.0 : 0.0) +
-                       (2.0 * H + 2.0 * sc.head_dim) * 2.0;
-    const double mlp_elem = c.moe == "mxfp8" ? 1.0 + 1.0 / kMxfp8Block : 2.0;
-    res.dense_mlp_bytes = 3.0 * H * static_cast<double>(m.dense_intermediate / c.tp) * mlp_elem;
+    res.weight_bytes = projection_bytes(W, 2.0 * sc.head_dim);
+    res.dense_mlp_bytes =
+        static_cast<double>(expert_bytes(m.hidden, m.dense_intermediate / c.tp, c.moe == "mxfp8"));
     res.weight_bytes += res.dense_mlp_bytes;
     // Dense attention reads the K and V rows of every visible key, once per request and KV head.
     res.cache_bytes = reqs * static_cast<double>(sc.kv_heads) * static_cast<double>(c.context) *
@@ -489,9 +494,7 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
     const double indexer_share = 1.0 / c.share_period;
     const double index_cols = (static_cast<double>(sc.index_heads) + 1) * sc.index_dim;
     const double W = static_cast<double>(sc.qkv_width()) - (1.0 - indexer_share) * index_cols;
-    res.weight_bytes = (W * H + H * A) * welem +
-                       (c.weights == DType::kFP8E4M3 ? (W + H) * 4.0 : 0.0) +
-                       (2.0 * H + 2.0 * sc.head_dim + 2.0 * sc.index_dim) * 2.0;
+    res.weight_bytes = projection_bytes(W, 2.0 * sc.head_dim + 2.0 * sc.index_dim);
     const double block_tokens = sc.block_size;
     // With CP each rank reads its round-robin shard: ceil(nb / P) blocks.
     const double index_blocks = c.cp ? std::ceil(static_cast<double>(nb) / c.tp) : nb;

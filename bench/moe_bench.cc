@@ -50,6 +50,7 @@
 #include "m3msa/error.h"
 #include "m3msa/moe.h"
 #include "m3msa/testing/splitmix.h"
+#include "moe_floor.h"
 
 namespace m3msa::bench {
 namespace {
@@ -75,19 +76,6 @@ struct Options {
   std::string json_path;
   std::string commit = "unknown";
 };
-
-// Bytes of one SwiGLU expert's w13 [2 I, H] + w2 [H, I] (+ one e8m0 byte per 32 elements).
-int64_t expert_bytes(int64_t hidden, int64_t inter, bool fp8) {
-  const int64_t elems = 3 * hidden * inter;
-  return fp8 ? elems + elems / kMxfp8Block : 2 * elems;
-}
-
-// The expected number of distinct experts `tokens` uniformly routed rows pick (L sizing only;
-// the floor counts the measured routing).
-double expected_distinct(const MoeConfig& c, int tokens) {
-  const double e = c.num_experts;
-  return e * (1.0 - std::pow(1.0 - c.experts_per_token / e, tokens));
-}
 
 // The device memory of one (what, TP, dtype) group; views into it.
 class DeviceArena {
@@ -324,11 +312,11 @@ int run_moe_bench(int argc, char** argv) {
         const int64_t copy_bytes =
             dense ? dense_bytes : router_bytes + E * one_expert + shared_bytes;
         // What the lightest launch reads: sizes the rotation.
-        const double light_launch =
-            dense ? static_cast<double>(dense_bytes)
-                  : static_cast<double>(router_bytes) +
-                        expected_distinct(mc, min_tokens) * static_cast<double>(one_expert) +
-                        static_cast<double>(shared_bytes);
+        const double light_launch = dense ? static_cast<double>(dense_bytes)
+                                          : static_cast<double>(router_bytes) +
+                                                expected_distinct_experts(mc, min_tokens) *
+                                                    static_cast<double>(one_expert) +
+                                                static_cast<double>(shared_bytes);
         const int want_copies = static_cast<int>(
             std::clamp<double>(std::floor(static_cast<double>(opt.rotate_bytes) / light_launch) + 1,
                                1, opt.max_copies));

@@ -266,6 +266,15 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The shared expert's token list: every row, at pick slot k (its place in y).
+__device__ __forceinline__ void list_every_row(const MoeParams& p, int* tok_row, int* tok_slot) {
+  const int tid = static_cast<int>(threadIdx.x);
+  if (tid < p.rows) {
+    tok_row[tid] = tid;
+    tok_slot[tid] = p.topk;
+  }
+}
+
 // The expert CTA row `y` of the expert grid serves and the rows (and pick slots) that use it.
 // Rows y < grid.y - 1 (all rows without a shared expert) take expert slot y (MoeParams::slot_*,
 // the y-th smallest distinct expert the step picked; none past their count: the CTA has nothing to
@@ -281,10 +290,7 @@ __device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int
   const int y = blockIdx.y;
   const int tid = static_cast<int>(threadIdx.x);
   if (p.shared_slot != 0 && y == static_cast<int>(gridDim.y) - 1) {
-    if (tid < p.rows) {
-      tok_row[tid] = tid;
-      tok_slot[tid] = p.topk;
-    }
+    list_every_row(p, tok_row, tok_slot);
     if (tid == 0) {
       count = p.rows;
       expert = p.num_experts;
@@ -515,10 +521,7 @@ __global__ void __launch_bounds__(kMmaThreads)
     route_logits(p, cta, partial);
     return;
   }
-  if (static_cast<int>(threadIdx.x) < p.rows) {
-    tok_row[threadIdx.x] = threadIdx.x;
-    tok_slot[threadIdx.x] = p.topk;
-  }
+  list_every_row(p, tok_row, tok_slot);
   __syncthreads();
   gate_up_tile<kFp8>(p, true, 0, p.rows, tok_row, tok_slot, (cta - p.num_experts) * kMmaGateUpRows,
                      s_red);

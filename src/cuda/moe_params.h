@@ -35,7 +35,7 @@ struct MoeParams {
   bool tensor_cores = true;
   // Each kernel launched as a programmatic dependent of the previous one in the stream (PDL): the
   // next kernel is scheduled while this one finishes and waits on the device. Off by default
-  // until measured (bench moe --pdl).
+  // until measured (bench moe --kernels mma,mma+pdl).
   bool pdl = false;
   // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
   int shared_slot = 0;

@@ -89,8 +89,9 @@ int run_indexer_bench(int argc, char** argv) {
   app.add_flag("--quick", opt.quick, "batches 1,32 x contexts 4K,128K only");
   app.add_flag("--no-unfused", opt.no_unfused, "skip the unfused baseline");
   app.add_flag("--split-merge", opt.split_merge,
-               "also time the split kernel's merge as a separate, programmatically dependent "
-               "kernel (IndexerVariant::kSplitMerge)");
+               "also time the two merge placements the default picks between: the merge as a "
+               "separate, programmatically dependent kernel (IndexerVariant::kSplitMerge) and in "
+               "the request's last CTA (kLastCtaMerge)");
   app.add_option("--min-blocks", opt.min_blocks,
                  "IndexerPlan::min_blocks_per_cta values to time side by side (>= 1)")
       ->delimiter(',');
@@ -204,6 +205,7 @@ int run_indexer_bench(int argc, char** argv) {
     DeviceTensor out_unfused(DType::kI32, {rows, H, k});
     DeviceTensor out_span(DType::kI32, {rows, H, k});
     DeviceTensor out_merge(DType::kI32, {rows, H, k});
+    DeviceTensor out_last_cta(DType::kI32, {rows, H, k});
     auto args_for = [&](int c, const DeviceTensor& out) {
       IndexerArgs a;
       a.index_q = queries[c].view();
@@ -253,14 +255,18 @@ int run_indexer_bench(int argc, char** argv) {
       check +=
           std::memcmp(a.data(), b.data(), a.nbytes()) == 0 ? ", unfused same" : ", unfused DIFF";
     }
-    Timing merge;
+    Timing merge, last_cta;
     if (opt.split_merge) {
       merge = measure(IndexerVariant::kSplitMerge, out_merge);
-      HostTensor a, b;
+      last_cta = measure(IndexerVariant::kLastCtaMerge, out_last_cta);
+      HostTensor a, b, c;
       copy_to_host(out_fused.view(), a);
       copy_to_host(out_merge.view(), b);
+      copy_to_host(out_last_cta.view(), c);
       check += std::memcmp(a.data(), b.data(), a.nbytes()) == 0 ? ", merge kernel same"
                                                                 : ", merge kernel DIFF";
+      check += std::memcmp(a.data(), c.data(), a.nbytes()) == 0 ? ", last-CTA merge same"
+                                                                : ", last-CTA merge DIFF";
     }
     const uint32_t status = cuda::read_indexer_status(plan, workspace.data(), stream.get(), true);
     if (status != 0) check += fmt::format(" status {}", status);
@@ -299,6 +305,7 @@ int run_indexer_bench(int argc, char** argv) {
     if (opt.split_merge) {
       rec["split_merge_us"] = merge.median_us;
       rec["split_merge_vs_fused"] = merge.median_us / fused.median_us;
+      rec["last_cta_merge_us"] = last_cta.median_us;
     }
     if (torch_us > 0) {
       rec["torch_us"] = torch_us;
@@ -319,9 +326,10 @@ int run_indexer_bench(int argc, char** argv) {
     results.write(table.records(), false);
     std::printf(
         "tp %d batch %4d context %5s %-4s q %d min blocks %d: fused %9.1f us (%3.0f%% roof), span"
-        " %9.1f us, unfused %9.1f us, merge kernel %9.1f us [%s]\n",
+        " %9.1f us, unfused %9.1f us, merge kernel %9.1f us, last-CTA merge %9.1f us [%s]\n",
         cfg.tp, cfg.batch, fmt_context(cfg.context).c_str(), shown_dtype, cfg.q_len, cfg.min_blocks,
-        fused.median_us, roof, span.median_us, unfused.median_us, merge.median_us, check.c_str());
+        fused.median_us, roof, span.median_us, unfused.median_us, merge.median_us,
+        last_cta.median_us, check.c_str());
     std::fflush(stdout);
   }
   std::printf("\n");

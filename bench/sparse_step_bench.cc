@@ -1,12 +1,13 @@
 // m3msa bench sparse-step: one sparse layer's selection + attention as a decode step runs them,
-// under CUDA-graph replay: the fused indexer writes topk_idx, the sparse attention reads it.
+// under CUDA-graph replay: the indexer writes topk_idx, the sparse attention reads it.
 //
 // Per configuration every request has seq_len = context; index-K and main-KV pages of a block
 // share the page id (one table serves both caches). Input copies on disjoint pages (own tables,
 // queries and outputs) rotate so that one graph's launches read several times the 60 MB L2.
 //
-// Each configuration's data is timed under every pair of --indexer variant (fused: the split kernel
-// with its merge inside; split-merge: its merge as a second, programmatically dependent kernel)
+// Each configuration's data is timed under every pair of --indexer variant (default: the split
+// kernel with the merge placement the library picks; split-merge: the merge as a second,
+// programmatically dependent kernel; last-cta: the merge in the request's last CTA)
 // and --attention-tunings entry (attention.h, e.g. "default;pdl=1"); --tp times one rank's shapes
 // under tensor parallelism (ModelConfig::sparse(tp): one index and one KV head from TP 4).
 //
@@ -47,7 +48,7 @@ struct StepOptions {
   std::vector<std::string> dtypes = {"bf16", "fp8"};
   std::vector<int> q_lens = {1, 4};
   std::vector<int> tps = {1};
-  std::vector<std::string> indexers = {"fused"};
+  std::vector<std::string> indexers = {"default"};
   std::string attention_tunings = "default";
   bool quick = false;
   int reps = 30;
@@ -73,8 +74,9 @@ int run_sparse_step_bench(int argc, char** argv) {
   app.add_option("--tp", opt.tps, "one rank's shapes under tensor parallelism: 1, 2, 4, 8")
       ->delimiter(',');
   app.add_option("--indexer", opt.indexers,
-                 "indexer variants: fused (the split kernel's merge inside it), split-merge (the "
-                 "merge as a second, programmatically dependent kernel)")
+                 "indexer variants: default (the library's pick of the two merge placements), "
+                 "split-merge (the merge as a second, programmatically dependent kernel), last-cta "
+                 "(the merge in the request's last CTA)")
       ->delimiter(',');
   app.add_option("--attention-tunings", opt.attention_tunings,
                  "';'-separated attention launcher tunings (attention.h: splitp, cluster, pdl, "
@@ -95,14 +97,16 @@ int run_sparse_step_bench(int argc, char** argv) {
   }
   std::vector<IndexerVariant> variants;
   for (const std::string& name : opt.indexers) {
-    if (name == "fused") {
+    if (name == "default") {
       variants.push_back(IndexerVariant::kFused);
     } else if (name == "split-merge") {
       variants.push_back(IndexerVariant::kSplitMerge);
+    } else if (name == "last-cta") {
+      variants.push_back(IndexerVariant::kLastCtaMerge);
     } else {
       std::fprintf(stderr,
-                   "m3msa bench sparse-step: --indexer: unknown variant '%s' (fused, "
-                   "split-merge)\n",
+                   "m3msa bench sparse-step: --indexer: unknown variant '%s' (default, "
+                   "split-merge, last-cta)\n",
                    name.c_str());
       return 2;
     }
@@ -223,7 +227,7 @@ int run_sparse_step_bench(int argc, char** argv) {
             PlanLimits limits;
             limits.max_reqs = batch;
             limits.max_q_len = q_len;
-            limits.max_context = 0;  // the fused indexer needs no score tensor
+            limits.max_context = 0;  // the split kernel needs no score tensor
             const cuda::IndexerPlan plan = cuda::plan_indexer(config, limits, 0);
             cuda::DeviceBuffer index_ws(plan.workspace_bytes);
             cuda::init_indexer_workspace(plan, index_ws.data(), stream.get());
@@ -237,7 +241,9 @@ int run_sparse_step_bench(int argc, char** argv) {
             for (IndexerVariant variant : variants) {
               for (const cuda::AttentionTuning& tuning : tunings) {
                 const std::string indexer_name =
-                    variant == IndexerVariant::kSplitMerge ? "split-merge" : "fused";
+                    variant == IndexerVariant::kSplitMerge     ? "split-merge"
+                    : variant == IndexerVariant::kLastCtaMerge ? "last-cta"
+                                                               : "default";
                 const std::string tuning_name = tuning.name();
                 cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
                   for (int c = 0; c < copies; ++c) {

@@ -92,7 +92,10 @@ def paths(s, cfg, plan):
 
 def graph_nodes(graph_fn):
     """(kernels, copies, memsets) of a freshly captured graph of graph_fn, from its DOT dump."""
-    graph = torch.cuda.CUDAGraph()
+    try:  # torch >= 2.6 drops the captured graph at instantiation unless asked to keep it
+        graph = torch.cuda.CUDAGraph(keep_graph=True)
+    except TypeError:
+        graph = torch.cuda.CUDAGraph()
     if not hasattr(graph, "enable_debug_mode"):
         return None, None, None
     graph.enable_debug_mode()
@@ -101,6 +104,8 @@ def graph_nodes(graph_fn):
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "graph.dot")
         graph.debug_dump(path)
+        if not os.path.exists(path):  # this torch wrote no dump: the counts stay unknown
+            return None, None, None
         text = open(path).read()
     kinds = re.findall(r'label="\{?\s*(\w+)', text)
     return (sum(k == "KERNEL" for k in kinds), sum(k == "MEMCPY" for k in kinds),

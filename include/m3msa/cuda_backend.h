@@ -82,9 +82,10 @@ DeviceCase upload(const SyntheticCase& host, int device = 0);
 
 // Which indexer implementation select_topk() runs (benchmarks and tests compare them).
 enum class IndexerVariant : int {
-  // The default: one launch scores and selects. Decode runs the split kernel (each request's
-  // blocks spread over many CTAs, pages streamed by bulk copies, the request's last CTA merges);
-  // prefill runs the span kernel.
+  // The default. Decode runs the split kernel (each request's blocks spread over many CTAs, pages
+  // streamed by bulk copies); its merge runs in the request's last CTA, or as the second kernel of
+  // kSplitMerge where that measured faster (one to four requests with many query vectors or long
+  // contexts: the last CTA merges the vectors one after another). Prefill runs the span kernel.
   kFused = 0,
   kUnfused = 1,  // baseline: [rows, H, max_blocks] f32 scores to memory, then a top-k kernel
   kSpan = 2,     // decode through the span kernel too (the batch's blocks laid end to end over
@@ -92,6 +93,7 @@ enum class IndexerVariant : int {
   kSplitMerge =
       3,  // decode: the split kernel writes candidates only, and a second kernel, launched
           // programmatically dependent, merges them with one CTA per query vector
+  kLastCtaMerge = 4,  // decode: the split kernel with its merge always in the last CTA (comparison)
 };
 
 class CudaBackend : public Backend {

@@ -1,9 +1,10 @@
 // Host side of the block-sparse attention kernel: validation, the split plan, the workspace layout
 // and the launch (attention_kernel.cuh has the algorithm).
 //
-// Row groups: the decode rows of one request (q_len > 1) share a CTA, 4 or 2 at a time
-// (choose_row_tiles), so the blocks their selections have in common are read once; prefill,
-// q_len 1 and a topk above kMaxGroupedTopk take one row per CTA.
+// Row groups (AttentionTuning::max_row_tiles > 1, off by default): the decode rows of one request
+// (q_len > 1) share a CTA, 4 or 2 at a time (choose_row_tiles), so the blocks their selections
+// have in common are read once; prefill, q_len 1 and a topk above kMaxGroupedTopk take one row
+// per CTA.
 //
 // Split plan: a (row, kv head) "unit" is one CTA unless there are too few units to fill the GPU;
 // then each unit's selected blocks are split over `splits` CTAs (for a selection a power of two,
@@ -279,7 +280,7 @@ std::string AttentionTuning::name() const {
   return "splitp" + std::to_string(split_p ? 1 : 0) + "-cluster" + std::to_string(max_cluster) +
          "-pdl" + std::to_string(pdl ? 1 : 0) +
          (max_splits > 0 ? "-splits" + std::to_string(max_splits) : std::string()) +
-         (max_row_tiles != 4 ? "-rows" + std::to_string(max_row_tiles) : std::string());
+         (max_row_tiles != 1 ? "-rows" + std::to_string(max_row_tiles) : std::string());
 }
 
 AttentionTuning AttentionTuning::parse(const std::string& text) {

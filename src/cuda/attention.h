@@ -48,12 +48,14 @@ struct AttentionTuning {
   // (as many splits as fit one wave of resident CTAs, up to topk) capped at N (16: the wave plan
   // uncapped), for comparisons.
   int max_splits = 0;
-  // Decode rows of one request per CTA at most (1, 2 or 4; the plan takes 4 or 2 by q_len): the
-  // rows' selections are read as one union, each shared block once. 1: every row its own CTA, for
-  // comparisons.
-  int max_row_tiles = 4;
+  // Decode rows of one request per CTA at most (1, 2 or 4; above 1 the plan takes 4 or 2 by
+  // q_len): the rows' selections are read as one union, each shared block once, one warp per row.
+  // Off by default: measured on H200 it wins only where every row shares one selection at >= 32
+  // requests (q_len 4: 1.2-1.4x); with each row's own selection (what the indexer produces) or
+  // at 1-4 requests one row per CTA is 1.2-4.7x faster (docs/benchmarks.md).
+  int max_row_tiles = 1;
 
-  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows1" off default)
+  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows4" off default)
   // Parses "splitp=1,cluster=2,pdl=0,splits=8,rows=4" (any subset; the rest default); throws
   // naming the text.
   static AttentionTuning parse(const std::string& text);

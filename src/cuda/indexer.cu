@@ -165,6 +165,18 @@ void launch_split_merge(const IndexerParams& p, int num_reqs, cudaStream_t strea
                    dim3(indexer::kThreads), 0, stream, /*pdl=*/true, p);
 }
 
+// Under kFused, whether the split kernel's merge runs as a kernel of its own. The last CTA merges
+// its request's query vectors a few at a time (one per warp), so its time grows with
+// ceil(vectors / 4) x candidates per vector; the merge kernel costs ~1.5-2 us of launch and round
+// trip more but gives every vector a CTA. Thresholds from bench indexer --split-merge on H200
+// (docs/benchmarks.md): at one request the merge kernel wins from 16 vectors on, or from 2048
+// (vectors / 4 x candidates); at 2-4 requests from 4096; at more requests never.
+bool prefer_merge_kernel(int64_t num_reqs, int vectors, int64_t candidates) {
+  const int64_t load = static_cast<int64_t>((vectors + 3) / 4) * candidates;
+  if (num_reqs == 1) return vectors >= 16 || load >= 2048;
+  return num_reqs <= 4 && load >= 4096;
+}
+
 KernelFn split_kernel(bool fp8, bool q8, int n_tiles) {
   switch (n_tiles) {
     case 1: return split_kernel_of<1>(fp8, q8);
@@ -430,13 +442,22 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
     p.unit_vectors = batch.q_len * config.index_heads;
     const int tiles = n_tiles_for(p.unit_vectors);
     const bool unfused = variant == IndexerVariant::kUnfused;
-    const bool split_merge = variant == IndexerVariant::kSplitMerge;
-    if ((variant == IndexerVariant::kFused || split_merge) &&
-        batch.num_reqs <= 65535) {  // grid.y limit
+    const bool split = variant == IndexerVariant::kFused ||
+                       variant == IndexerVariant::kSplitMerge ||
+                       variant == IndexerVariant::kLastCtaMerge;
+    if (split && batch.num_reqs <= 65535) {  // grid.y limit
       // Every request gets an equal share of the plan's CTAs (the grid depends on num_reqs and
       // the plan only, so a captured graph replays any lengths); the workspace holds
       // splits * num_reqs <= grid + max_units CTAs' candidates.
       const int splits = std::max(1, plan.grid / batch.num_reqs);
+      // Candidates per query vector at most: each CTA keeps <= topk of its blocks, and the table's
+      // width bounds a request's blocks (host shapes only, so a captured graph replays any lengths).
+      const int64_t candidates =
+          std::min<int64_t>(p.table_cols, static_cast<int64_t>(splits) * config.topk);
+      const bool split_merge =
+          variant == IndexerVariant::kSplitMerge ||
+          (variant == IndexerVariant::kFused &&
+           prefer_merge_kernel(batch.num_reqs, p.unit_vectors, candidates));
       // One CTA per request answers by itself: no merge kernel to launch.
       const bool separate_merge = split_merge && splits > 1;
       p.separate_merge = separate_merge ? 1 : 0;

@@ -224,13 +224,14 @@ struct HeadMajorSelection {
 TEST(CudaSparseAttention, SpeculativeRowGroupsMatchCpuReference) {
   M3MSA_REQUIRE_GPU();
   std::vector<cuda::AttentionTuning> tunings(7);
+  for (int i = 0; i < 5; ++i) tunings[i].max_row_tiles = 4;  // row groups are opt-in
   tunings[1].max_cluster = 0;  // split merge through the workspace
   tunings[2].max_splits = 16;  // the wave plan: many splits
   tunings[3].max_splits = 2;   // two splits, in a cluster where the device allows
   tunings[4].max_splits = 16;  // many splits, in one cluster where the device allows
   tunings[4].max_cluster = 16;
   tunings[5].max_row_tiles = 2;
-  tunings[6].max_row_tiles = 1;  // one row per CTA
+  tunings[6].max_row_tiles = 1;  // one row per CTA (the default)
   struct Shape {
     int topk;
     int q_len;

@@ -45,8 +45,10 @@ TEST(CudaIndexerFp8Query, SplitSpanAndUnfusedAgreeAndMatchTheCpu) {
     const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
     const HostTensor unfused = run_gpu(c, IndexerVariant::kUnfused);
     const HostTensor merged = run_gpu(c, IndexerVariant::kSplitMerge);
+    const HostTensor last_cta = run_gpu(c, IndexerVariant::kLastCtaMerge);
     EXPECT_EQ(std::memcmp(split.data(), span.data(), split.nbytes()), 0) << what;
     EXPECT_EQ(std::memcmp(split.data(), merged.data(), split.nbytes()), 0) << what;
+    EXPECT_EQ(std::memcmp(split.data(), last_cta.data(), split.nbytes()), 0) << what;
     EXPECT_EQ(std::memcmp(split.data(), unfused.data(), split.nbytes()), 0) << what;
     const Comparison cmp = compare_selections(c, split, run_cpu(c));
     EXPECT_EQ(cmp.failures, 0) << what << ": " << cmp.summary();

@@ -46,7 +46,12 @@ void expect_split_equals_span_and_cpu(const SyntheticCase& c, const std::string&
   const HostTensor merged = run_gpu(c, IndexerVariant::kSplitMerge, &merge_status);
   EXPECT_EQ(merge_status, 0u) << what;
   EXPECT_EQ(std::memcmp(split.data(), merged.data(), split.nbytes()), 0)
-      << what << ": the separate merge (kSplitMerge) differs from the in-kernel one";
+      << what << ": the separate merge (kSplitMerge) differs from the default";
+  uint32_t last_status = 0;
+  const HostTensor last_cta = run_gpu(c, IndexerVariant::kLastCtaMerge, &last_status);
+  EXPECT_EQ(last_status, 0u) << what;
+  EXPECT_EQ(std::memcmp(split.data(), last_cta.data(), split.nbytes()), 0)
+      << what << ": the last CTA's merge (kLastCtaMerge) differs from the default";
   if (check_cpu) {
     const Comparison cmp = compare_selections(c, split, run_cpu(c));
     EXPECT_EQ(cmp.failures, 0) << what << ": " << cmp.summary();
@@ -109,9 +114,12 @@ TEST(CudaIndexerSplit, AllEqualScoresPreferLowerBlocks) {
     const HostTensor split = run_gpu(c, IndexerVariant::kFused);
     const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
     const HostTensor merged = run_gpu(c, IndexerVariant::kSplitMerge);
+    const HostTensor last_cta = run_gpu(c, IndexerVariant::kLastCtaMerge);
     ASSERT_EQ(std::memcmp(split.data(), span.data(), split.nbytes()), 0) << dtype_name(dtype);
     ASSERT_EQ(std::memcmp(split.data(), merged.data(), split.nbytes()), 0)
         << dtype_name(dtype) << ": the separate merge";
+    ASSERT_EQ(std::memcmp(split.data(), last_cta.data(), split.nbytes()), 0)
+        << dtype_name(dtype) << ": the last CTA's merge";
     // Row 0 of request 0 (pos 99998, 782 visible blocks): its own block forced, then 0..14.
     const int k = c.config.topk;
     for (int h = 0; h < c.config.index_heads; ++h) {
@@ -130,7 +138,8 @@ TEST(CudaIndexerSplit, MinimumRangeChangesNothing) {
       make_synthetic_case(decode_spec(3, 2, 20000, 140000, DType::kBF16, 0, 361));
   const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
   for (int min_blocks : {1, 4, 16, 64}) {
-    for (IndexerVariant variant : {IndexerVariant::kFused, IndexerVariant::kSplitMerge}) {
+    for (IndexerVariant variant : {IndexerVariant::kFused, IndexerVariant::kSplitMerge,
+                                   IndexerVariant::kLastCtaMerge}) {
       DeviceCase d = upload(c);
       DeviceTensor topk(DType::kI32, {c.num_rows(), c.config.index_heads, c.config.topk});
       fill_device_bytes(topk.view(), kPoisonByte);
@@ -146,7 +155,7 @@ TEST(CudaIndexerSplit, MinimumRangeChangesNothing) {
       copy_to_host(topk.view(), out);
       EXPECT_EQ(std::memcmp(out.data(), span.data(), out.nbytes()), 0)
           << "min_blocks_per_cta " << min_blocks
-          << (variant == IndexerVariant::kSplitMerge ? " (separate merge)" : "");
+          << " variant " << static_cast<int>(variant);
     }
   }
 }

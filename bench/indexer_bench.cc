@@ -1,5 +1,6 @@
-// m3msa bench indexer: the CUDA decode indexer (fused, the span kernel and the unfused baseline)
-// under CUDA-graph replay, swept over batch x context x index dtype x query length.
+// m3msa bench indexer: the CUDA decode indexer (the default, the span kernel, the unfused baseline and,
+// with --split-merge, both merge placements) under CUDA-graph replay, swept over batch x context x
+// index dtype x query length.
 //
 // Per configuration every request has seq_len = context (nb = context / 128 blocks, all on their
 // own shuffled pages). Input copies on disjoint pages (own tables and queries) rotate so that one
@@ -128,7 +129,7 @@ int run_indexer_bench(int argc, char** argv) {
       return 2;
     }
   }
-  Table table({"tp", "batch", "context", "dtype", "q", "min blk", "fused us", "noise", "MB", "TB/s",
+  Table table({"tp", "batch", "context", "dtype", "q", "min blk", "default us", "noise", "MB", "TB/s",
                "% roof", "span us", "x span", "unfused us", "x unfused", "torch us", "x torch",
                "check"});
   std::vector<Config> configs;
@@ -325,7 +326,7 @@ int run_indexer_bench(int argc, char** argv) {
         rec);
     results.write(table.records(), false);
     std::printf(
-        "tp %d batch %4d context %5s %-4s q %d min blocks %d: fused %9.1f us (%3.0f%% roof), span"
+        "tp %d batch %4d context %5s %-4s q %d min blocks %d: default %9.1f us (%3.0f%% roof), span"
         " %9.1f us, unfused %9.1f us, merge kernel %9.1f us, last-CTA merge %9.1f us [%s]\n",
         cfg.tp, cfg.batch, fmt_context(cfg.context).c_str(), shown_dtype, cfg.q_len, cfg.min_blocks,
         fused.median_us, roof, span.median_us, unfused.median_us, merge.median_us,

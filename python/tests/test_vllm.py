@@ -4,14 +4,17 @@ block, D], the main cache [blocks, 2, block, KVH, HD], a head-major selection bu
 capacity, padding requests of length 0), against the CPU reference and against an oracle of
 vLLM's own rules (forced init blocks, then local blocks, then descending score; -1 padding);
 the plugin's swap, fallback and undo on a stand-in vllm package; the entry point in
-pyproject.toml. Skips without torch."""
+pyproject.toml; on a GPU the same calls eager, replayed from a CUDA graph with new inputs, and
+under torch.compile(fullgraph=True). Skips without torch (the GPU class without a GPU)."""
 
+import functools
 import importlib
 import math
 import os
 import sys
 import tempfile
 import textwrap
+import types
 import unittest
 from unittest import mock
 
@@ -20,16 +23,20 @@ import numpy as np
 import m3msa
 import oracle
 from common import THREADS, TestCase, small_config
+from cuda_common import CudaTestCase, gpu_config, requires_cuda
 
 try:
     import torch
     import m3msa.vllm as mvllm
-    from test_torch_ops import POISON, bits, kv_in_layout, shared_table_case, t
+    from test_torch_ops import (POISON, bits, compile_skip_reason, kv_in_layout,
+                                shared_table_case, t)
 except ImportError:
     torch = None
 
 NO_TORCH = "torch is not installed"
 SEQ_LENS = [150, 7, 0, 64, 65, 300, 16]
+# The GPU class: up to 15 blocks of 128 tokens against a top-8, and a padding request.
+CUDA_SEQ_LENS = [1900, 7, 0, 1000, 1290]
 
 
 def vllm_rule_selection(c, topk, init_blocks, local_blocks):
@@ -51,6 +58,99 @@ def vllm_rule_selection(c, topk, init_blocks, local_blocks):
             order = sorted(range(nb), key=lambda b: (-s[b], b))[:topk]
             out[h, row, :len(order)] = order
     return out
+
+
+@requires_cuda
+class CudaVllmEntryPointsTest(CudaTestCase):
+    """Both entry points on the GPU, fed the way vLLM feeds them (one table for both caches, the
+    main cache in vLLM's layout, a head-major selection buffer of larger capacity): eager against
+    the CPU reference, one step replayed from a CUDA graph on new inputs against the same step
+    eager, and the step under torch.compile(fullgraph=True) against eager."""
+
+    def make(self, seed, q_len):
+        cfg = gpu_config()
+        c = shared_table_case(cfg, seed, seq_lens=CUDA_SEQ_LENS, q_len=q_len)
+        dev = types.SimpleNamespace(
+            idx_q=t(c.index_q).cuda(), index_cache=t(c.index_cache).cuda(),
+            table=t(c.index_table).cuda(), seq_lens=t(c.batch.seq_lens).cuda(),
+            q=t(c.q).cuda(), kv=kv_in_layout(c.kv_cache, "vllm").cuda())
+        rows = len(c.rows)
+        dev.buffer = torch.full((cfg.index_heads, rows + 3, cfg.topk), POISON, dtype=torch.int32,
+                                device="cuda")
+        dev.out = torch.full((rows, cfg.q_heads, cfg.head_dim), float("nan"),
+                             dtype=torch.bfloat16, device="cuda")
+        return cfg, c, dev
+
+    @staticmethod
+    def step(cfg, q_len, idx_q, index_cache, table, seq_lens, q, kv, buffer, out):
+        topk = mvllm.minimax_m3_index_decode(idx_q, index_cache, table, seq_lens,
+                                             max(CUDA_SEQ_LENS), cfg.topk, cfg.init_blocks,
+                                             cfg.local_blocks, cfg.index_heads, q_len, q_len,
+                                             out=buffer)
+        mvllm.minimax_m3_sparse_attn_decode(q, kv, topk, table, seq_lens, cfg.kv_heads,
+                                            1.0 / math.sqrt(cfg.head_dim), out, q_len)
+        return topk
+
+    def run_step(self, cfg, q_len, dev):
+        return self.step(cfg, q_len, dev.idx_q, dev.index_cache, dev.table, dev.seq_lens, dev.q,
+                         dev.kv, dev.buffer, dev.out)
+
+    def test_eager_matches_the_cpu_reference(self):
+        for q_len in (1, 2, 4):
+            cfg, c, dev = self.make(90 + q_len, q_len)
+            rows = len(c.rows)
+            topk = self.run_step(cfg, q_len, dev)
+            torch.cuda.synchronize()
+            self.assertTrue(bool((dev.buffer[:, rows:] == POISON).all()), f"q_len {q_len}")
+            gpu = topk.permute(1, 0, 2).cpu().numpy()
+            want = m3msa.select_topk(cfg, c.index_q, c.index_cache, c.batch, threads=THREADS)
+            scores = m3msa.score_blocks(cfg, c.index_q, c.index_cache, c.batch, threads=THREADS)
+            case = types.SimpleNamespace(cfg=cfg, rows=c.rows)
+            self.assertSelectionNearTie(case, gpu, want, scores)
+            # Attention over the GPU's own selection, against the CPU reference of the same.
+            ref = m3msa.sparse_attention(cfg, c.q, c.kv_cache, c.batch, gpu, threads=THREADS)
+            self.assertAttentionClose(bits(dev.out), np.asarray(ref.array))
+
+    def test_graph_replay_with_new_inputs_equals_eager(self):
+        q_len = 2
+        cfg, _, dev = self.make(97, q_len)
+        self.run_step(cfg, q_len, dev)  # eager first: the plan is made outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.run_step(cfg, q_len, dev)
+        gen = torch.Generator(device="cuda").manual_seed(5)
+        for round_ in range(2):
+            dev.idx_q.copy_(torch.randn(dev.idx_q.shape, generator=gen, device="cuda"))
+            dev.q.copy_(torch.randn(dev.q.shape, generator=gen, device="cuda"))
+            dev.buffer.fill_(-7)
+            dev.out.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed_topk, replayed_out = dev.buffer.clone(), dev.out.clone()
+            self.run_step(cfg, q_len, dev)
+            torch.cuda.synchronize()
+            self.assertTrue(torch.equal(replayed_topk, dev.buffer), f"round {round_}")
+            self.assertTrue(torch.equal(replayed_out, dev.out), f"round {round_}")
+
+    def test_compiles_with_fullgraph(self):
+        reason = compile_skip_reason()
+        if reason:
+            self.skipTest(reason)
+        q_len = 1
+        cfg, _, dev = self.make(98, q_len)
+        self.run_step(cfg, q_len, dev)
+        torch.cuda.synchronize()
+        eager_topk, eager_out = dev.buffer.clone(), dev.out.clone()
+        dev.buffer.fill_(-7)
+        dev.out.zero_()
+        compiled = torch.compile(functools.partial(self.step, cfg, q_len), fullgraph=True,
+                                 backend="aot_eager")
+        compiled(dev.idx_q, dev.index_cache, dev.table, dev.seq_lens, dev.q, dev.kv, dev.buffer,
+                 dev.out)
+        torch.cuda.synchronize()
+        self.assertTrue(torch.equal(eager_topk, dev.buffer))
+        self.assertTrue(torch.equal(eager_out, dev.out))
 
 
 @unittest.skipIf(torch is None, NO_TORCH)

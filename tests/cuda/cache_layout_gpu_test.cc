@@ -21,10 +21,6 @@ using attntest::DevTensor;
 using attntest::to_dev;
 using attntest::to_host;
 
-bool same_bytes(const HostTensor& a, const HostTensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
-}
-
 SyntheticCase attention_case(DType kv, int q_len, uint64_t seed) {
   SyntheticSpec spec;
   spec.num_reqs = 6;
@@ -77,7 +73,7 @@ TEST(CudaCacheLayout, AttentionOverEveryLayoutAndSubviewEqualsThePackedCache) {
         const HostTensor cache = testkit::relayout_kv_cache(c.kv_cache, layout);
         DevTensor d = to_dev(cache);
         const KVCache view = kv_cache_from_layout(d.view, layout, c.k_scale, c.v_scale);
-        EXPECT_TRUE(same_bytes(attend(c, dev, view, topk), want)) << kv_layout_name(layout);
+        EXPECT_TRUE(attntest::bitwise_equal(attend(c, dev, view, topk), want)) << kv_layout_name(layout);
       }
       // Heads [kv_heads, 2 kv_heads) of a packed cache with twice the heads, as the packed form
       // and as K and V views.
@@ -92,14 +88,14 @@ TEST(CudaCacheLayout, AttentionOverEveryLayoutAndSubviewEqualsThePackedCache) {
                  (static_cast<uint8_t*>(sub_host.data) - static_cast<uint8_t*>(wide.data()));
       sub.device = wide_dev.view.device;
       const KVCache packed_sub(sub, c.k_scale, c.v_scale);
-      EXPECT_TRUE(same_bytes(attend(c, dev, packed_sub, topk), want)) << "head shard";
+      EXPECT_TRUE(attntest::bitwise_equal(attend(c, dev, packed_sub, topk), want)) << "head shard";
       const KVCache split =
           KVCache::split(packed_sub.keys(), packed_sub.values(), c.k_scale, c.v_scale);
-      EXPECT_TRUE(same_bytes(attend(c, dev, split, topk), want)) << "head shard as k, v";
+      EXPECT_TRUE(attntest::bitwise_equal(attend(c, dev, split, topk), want)) << "head shard as k, v";
       // Dense causal attention reads the same way.
       DevTensor none;
       const HostTensor dense_want = attend(c, dev, dev.kv, none);
-      EXPECT_TRUE(same_bytes(attend(c, dev, split, none), dense_want)) << "dense";
+      EXPECT_TRUE(attntest::bitwise_equal(attend(c, dev, split, none), dense_want)) << "dense";
     }
   }
 }
@@ -154,7 +150,7 @@ TEST(CudaCacheLayout, IndexerOverPaddedPagesEqualsTheContiguousCache) {
           return out;
         };
         const HostTensor want = run(d.index_cache_view());
-        EXPECT_TRUE(same_bytes(run(IndexCache{on_device(pv, pd)}), want));
+        EXPECT_TRUE(attntest::bitwise_equal(run(IndexCache{on_device(pv, pd)}), want));
       }
       // Tokens not contiguous within a page: the kernels stage whole pages, so refused by name.
       TensorView gapped = on_device(pv, pd);

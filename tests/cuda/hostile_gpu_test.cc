@@ -101,10 +101,6 @@ HostTensor clone_tensor(const HostTensor& t) {
   return copy;
 }
 
-bool same_bytes(const HostTensor& a, const HostTensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
-}
-
 // The selection of the GPU vs the CPU: the near-tie rule everywhere, and exactly where a list's
 // CPU scores hold a NaN or an infinity (the order of non-numbers is fixed, not rounding-prone).
 void expect_selection_matches_cpu(const SyntheticCase& c, const HostTensor& gpu,
@@ -234,7 +230,7 @@ TEST(HostileGpu, AllNanIndexCacheKeepsAFullPrefix) {
       }
       const HostTensor gpu = gpu_select(c);
       const CpuResult cpu = run_cpu(c);
-      EXPECT_TRUE(same_bytes(gpu, cpu.topk))
+      EXPECT_TRUE(attntest::bitwise_equal(gpu, cpu.topk))
           << "all-NaN cache, " << dtype_name(dtype) << " q_len " << q_len
           << ": the GPU list differs from the CPU's (forced blocks, then the lowest ids)";
       // And it is a full prefix: min(k, nb) valid ids in every live list.
@@ -269,7 +265,7 @@ TEST(HostileGpu, AllEqualScoresPickForcedThenLowestIds) {
       c.index_cache.fill_bytes(dtype == DType::kBF16 ? 0x3C : 0x38);  // one value everywhere
       const HostTensor gpu = gpu_select(c);
       const CpuResult cpu = run_cpu(c);
-      EXPECT_TRUE(same_bytes(gpu, cpu.topk))
+      EXPECT_TRUE(attntest::bitwise_equal(gpu, cpu.topk))
           << "all-equal scores, k " << f.topk << " init " << f.init_blocks << " local "
           << f.local_blocks << " " << dtype_name(dtype);
       // Spot check the rule itself on request 3 row 1 head 0: forced, then 0, 1, 2, ...
@@ -430,10 +426,10 @@ TEST(HostileGpu, NanAndInfWhereNothingMayReadChangeNothing) {
       }
       const HostTensor dirty_topk = gpu_select(dirty);
       const HostTensor dirty_out = gpu_attention(dirty, clean_topk);
-      EXPECT_TRUE(same_bytes(clean_topk, dirty_topk))
+      EXPECT_TRUE(attntest::bitwise_equal(clean_topk, dirty_topk))
           << dtype_name(dtype) << " q_len " << q_len
           << ": the selection changed when only unreachable cache bytes did";
-      EXPECT_TRUE(same_bytes(clean_out, dirty_out))
+      EXPECT_TRUE(attntest::bitwise_equal(clean_out, dirty_out))
           << dtype_name(dtype) << " q_len " << q_len
           << ": attention changed when only unreachable cache bytes did";
       // The CPU reference agrees on the dirty case too.
@@ -597,7 +593,7 @@ TEST(HostileGpu, ContextsAroundOneBlockSelectionAndAttention) {
       const HostTensor gpu_topk = gpu_select(c);
       const CpuResult cpu = run_cpu(c);
       // nb <= 2 everywhere: every visible block is selected, own block first, then block 0.
-      EXPECT_TRUE(same_bytes(gpu_topk, cpu.topk)) << dtype_name(dtype) << " q_len " << q_len;
+      EXPECT_TRUE(attntest::bitwise_equal(gpu_topk, cpu.topk)) << dtype_name(dtype) << " q_len " << q_len;
       const std::vector<RowPosition> rows = row_positions(c.batch);
       for (std::size_t row = 0; row < rows.size(); ++row) {
         const int32_t* g = gpu_topk.ptr<int32_t>() + row * c.config.index_heads * c.config.topk;

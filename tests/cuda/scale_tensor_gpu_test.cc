@@ -18,10 +18,6 @@ using attntest::DevTensor;
 using attntest::to_dev;
 using attntest::to_host;
 
-bool same_bytes(const HostTensor& a, const HostTensor& b) {
-  return a.nbytes() == b.nbytes() && std::memcmp(a.data(), b.data(), a.nbytes()) == 0;
-}
-
 struct Scalars {
   cuda::DeviceBuffer k{sizeof(float)};
   cuda::DeviceBuffer v{sizeof(float)};
@@ -75,7 +71,7 @@ TEST(CudaScaleTensors, AttentionReadsDeviceScalarsAndAGraphSeesNewValues) {
   scalars.set(0.5f, 0.25f, stream.get());
   run(by_device);
   stream.synchronize();
-  EXPECT_TRUE(same_bytes(to_host(out.view), eager(0.5f, 0.25f)));
+  EXPECT_TRUE(attntest::bitwise_equal(to_host(out.view), eager(0.5f, 0.25f)));
 
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -89,7 +85,7 @@ TEST(CudaScaleTensors, AttentionReadsDeviceScalarsAndAGraphSeesNewValues) {
     CUDA_CHECK(cudaMemset(out.view.data, 0xFF, out.view.nbytes()));
     CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
     stream.synchronize();
-    EXPECT_TRUE(same_bytes(to_host(out.view), want)) << "k_scale " << k << " v_scale " << v;
+    EXPECT_TRUE(attntest::bitwise_equal(to_host(out.view), want)) << "k_scale " << k << " v_scale " << v;
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));

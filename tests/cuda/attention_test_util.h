@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/attention.h"
 #include "cuda/common.cuh"
 #include "m3msa/backend.h"
 #include "m3msa/dtype.h"
@@ -205,6 +206,17 @@ inline CompareResult compare_bf16(const HostTensor& gpu, const HostTensor& ref, 
     }
   }
   return result;
+}
+
+// A zeroed workspace of the CUDA attention for up to 64 requests of up to kMaxQueryLen rows.
+inline cuda::DeviceBuffer attention_workspace(const SparseConfig& cfg) {
+  PlanLimits limits;
+  limits.max_reqs = 64;
+  limits.max_q_len = kMaxQueryLen;
+  const size_t bytes = cuda::attention_workspace_size(cfg, limits);
+  cuda::DeviceBuffer ws(bytes);
+  CUDA_CHECK(cudaMemset(ws.data(), 0, bytes));
+  return ws;
 }
 
 inline bool bitwise_equal(const HostTensor& a, const HostTensor& b) {

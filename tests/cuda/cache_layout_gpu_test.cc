@@ -39,16 +39,11 @@ SyntheticCase attention_case(DType kv, int q_len, uint64_t seed) {
 HostTensor attend(const SyntheticCase& c, const attntest::DevAttention& dev, const KVCache& kv,
                   const DevTensor& topk) {
   const SparseConfig& cfg = c.config;
-  PlanLimits limits;
-  limits.max_reqs = 64;
-  limits.max_q_len = kMaxQueryLen;
-  const size_t bytes = cuda::attention_workspace_size(cfg, limits);
-  cuda::DeviceBuffer ws(bytes);
-  CUDA_CHECK(cudaMemset(ws.data(), 0, bytes));
+  cuda::DeviceBuffer ws = attntest::attention_workspace(cfg);
   DevTensor out = attntest::poisoned(DType::kBF16, {c.num_rows(), cfg.q_heads, cfg.head_dim});
   AttentionArgs a = dev.args(topk.view, out.view);
   a.kv_cache = kv;
-  cuda::launch_attention(cfg, a, ws.data(), bytes, nullptr);
+  cuda::launch_attention(cfg, a, ws.data(), ws.bytes(), nullptr);
   CUDA_CHECK(cudaDeviceSynchronize());
   return to_host(out.view);
 }

@@ -46,18 +46,13 @@ TEST(CudaScaleTensors, AttentionReadsDeviceScalarsAndAGraphSeesNewValues) {
   const SparseConfig& cfg = c.config;
   attntest::DevAttention dev(c);
   DevTensor topk = to_dev(attntest::random_selection(c, 4));
-  PlanLimits limits;
-  limits.max_reqs = 64;
-  limits.max_q_len = kMaxQueryLen;
-  const size_t bytes = cuda::attention_workspace_size(cfg, limits);
-  cuda::DeviceBuffer ws(bytes);
-  CUDA_CHECK(cudaMemset(ws.data(), 0, bytes));
+  cuda::DeviceBuffer ws = attntest::attention_workspace(cfg);
   cuda::Stream stream;
   DevTensor out = attntest::poisoned(DType::kBF16, {c.num_rows(), cfg.q_heads, cfg.head_dim});
   auto run = [&](const KVCache& kv) {
     AttentionArgs a = dev.args(topk.view, out.view);
     a.kv_cache = kv;
-    cuda::launch_attention(cfg, a, ws.data(), bytes, stream.get());
+    cuda::launch_attention(cfg, a, ws.data(), ws.bytes(), stream.get());
   };
   auto eager = [&](float k_scale, float v_scale) {
     run(KVCache(dev.kv_cache.view, k_scale, v_scale));

@@ -1,6 +1,6 @@
-// m3msa bench indexer: the CUDA decode indexer (the default, the span kernel, the unfused baseline and,
-// with --split-merge, both merge placements) under CUDA-graph replay, swept over batch x context x
-// index dtype x query length.
+// m3msa bench indexer: the CUDA decode indexer (the default, the span kernel, the unfused baseline
+// and, with --split-merge, both merge placements) under CUDA-graph replay, swept over batch x
+// context x index dtype x query length.
 //
 // Per configuration every request has seq_len = context (nb = context / 128 blocks, all on their
 // own shuffled pages). Input copies on disjoint pages (own tables and queries) rotate so that one
@@ -129,9 +129,9 @@ int run_indexer_bench(int argc, char** argv) {
       return 2;
     }
   }
-  Table table({"tp", "batch", "context", "dtype", "q", "min blk", "default us", "noise", "MB", "TB/s",
-               "% roof", "span us", "x span", "unfused us", "x unfused", "torch us", "x torch",
-               "check"});
+  Table table({"tp", "batch", "context", "dtype", "q", "min blk", "default us", "noise", "MB",
+               "TB/s", "% roof", "span us", "x span", "unfused us", "x unfused", "torch us",
+               "x torch", "check"});
   std::vector<Config> configs;
   for (const std::string& dt : opt.dtypes) {
     const DType dtype = parse_dtype(dt, "--dtypes");

@@ -451,13 +451,13 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
       // splits * num_reqs <= grid + max_units CTAs' candidates.
       const int splits = std::max(1, plan.grid / batch.num_reqs);
       // Candidates per query vector at most: each CTA keeps <= topk of its blocks, and the table's
-      // width bounds a request's blocks (host shapes only, so a captured graph replays any lengths).
+      // width bounds a request's blocks (host shapes only, so a captured graph replays any
+      // lengths).
       const int64_t candidates =
           std::min<int64_t>(p.table_cols, static_cast<int64_t>(splits) * config.topk);
-      const bool split_merge =
-          variant == IndexerVariant::kSplitMerge ||
-          (variant == IndexerVariant::kFused &&
-           prefer_merge_kernel(batch.num_reqs, p.unit_vectors, candidates));
+      const bool split_merge = variant == IndexerVariant::kSplitMerge ||
+                               (variant == IndexerVariant::kFused &&
+                                prefer_merge_kernel(batch.num_reqs, p.unit_vectors, candidates));
       // One CTA per request answers by itself: no merge kernel to launch.
       const bool separate_merge = split_merge && splits > 1;
       p.separate_merge = separate_merge ? 1 : 0;

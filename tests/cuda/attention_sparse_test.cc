@@ -224,7 +224,8 @@ struct HeadMajorSelection {
 TEST(CudaSparseAttention, SpeculativeRowGroupsMatchCpuReference) {
   M3MSA_REQUIRE_GPU();
   std::vector<cuda::AttentionTuning> tunings(7);
-  for (int i = 0; i < 5; ++i) tunings[i].max_row_tiles = 4;  // row groups are opt-in
+  // Row groups are opt-in: tunings 0-4 take 4 rows per CTA.
+  for (int i = 0; i < 5; ++i) tunings[i].max_row_tiles = 4;
   tunings[1].max_cluster = 0;  // split merge through the workspace
   tunings[2].max_splits = 16;  // the wave plan: many splits
   tunings[3].max_splits = 2;   // two splits, in a cluster where the device allows

@@ -68,7 +68,8 @@ TEST(CudaCacheLayout, AttentionOverEveryLayoutAndSubviewEqualsThePackedCache) {
         const HostTensor cache = testkit::relayout_kv_cache(c.kv_cache, layout);
         DevTensor d = to_dev(cache);
         const KVCache view = kv_cache_from_layout(d.view, layout, c.k_scale, c.v_scale);
-        EXPECT_TRUE(attntest::bitwise_equal(attend(c, dev, view, topk), want)) << kv_layout_name(layout);
+        EXPECT_TRUE(attntest::bitwise_equal(attend(c, dev, view, topk), want))
+            << kv_layout_name(layout);
       }
       // Heads [kv_heads, 2 kv_heads) of a packed cache with twice the heads, as the packed form
       // and as K and V views.
@@ -86,7 +87,8 @@ TEST(CudaCacheLayout, AttentionOverEveryLayoutAndSubviewEqualsThePackedCache) {
       EXPECT_TRUE(attntest::bitwise_equal(attend(c, dev, packed_sub, topk), want)) << "head shard";
       const KVCache split =
           KVCache::split(packed_sub.keys(), packed_sub.values(), c.k_scale, c.v_scale);
-      EXPECT_TRUE(attntest::bitwise_equal(attend(c, dev, split, topk), want)) << "head shard as k, v";
+      EXPECT_TRUE(attntest::bitwise_equal(attend(c, dev, split, topk), want))
+          << "head shard as k, v";
       // Dense causal attention reads the same way.
       DevTensor none;
       const HostTensor dense_want = attend(c, dev, dev.kv, none);

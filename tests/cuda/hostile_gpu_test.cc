@@ -593,7 +593,8 @@ TEST(HostileGpu, ContextsAroundOneBlockSelectionAndAttention) {
       const HostTensor gpu_topk = gpu_select(c);
       const CpuResult cpu = run_cpu(c);
       // nb <= 2 everywhere: every visible block is selected, own block first, then block 0.
-      EXPECT_TRUE(attntest::bitwise_equal(gpu_topk, cpu.topk)) << dtype_name(dtype) << " q_len " << q_len;
+      EXPECT_TRUE(attntest::bitwise_equal(gpu_topk, cpu.topk))
+          << dtype_name(dtype) << " q_len " << q_len;
       const std::vector<RowPosition> rows = row_positions(c.batch);
       for (std::size_t row = 0; row < rows.size(); ++row) {
         const int32_t* g = gpu_topk.ptr<int32_t>() + row * c.config.index_heads * c.config.topk;

@@ -138,8 +138,8 @@ TEST(CudaIndexerSplit, MinimumRangeChangesNothing) {
       make_synthetic_case(decode_spec(3, 2, 20000, 140000, DType::kBF16, 0, 361));
   const HostTensor span = run_gpu(c, IndexerVariant::kSpan);
   for (int min_blocks : {1, 4, 16, 64}) {
-    for (IndexerVariant variant : {IndexerVariant::kFused, IndexerVariant::kSplitMerge,
-                                   IndexerVariant::kLastCtaMerge}) {
+    for (IndexerVariant variant :
+         {IndexerVariant::kFused, IndexerVariant::kSplitMerge, IndexerVariant::kLastCtaMerge}) {
       DeviceCase d = upload(c);
       DeviceTensor topk(DType::kI32, {c.num_rows(), c.config.index_heads, c.config.topk});
       fill_device_bytes(topk.view(), kPoisonByte);
@@ -154,8 +154,7 @@ TEST(CudaIndexerSplit, MinimumRangeChangesNothing) {
       HostTensor out;
       copy_to_host(topk.view(), out);
       EXPECT_EQ(std::memcmp(out.data(), span.data(), out.nbytes()), 0)
-          << "min_blocks_per_cta " << min_blocks
-          << " variant " << static_cast<int>(variant);
+          << "min_blocks_per_cta " << min_blocks << " variant " << static_cast<int>(variant);
     }
   }
 }

@@ -284,8 +284,8 @@ TEST(CudaIndexer, GraphReplayWithNewMetadataEqualsEager) {
 
       const HostTensor eager = run_gpu(b);
       // The separate merge's programmatic dependency is captured as a graph edge too.
-      for (IndexerVariant variant : {IndexerVariant::kFused, IndexerVariant::kSplitMerge,
-                                     IndexerVariant::kLastCtaMerge}) {
+      for (IndexerVariant variant :
+           {IndexerVariant::kFused, IndexerVariant::kSplitMerge, IndexerVariant::kLastCtaMerge}) {
         GpuIndexer gpu(a.config, limits_for(a));
         DeviceCase da = upload(a);
         DeviceTensor out(DType::kI32, {a.num_rows(), a.config.index_heads, a.config.topk});

@@ -80,7 +80,8 @@ TEST(CudaScaleTensors, AttentionReadsDeviceScalarsAndAGraphSeesNewValues) {
     CUDA_CHECK(cudaMemset(out.view.data, 0xFF, out.view.nbytes()));
     CUDA_CHECK(cudaGraphLaunch(exec, stream.get()));
     stream.synchronize();
-    EXPECT_TRUE(attntest::bitwise_equal(to_host(out.view), want)) << "k_scale " << k << " v_scale " << v;
+    EXPECT_TRUE(attntest::bitwise_equal(to_host(out.view), want))
+        << "k_scale " << k << " v_scale " << v;
   }
   CUDA_CHECK(cudaGraphExecDestroy(exec));
   CUDA_CHECK(cudaGraphDestroy(graph));

@@ -192,7 +192,8 @@ int run_moe_bench(int argc, char** argv) {
       ->delimiter(',');
   app.add_option("--kernels", opt.kernels,
                  "expert projections: mma (tensor cores), fma (fp32 FMA kernels), mma+pdl "
-                 "(tensor cores, programmatic dependent launches)")
+                 "(tensor cores, programmatic dependent launches), mma-deep (tensor cores at 4 CTAs "
+                 "per SM with more weight chunks in flight: MoeParams::deep)")
       ->delimiter(',');
   app.add_option("--what", opt.what,
                  "moe (router + routed + shared experts), dense (the MLP of layers 0-2)")
@@ -243,8 +244,9 @@ int run_moe_bench(int argc, char** argv) {
     }
   }
   for (const std::string& k : opt.kernels) {
-    if (k != "mma" && k != "fma" && k != "mma+pdl") {
-      return refuse(fmt::format("--kernels: unknown kernels '{}' (mma, fma, mma+pdl)", k));
+    if (k != "mma" && k != "fma" && k != "mma+pdl" && k != "mma-deep") {
+      return refuse(
+          fmt::format("--kernels: unknown kernels '{}' (mma, fma, mma+pdl, mma-deep)", k));
     }
   }
   for (const std::string& w : opt.what) {
@@ -389,7 +391,8 @@ int run_moe_bench(int argc, char** argv) {
           };
           const TensorView out_view =
               TensorView::contiguous(out_all.data, DType::kF32, {t, H}, out_all.device);
-          // kernels: "mma", "fma" or "mma+pdl" (tensor cores, programmatic dependent launches).
+          // kernels: "mma", "fma", "mma+pdl" (tensor cores, programmatic dependent launches) or
+          // "mma-deep" (MoeParams::deep).
           auto params = [&](int l, int s, const std::string& kernels) {
             cuda::MoeParams p;
             if (dense) {
@@ -407,6 +410,7 @@ int run_moe_bench(int argc, char** argv) {
             }
             p.tensor_cores = kernels != "fma";
             p.pdl = kernels == "mma+pdl";
+            p.deep = kernels == "mma-deep";
             return p;
           };
           auto launch = [&](const cuda::MoeParams& p) {

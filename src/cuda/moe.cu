@@ -48,9 +48,14 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
     const dim3 gate_up_grid((inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows, gate_up_sets);
     const dim3 down_grid((p.hidden + gemm::kColsPerCta - 1) / gemm::kColsPerCta, down_sets);
     const auto gate_up_kernel =
-        p.fp8 ? moe::moe_gate_up_mma_kernel<true> : moe::moe_gate_up_mma_kernel<false>;
+        p.deep ? (p.fp8 ? moe::moe_gate_up_mma_kernel<true, true>
+                        : moe::moe_gate_up_mma_kernel<false, true>)
+               : (p.fp8 ? moe::moe_gate_up_mma_kernel<true, false>
+                        : moe::moe_gate_up_mma_kernel<false, false>);
     const auto down_kernel =
-        p.fp8 ? moe::moe_down_mma_kernel<true> : moe::moe_down_mma_kernel<false>;
+        p.deep ? (p.fp8 ? moe::moe_down_mma_kernel<true, true> : moe::moe_down_mma_kernel<false, true>)
+               : (p.fp8 ? moe::moe_down_mma_kernel<true, false>
+                        : moe::moe_down_mma_kernel<false, false>);
     if (gate_up_sets > 0)
       launch_kernel(gate_up_kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream);
     launch_kernel(down_kernel, down_grid, moe::kMmaThreads, down, stream);

@@ -429,6 +429,12 @@ inline constexpr int kMmaGateUpRows = 8;  // rows j per CTA: 8 gate + 8 up = one
 // Weight chunks in flight per warp (the gemm family's group loop: 64-byte fp8 / 128-byte bf16).
 template <bool kFp8>
 inline constexpr int kMmaUnroll = kFp8 ? 6 : 3;
+// MoeParams::deep: 8 fp8 / 6 bf16 chunks at <= 128 registers, 4 CTAs per SM (the default kernels
+// take 140-150 registers: 3 CTAs per SM, so TP 4's 480 gate/up CTAs of one token need 1.2 waves);
+// the same k order, so the same bits.
+template <bool kFp8, bool kDeep>
+inline constexpr int kMmaChunksInFlight = kDeep ? (kFp8 ? 8 : 6) : kMmaUnroll<kFp8>;
+inline constexpr int kMmaDeepMinCtasPerSm = 4;
 
 // The weight rows of a w13 / w2 matrix in bytes, and their MXFP8 scale rows.
 template <bool kFp8>
@@ -442,7 +448,7 @@ __device__ __forceinline__ const uint8_t* scale_row(const uint8_t* scales, int64
 
 // One gate/up tile (rows j0 .. j0 + 7 of gate and up) of expert e (the shared expert: e = 0 of
 // p.shared) for the ntok listed tokens, with the activation stored.
-template <bool kFp8>
+template <bool kFp8, bool kDeep = false>
 __device__ __forceinline__ void gate_up_tile(
     const MoeParams& p, bool shared, int64_t e, int ntok, const int* tok_row, const int* tok_slot,
     int j0, float (&s_red)[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1]) {
@@ -465,7 +471,8 @@ __device__ __forceinline__ void gate_up_tile(
     }
   }
   op.chunks = H / gemm::kChunk;
-  gemm::tile_accumulate<kFp8, kMmaUnroll<kFp8>, false, kMmaWarps, 1, kFp8>(op, s_red);
+  gemm::tile_accumulate<kFp8, kMmaChunksInFlight<kFp8, kDeep>, false, kMmaWarps, 1, kFp8>(op,
+                                                                                        s_red);
   // s_red[w][token][jj]: warp w's gate sum of row j0 + jj, at jj + 8 its up sum.
   for (int o = threadIdx.x; o < kSkinnyMaxRows * kMmaGateUpRows; o += kMmaThreads) {
     const int r = o / kMmaGateUpRows;
@@ -489,8 +496,8 @@ __device__ __forceinline__ void gate_up_tile(
   }
 }
 
-template <bool kFp8>
-__global__ void __launch_bounds__(kMmaThreads)
+template <bool kFp8, bool kDeep>
+__global__ void __launch_bounds__(kMmaThreads, kDeep ? kMmaDeepMinCtasPerSm : 1)
     moe_gate_up_mma_kernel(const __grid_constant__ MoeParams p) {
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
@@ -499,8 +506,8 @@ __global__ void __launch_bounds__(kMmaThreads)
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
-  gate_up_tile<kFp8>(p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot,
-                     blockIdx.x * kMmaGateUpRows, s_red);
+  gate_up_tile<kFp8, kDeep>(p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot,
+                            blockIdx.x * kMmaGateUpRows, s_red);
 }
 
 // The router's logits (CTAs 0 .. E - 1, one expert each) beside the shared expert's gate/up tiles
@@ -527,8 +534,8 @@ __global__ void __launch_bounds__(kMmaThreads)
                      s_red);
 }
 
-template <bool kFp8>
-__global__ void __launch_bounds__(kMmaThreads)
+template <bool kFp8, bool kDeep>
+__global__ void __launch_bounds__(kMmaThreads, kDeep ? kMmaDeepMinCtasPerSm : 1)
     moe_down_mma_kernel(const __grid_constant__ MoeParams p) {
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
@@ -561,7 +568,8 @@ __global__ void __launch_bounds__(kMmaThreads)
     }
   }
   op.chunks = I / gemm::kChunk;
-  gemm::tile_accumulate<kFp8, kMmaUnroll<kFp8>, false, kMmaWarps, 1, kFp8>(op, s_red);
+  gemm::tile_accumulate<kFp8, kMmaChunksInFlight<kFp8, kDeep>, false, kMmaWarps, 1, kFp8>(op,
+                                                                                        s_red);
   for (int o = threadIdx.x; o < kSkinnyMaxRows * gemm::kColsPerCta; o += kMmaThreads) {
     const int r = o / gemm::kColsPerCta;
     const int n = n0 + o % gemm::kColsPerCta;

@@ -37,6 +37,11 @@ struct MoeParams {
   // next kernel is scheduled while this one finishes and waits on the device. Off by default
   // until measured (bench moe --kernels mma,mma+pdl).
   bool pdl = false;
+  // The tensor-core launches of the expert projections (the routed experts' gate/up, every down)
+  // at 4 CTAs per SM with more weight chunks in flight per warp (moe_kernel.cuh; the same bits):
+  // for the short rows of TP 4 / 8 ranks, whose CTAs wait on latency. Off by default until
+  // measured (bench moe --kernels mma,mma-deep).
+  bool deep = false;
   // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
   int shared_slot = 0;
   int rows = 0;

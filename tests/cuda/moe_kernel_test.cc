@@ -46,14 +46,30 @@ HostTensor host_of(const TensorView& v) {
 }
 
 // The kernel choices every case runs: tensor cores (where the shapes allow), the fp32 FMA
-// kernels, and tensor cores with programmatic dependent launches.
+// kernels, tensor cores with programmatic dependent launches, and tensor cores with more chunks
+// in flight (MoeParams::deep, which must give mma's bits: the first choice).
 struct KernelChoice {
   bool tensor_cores;
   bool pdl;
+  bool deep;
   const char* name;
 };
-constexpr KernelChoice kKernelChoices[] = {
-    {true, false, "mma"}, {false, false, "fma"}, {true, true, "mma+pdl"}};
+constexpr KernelChoice kKernelChoices[] = {{true, false, false, "mma"},
+                                           {false, false, false, "fma"},
+                                           {true, true, false, "mma+pdl"},
+                                           {true, false, true, "mma-deep"}};
+
+// Records the "mma" choice's output; a deep choice must give its bits (the same k order).
+void expect_same_as_mma(const KernelChoice& kernels, const HostTensor& got,
+                        std::vector<float>& mma_out) {
+  const float* data = got.ptr<float>();
+  const std::size_t n = static_cast<std::size_t>(got.numel());
+  if (kernels.tensor_cores && !kernels.pdl && !kernels.deep) mma_out.assign(data, data + n);
+  if (!kernels.deep) return;
+  ASSERT_EQ(mma_out.size(), n) << "the mma choice runs before " << kernels.name;
+  EXPECT_EQ(std::memcmp(mma_out.data(), data, n * sizeof(float)), 0)
+      << kernels.name << " changed bits of the mma kernels' output";
+}
 
 struct Case {
   const char* name;
@@ -161,6 +177,7 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
     }
 
     // GPU: the tensor-core kernels (where the shapes allow) and the fp32 FMA kernels.
+    std::vector<float> mma_out;  // the first choice's output: the deep kernels must match it
     for (const KernelChoice& kernels : kKernelChoices) {
       SCOPED_TRACE(kernels.name);
       MoeArgs g = weights_on_gpu;
@@ -175,11 +192,13 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       cuda::MoeParams p = cuda::moe_params(config, g, workspace.data());
       p.tensor_cores = kernels.tensor_cores;
       p.pdl = kernels.pdl;
+      p.deep = kernels.deep;
       cuda::Stream stream;
       cuda::launch_moe(p, stream.get());
       stream.synchronize();
       HostTensor got(DType::kF32, {rows, c.hidden});
       CUDA_CHECK(cudaMemcpy(got.data(), dout.view.data, got.nbytes(), cudaMemcpyDeviceToHost));
+      expect_same_as_mma(kernels, got, mma_out);
       HostTensor gpu_ids(DType::kI32, {rows, c.topk});
       HostTensor gpu_weights(DType::kF32, {rows, c.topk});
       CUDA_CHECK(cudaMemcpy(gpu_ids.data(), p.topk_ids, gpu_ids.nbytes(), cudaMemcpyDeviceToHost));
@@ -273,6 +292,7 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
     cpu_args.out = want.view();
     cpu::dense_mlp(cpu_args, 0);
 
+    std::vector<float> mma_out;  // the first choice's output: the deep kernels must match it
     for (const KernelChoice& kernels : kKernelChoices) {
       SCOPED_TRACE(kernels.name);
       const DevTensor dx = to_dev(x);
@@ -286,11 +306,13 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
       cuda::MoeParams p = cuda::dense_mlp_params(g, workspace.data());
       p.tensor_cores = kernels.tensor_cores;
       p.pdl = kernels.pdl;
+      p.deep = kernels.deep;
       cuda::Stream stream;
       cuda::launch_dense_mlp(p, stream.get());
       stream.synchronize();
       HostTensor got(DType::kF32, {rows, hidden});
       CUDA_CHECK(cudaMemcpy(got.data(), dout.view.data, got.nbytes(), cudaMemcpyDeviceToHost));
+      expect_same_as_mma(kernels, got, mma_out);
       double worst = 0;
       for (int r = 0; r < rows; ++r) {
         double row_max = 0;

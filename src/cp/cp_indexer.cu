@@ -239,43 +239,6 @@ std::shared_ptr<BufferSet> create_set(Communicator& comm, int device, CpTranspor
   return set;
 }
 
-using ScoreKernel = void (*)(const cuda::IndexerParams);
-
-template <int kNT>
-ScoreKernel score_kernel_of(bool fp8, bool q8) {
-  using cuda::indexer::indexer_span_kernel;
-  constexpr int kScores = cuda::indexer::kModeScores;
-  if (q8) return indexer_span_kernel<true, kNT, kScores, true>;
-  return fp8 ? indexer_span_kernel<true, kNT, kScores> : indexer_span_kernel<false, kNT, kScores>;
-}
-
-// The shard-scoring kernel of one operand pair (as the one-GPU launcher picks it, so a shard's
-// block scores are the one-GPU kernels' bits).
-ScoreKernel score_kernel(bool fp8, bool q8, int tiles) {
-  switch (tiles) {
-    case 1: return score_kernel_of<1>(fp8, q8);
-    case 2: return score_kernel_of<2>(fp8, q8);
-    default: return score_kernel_of<4>(fp8, q8);
-  }
-}
-
-// The split kernel of one operand pair, in its scores-only mode the shard scoring's default (the
-// same block scores as the span kernel, each request's shard spread over the whole GPU).
-template <int kNT>
-ScoreKernel split_score_kernel_of(bool fp8, bool q8) {
-  using cuda::indexer::indexer_split_kernel;
-  if (q8) return indexer_split_kernel<true, kNT, true>;
-  return fp8 ? indexer_split_kernel<true, kNT> : indexer_split_kernel<false, kNT>;
-}
-
-ScoreKernel split_score_kernel(bool fp8, bool q8, int tiles) {
-  switch (tiles) {
-    case 1: return split_score_kernel_of<1>(fp8, q8);
-    case 2: return split_score_kernel_of<2>(fp8, q8);
-    default: return split_score_kernel_of<4>(fp8, q8);
-  }
-}
-
 // Dynamic shared memory of the scoring kernel: the units' prefix sums.
 // Must equal dynamic_smem_bytes() of indexer.cu (the one-GPU launcher), which it mirrors.
 std::size_t score_smem_bytes(int max_units) {
@@ -466,14 +429,15 @@ void CudaCpIndexer::Impl::launch_score(const IndexerArgs& args, cudaStream_t str
     s.scores_only = 1;
     s.split_ctas = splits;
     const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(batch.num_reqs));
-    split_score_kernel(
+    cuda::split_indexer_kernel(
         fp8, q8,
         tiles)<<<grid, cuda::indexer::kThreads, cuda::indexer::kSplitRingBytes, stream>>>(s);
     CUDA_CHECK_LAUNCH();
     return;
   }
   const std::size_t smem = score_smem_bytes(cp.max_reqs);
-  score_kernel(fp8, q8, tiles)<<<grid_sm, cuda::indexer::kThreads, smem, stream>>>(s);
+  cuda::span_indexer_kernel(
+      fp8, q8, tiles, /*scores_only=*/true)<<<grid_sm, cuda::indexer::kThreads, smem, stream>>>(s);
   CUDA_CHECK_LAUNCH();
 }
 
@@ -604,12 +568,12 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
       if (smem > limit) {
         for (auto [fp8, q8] : {std::pair{false, false}, {true, false}, {true, true}}) {
           for (int tiles : {1, 2, 4}) {
-            CUDA_CHECK(cudaFuncSetAttribute(score_kernel(fp8, q8, tiles),
-                                            cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            static_cast<int>(smem)));
+            CUDA_CHECK(cudaFuncSetAttribute(
+                cuda::span_indexer_kernel(fp8, q8, tiles, /*scores_only=*/true),
+                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
             // The split kernel's page ring (a fixed size): set with the first limit raised.
             if (limit == 0) {
-              CUDA_CHECK(cudaFuncSetAttribute(split_score_kernel(fp8, q8, tiles),
+              CUDA_CHECK(cudaFuncSetAttribute(cuda::split_indexer_kernel(fp8, q8, tiles),
                                               cudaFuncAttributeMaxDynamicSharedMemorySize,
                                               cuda::indexer::kSplitRingBytes));
             }

@@ -130,19 +130,17 @@ __global__ void __launch_bounds__(kThreads)
 
 namespace {
 
-using KernelFn = void (*)(const IndexerParams);
-
 // The kernel of one operand pair: a bf16 or fp8 cache against a bf16 index_q, or an fp8 cache
 // against an fp8 index_q (q8, on the FP8 tensor cores).
 template <int kMode, int kNT>
-KernelFn scoring_kernel_of(bool fp8, bool q8) {
+IndexerKernel scoring_kernel_of(bool fp8, bool q8) {
   if (q8) return indexer::indexer_span_kernel<true, kNT, kMode, true>;
   return fp8 ? indexer::indexer_span_kernel<true, kNT, kMode>
              : indexer::indexer_span_kernel<false, kNT, kMode>;
 }
 
 template <int kMode>
-KernelFn scoring_kernel(bool fp8, bool q8, int n_tiles) {
+IndexerKernel scoring_kernel(bool fp8, bool q8, int n_tiles) {
   switch (n_tiles) {
     case 1: return scoring_kernel_of<kMode, 1>(fp8, q8);
     case 2: return scoring_kernel_of<kMode, 2>(fp8, q8);
@@ -152,7 +150,7 @@ KernelFn scoring_kernel(bool fp8, bool q8, int n_tiles) {
 }
 
 template <int kNT>
-KernelFn split_kernel_of(bool fp8, bool q8) {
+IndexerKernel split_kernel_of(bool fp8, bool q8) {
   if (q8) return indexer::indexer_split_kernel<true, kNT, true>;
   return fp8 ? indexer::indexer_split_kernel<true, kNT> : indexer::indexer_split_kernel<false, kNT>;
 }
@@ -177,7 +175,9 @@ bool prefer_merge_kernel(int64_t num_reqs, int vectors, int64_t candidates) {
   return num_reqs <= 4 && load >= 4096;
 }
 
-KernelFn split_kernel(bool fp8, bool q8, int n_tiles) {
+}  // namespace
+
+IndexerKernel split_indexer_kernel(bool fp8, bool q8, int n_tiles) {
   switch (n_tiles) {
     case 1: return split_kernel_of<1>(fp8, q8);
     case 2: return split_kernel_of<2>(fp8, q8);
@@ -187,10 +187,12 @@ KernelFn split_kernel(bool fp8, bool q8, int n_tiles) {
   }
 }
 
-KernelFn pick_scoring_kernel(bool fp8, bool q8, int n_tiles, bool scores_only) {
+IndexerKernel span_indexer_kernel(bool fp8, bool q8, int n_tiles, bool scores_only) {
   return scores_only ? scoring_kernel<indexer::kModeScores>(fp8, q8, n_tiles)
                      : scoring_kernel<indexer::kModeTopk>(fp8, q8, n_tiles);
 }
+
+namespace {
 
 // n8 tiles for `vectors` query vectors (1, 2 or 4).
 int n_tiles_for(int vectors) {
@@ -219,12 +221,12 @@ void raise_scoring_smem_limit(int device, std::size_t smem) {
   for (auto [fp8, q8] : {std::pair{false, false}, {true, false}, {true, true}}) {
     for (int tiles : {1, 2, 4}) {
       for (bool scores_only : {false, true}) {
-        CUDA_CHECK(cudaFuncSetAttribute(pick_scoring_kernel(fp8, q8, tiles, scores_only),
+        CUDA_CHECK(cudaFuncSetAttribute(span_indexer_kernel(fp8, q8, tiles, scores_only),
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         static_cast<int>(smem)));
       }
       if (limit == 0) {  // the split kernel's ring is fixed: set once per device
-        CUDA_CHECK(cudaFuncSetAttribute(split_kernel(fp8, q8, tiles),
+        CUDA_CHECK(cudaFuncSetAttribute(split_indexer_kernel(fp8, q8, tiles),
                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
                                         indexer::kSplitRingBytes));
       }
@@ -463,13 +465,13 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
       p.separate_merge = separate_merge ? 1 : 0;
       p.split_ctas = splits;
       const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(batch.num_reqs));
-      split_kernel(fp8, q8,
-                   tiles)<<<grid, indexer::kThreads, indexer::kSplitRingBytes, stream>>>(p);
+      split_indexer_kernel(fp8, q8,
+                           tiles)<<<grid, indexer::kThreads, indexer::kSplitRingBytes, stream>>>(p);
       CUDA_CHECK_LAUNCH();
       if (separate_merge) launch_split_merge(p, batch.num_reqs, stream);
       return;
     }
-    pick_scoring_kernel(fp8, q8, tiles, unfused)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);
+    span_indexer_kernel(fp8, q8, tiles, unfused)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
     if (unfused) {
       const int64_t items = rows * config.index_heads;
@@ -485,7 +487,7 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
     indexer::indexer_prefill_units_kernel<<<1, 1024, 0, stream>>>(p);
     CUDA_CHECK_LAUNCH();
     const int tiles = n_tiles_for(p.unit_vectors);
-    pick_scoring_kernel(fp8, q8, tiles, false)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);
+    span_indexer_kernel(fp8, q8, tiles, false)<<<plan.grid, indexer::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
   }
 }

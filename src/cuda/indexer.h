@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/indexer_params.h"
 #include "m3msa/cuda_backend.h"
 #include "m3msa/ops.h"
 
@@ -55,6 +56,14 @@ void check_indexer_supported(const SparseConfig& config);
 // address (check_index_cache_cuda); every index_q dtype and selection option the validation
 // accepts is served. Throws Error(kUnsupported) naming the argument.
 void check_indexer_args_supported(const IndexerArgs& args);
+
+// The decode indexer's kernels as launch_indexer picks them, for callers that launch them over
+// their own tables (the CP shard scoring): n_tiles 1, 2 or 4 n8 tiles of query vectors; q8: an
+// fp8 index_q beside the fp8 cache. The span kernel selects, or with scores_only writes every
+// block score; the split kernel does either by IndexerParams::scores_only.
+using IndexerKernel = void (*)(const IndexerParams);
+IndexerKernel span_indexer_kernel(bool fp8, bool q8, int n_tiles, bool scores_only);
+IndexerKernel split_indexer_kernel(bool fp8, bool q8, int n_tiles);
 
 // limits.max_context > 0 also plans the unfused baseline's score tensor.
 IndexerPlan plan_indexer(const SparseConfig& config, const PlanLimits& limits, int device);

@@ -574,6 +574,17 @@ __device__ __forceinline__ float block_score(const float (&red)[kWarps][kNT * 8]
   return score;
 }
 
+// The scores modes (the span kernel's kModeScores, the split kernel's scores_only): block lb's
+// score of (row, head) into p.scores, or the bad-length status bit past the score tensor.
+__device__ __forceinline__ void write_block_score(const IndexerParams& p, int64_t row, int head,
+                                                  int lb, float score) {
+  if (lb < p.score_cols) {
+    p.scores[(row * p.heads + head) * p.score_cols + lb] = score;
+  } else {
+    atomicOr(p.status, kStatusBadLength);
+  }
+}
+
 // Block lb's sort key for a row with `blocks` visible blocks (docs/spec.md section 4).
 __device__ __forceinline__ uint64_t block_key(const IndexerParams& p, float score, int lb,
                                               int blocks) {
@@ -835,11 +846,7 @@ __global__ void __launch_bounds__(kThreads, 2)
         if (owner && lb < own_blocks) {
           const float score = block_score<kNT>(s_red[parity], own_n);
           if constexpr (kMode == kModeScores) {
-            if (lb < p.score_cols) {
-              p.scores[(static_cast<int64_t>(own_row) * H + own_head) * p.score_cols + lb] = score;
-            } else {
-              atomicOr(p.status, kStatusBadLength);
-            }
+            write_block_score(p, own_row, own_head, lb, score);
           } else {
             const uint64_t key = block_key(p, score, lb, own_blocks);
             if (key > kth) my_keys[count++] = key;
@@ -1050,13 +1057,8 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     if (scores_only) {
       if (owner && lb < own_blocks) {
-        const float score = block_score<kNT>(s_red[parity], own_n);
-        if (lb < p.score_cols) {
-          p.scores[(static_cast<int64_t>(unit.row0 + own_n / H) * H + own_n % H) * p.score_cols +
-                   lb] = score;
-        } else {
-          atomicOr(p.status, kStatusBadLength);
-        }
+        write_block_score(p, unit.row0 + own_n / H, own_n % H, lb,
+                          block_score<kNT>(s_red[parity], own_n));
       }
       continue;
     }

@@ -38,7 +38,6 @@
 #include "bench_registry.h"
 #include "comm/nccl_check.h"
 #include "comm/peer_allreduce.h"
-#include "commands.h"
 #include "cuda/common.cuh"
 #include "harness.h"
 #include "m3msa/backend.h"
@@ -53,7 +52,8 @@ constexpr double kNvlinkGBs = 397.0;       // NVLink peer copy (docs/benchmarks.
 constexpr double kOneWayLatencyUs = 0.63;  // NVLink peer store, one way (docs/benchmarks.md)
 
 struct Options {
-  std::vector<int> rows = {1, 2, 4, 8, 16};
+  std::string rows_text = "1,2,4,8,16";
+  std::vector<int> rows;
   int hidden = 6144;
   int tp = 2;
   int launches = 20;
@@ -104,8 +104,8 @@ int run_allreduce_bench(int argc, char** argv) {
   CLI::App app{
       "TP all-reduce benchmark: one-shot over peer-mapped buffers vs NCCL, [rows, hidden] fp32, "
       "ranks as threads, graph replay"};
-  app.add_option("--rows", opt.rows, "rows (tokens) per call, the message is rows x hidden fp32")
-      ->delimiter(',')
+  app.add_option("--rows", opt.rows_text,
+                 "comma-separated rows (tokens) per call, the message is rows x hidden fp32")
       ->capture_default_str();
   app.add_option("--hidden", opt.hidden, "hidden size")->capture_default_str();
   app.add_option("--tp", opt.tp, "ranks (threads; one GPU each when that many are visible)")
@@ -119,26 +119,18 @@ int run_allreduce_bench(int argc, char** argv) {
   app.add_flag("--no-nccl", opt.no_nccl, "skip the NCCL baseline");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
   app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  // Bad values are usage errors (exit 2), naming the flag.
-  auto usage = [](bool ok, const std::string& message) {
-    if (!ok) throw m3msa::cli::UsageError(message);
-  };
-  usage(!opt.rows.empty(), "--rows must list at least one value");
-  for (int r : opt.rows) usage(r >= 1, fmt::format("--rows values must be >= 1, got {}", r));
-  usage(opt.hidden >= 1, fmt::format("--hidden must be >= 1, got {}", opt.hidden));
-  usage(opt.tp >= 2 && opt.tp <= 8, fmt::format("--tp must be in [2, 8], got {}", opt.tp));
-  usage(opt.launches >= 1, fmt::format("--launches must be >= 1, got {}", opt.launches));
-  usage(opt.reps >= 1, fmt::format("--reps must be >= 1, got {}", opt.reps));
-  usage(opt.warmup >= 0, fmt::format("--warmup must be >= 0, got {}", opt.warmup));
-  usage(opt.ctas >= 0, fmt::format("--ctas must be >= 0, got {}", opt.ctas));
+  if (auto code = parse_flags(app, argc, argv)) return *code;
+  opt.rows = int_list("--rows", opt.rows_text, 1);
+  require_range("--hidden", opt.hidden, 1);
+  require_range("--tp", opt.tp, 2, 8);
+  require_range("--launches", opt.launches, 1);
+  require_range("--reps", opt.reps, 1);
+  require_range("--warmup", opt.warmup, 0);
+  require_range("--ctas", opt.ctas, 0);
+  require_output_path("--json", opt.json_path);
+  require_device("bench allreduce");
 
   const int visible = cuda_device_count();
-  M3MSA_CHECK_SUPPORTED(visible > 0, "bench allreduce: no CUDA device visible");
   const int P = opt.tp;
   const bool same_gpu = opt.same_gpu || visible < P;
   const bool with_nccl = !same_gpu && !opt.no_nccl;

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
@@ -30,6 +31,7 @@
 #include "cuda/common.cuh"
 #include "fill.h"
 #include "harness.h"
+#include "m3msa/batch.h"
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
 #include "m3msa/ops.h"
@@ -75,8 +77,6 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
   const int k = sc.topk;
   const int64_t rows = int64_t{c.batch} * c.q_len;
   const int64_t nb = (c.context + sc.block_size - 1) / sc.block_size;
-  M3MSA_CHECK_ARG(nb >= k, "bench attention: context ", c.context, " has fewer than ", k,
-                  " blocks");
   const int64_t elem = c.kv == DType::kBF16 ? 2 : 1;
   const int64_t page_elems = int64_t{kvh} * 2 * sc.block_size * sc.head_dim;
   const int64_t page_bytes = page_elems * elem;
@@ -263,39 +263,46 @@ int run_attention_bench(int argc, char** argv) {
   app.add_flag("--quick", quick, "subset: batch 1,32 x q_len 1 x 128K, default tuning only");
   app.add_option("--json", json_path, "write the results as JSON here");
   app.add_option("--seed", seed, "random seed");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  if (auto code = parse_flags(app, argc, argv)) return *code;
+  // Every value is checked here, before the device and the first measurement.
+  const SparseConfig m3 = ModelConfig{}.sparse();  // block size and topk: the same at every TP
+  std::vector<int> batch_list = int_list("--batch", batches, 1);
+  std::vector<int> q_len_list = int_list("--q-len", q_lens, 1, kMaxQueryLen);
+  std::vector<int64_t> context_list =
+      int_list<int64_t>("--context", contexts, 1, std::numeric_limits<int32_t>::max());
+  // A request selects topk distinct blocks (its own and topk - 1 others).
+  const int64_t min_context = int64_t{m3.topk - 1} * m3.block_size + 1;
+  for (int64_t context : context_list) {
+    require_flag(context >= min_context, "--context",
+                 fmt::format("{} tokens are fewer than the {} blocks of {} a request selects (at "
+                             "least {})",
+                             context, m3.topk, m3.block_size, min_context));
   }
-  if (row_share < -1 || row_share > SparseConfig{}.topk - 1) {
-    std::fprintf(stderr, "--row-share: expected -1 (all) or 0..%d, got %d\n",
-                 SparseConfig{}.topk - 1, row_share);
-    return 2;
-  }
+  const std::vector<DType> dtypes = dtype_list("--kv", kvs, {DType::kBF16, DType::kFP8E4M3});
+  const std::vector<int> tp_list = int_list("--tp", tps, 1);
+  for (int tp : tp_list) with_flag("--tp", [&] { return ModelConfig{}.sparse(tp); });
+  require_flag(row_share >= -1 && row_share <= m3.topk - 1, "--row-share",
+               fmt::format("expected -1 (all) or 0..{}, got {}", m3.topk - 1, row_share));
+  const std::vector<KVLayout> layout_list =
+      parsed_list("--layout", layouts,
+                  [](const std::string& item) { return parse_kv_layout(item, "--layout"); });
+  require_range("--reps", reps, 1);
+  require_range("--launches", launches, 1);
+  std::vector<cuda::AttentionTuning> tuning_list = parsed_list(
+      "--tunings", tunings,
+      [](const std::string& item) {
+        return item == "default" ? cuda::default_attention_tuning()
+                                 : cuda::AttentionTuning::parse(item);
+      },
+      ';');
   if (quick) {
-    batches = "1,32";
-    q_lens = "1";
-    contexts = "131072";
-    tunings = "default";
+    batch_list = {1, 32};
+    q_len_list = {1};
+    context_list = {131072};
+    tuning_list = {cuda::default_attention_tuning()};
   }
-  std::vector<DType> dtypes;
-  {
-    size_t at = 0;
-    while (at <= kvs.size()) {
-      size_t end = kvs.find(',', at);
-      if (end == std::string::npos) end = kvs.size();
-      dtypes.push_back(parse_dtype(kvs.substr(at, end - at), "--kv"));
-      at = end + 1;
-    }
-  }
-  std::vector<KVLayout> layout_list;
-  for (size_t at = 0; at <= layouts.size();) {
-    size_t end = layouts.find(',', at);
-    if (end == std::string::npos) end = layouts.size();
-    layout_list.push_back(parse_kv_layout(layouts.substr(at, end - at), "--layout"));
-    at = end + 1;
-  }
+  require_output_path("--json", json_path);
+  require_device("bench attention");
   const std::string device = device_description();
   ResultFile results("attention", argc, argv, json_path);
   std::printf(
@@ -306,36 +313,17 @@ int run_attention_bench(int argc, char** argv) {
   Table table({"tp", "kv", "layout", "batch", "q_len", "context", "rows/cta", "splits", "merge",
                "median us", "noise", "MB", "TB/s", "% roof"});
   for (DType kv : dtypes) {
-    std::vector<cuda::AttentionTuning> tuning_list;
-    {
-      size_t at = 0;
-      while (at < tunings.size()) {
-        size_t end = tunings.find(';', at);
-        if (end == std::string::npos) end = tunings.size();
-        const std::string item = tunings.substr(at, end - at);
-        tuning_list.push_back(item == "default" ? cuda::default_attention_tuning()
-                                                : cuda::AttentionTuning::parse(item));
-        at = end + 1;
-      }
-    }
-    for (int64_t tp : parse_list(tps)) {
-      for (int64_t context : parse_list(contexts)) {
-        for (int64_t q_len : parse_list(q_lens)) {
-          for (int64_t batch : parse_list(batches)) {
+    for (int tp : tp_list) {
+      for (int64_t context : context_list) {
+        for (int q_len : q_len_list) {
+          for (int batch : batch_list) {
             std::set<std::string> seen;  // launches already timed for this configuration
             for (const cuda::AttentionTuning& tuning : tuning_list) {
               for (KVLayout layout : layout_list) {
-                const Config c{static_cast<int>(batch),
-                               static_cast<int>(q_len),
-                               kv,
-                               context,
-                               tuning,
-                               layout,
-                               row_share,
-                               static_cast<int>(tp)};
+                const Config c{batch, q_len, kv, context, tuning, layout, row_share, tp};
                 const cuda::AttentionPlanInfo plan =
-                    cuda::attention_plan_info(ModelConfig{}.sparse(tp), batch * q_len, q_len, false,
-                                              kv == DType::kFP8E4M3, tuning);
+                    cuda::attention_plan_info(ModelConfig{}.sparse(tp), int64_t{batch} * q_len,
+                                              q_len, false, kv == DType::kFP8E4M3, tuning);
                 const std::string key = fmt::format(
                     "{}{}{}{}r{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
                     plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits, plan.row_tiles,

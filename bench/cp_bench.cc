@@ -26,6 +26,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numeric>
@@ -40,6 +41,7 @@
 #include "fill.h"
 #include "harness.h"
 #include "m3msa/backend.h"
+#include "m3msa/batch.h"
 #include "m3msa/comm.h"
 #include "m3msa/cp_cuda.h"
 #include "m3msa/cuda_backend.h"
@@ -49,12 +51,19 @@ namespace m3msa::bench {
 namespace {
 
 struct Options {
-  std::vector<int> worlds = {1, 2};
-  std::vector<std::string> transports = {"replicated", "peer", "nccl", "allreduce-max"};
-  std::vector<int> batches = {1, 4, 32, 128};
-  std::vector<int64_t> contexts = {4096, 32768, 131072, 1048576};
-  std::vector<std::string> dtypes = {"fp8", "bf16"};
-  std::vector<int> q_lens = {1, 4};
+  // The comma lists as given; parsed (and checked) into the vectors below.
+  std::string worlds_text = "1,2";
+  std::string transports_text = "replicated,peer,nccl,allreduce-max";
+  std::string batches_text = "1,4,32,128";
+  std::string contexts_text = "4096,32768,131072,1048576";
+  std::string dtypes_text = "fp8,bf16";
+  std::string q_lens_text = "1,4";
+  std::vector<int> worlds;
+  std::vector<CpTransport> transports;
+  std::vector<int> batches;
+  std::vector<int64_t> contexts;
+  std::vector<DType> dtypes;
+  std::vector<int> q_lens;
   bool quick = false;
   int reps = 20;
   int64_t rotate_bytes = 4 * kL2Bytes;
@@ -226,39 +235,43 @@ Result measure(Communicators& comms, CpTransport transport, int P, int batch, in
 int run_cp_bench(int argc, char** argv) {
   Options opt;
   CLI::App app{"CP indexer benchmark: transports x P under graph replay (ranks as threads)"};
-  app.add_option("--worlds", opt.worlds, "world sizes P (GPUs)")->delimiter(',');
-  app.add_option("--transports", opt.transports, "peer, nccl, replicated, allreduce-max")
-      ->delimiter(',');
-  app.add_option("--batches", opt.batches, "batch sizes")->delimiter(',');
-  app.add_option("--contexts", opt.contexts, "context lengths in tokens")->delimiter(',');
-  app.add_option("--dtypes", opt.dtypes, "index-K cache dtypes: fp8, bf16")->delimiter(',');
-  app.add_option("--q-lens", opt.q_lens, "query rows per request")->delimiter(',');
+  app.add_option("--worlds", opt.worlds_text, "comma-separated world sizes P (GPUs)");
+  app.add_option("--transports", opt.transports_text,
+                 "comma-separated: peer, nccl, replicated, allreduce-max");
+  app.add_option("--batches", opt.batches_text, "comma-separated batch sizes");
+  app.add_option("--contexts", opt.contexts_text, "comma-separated context lengths in tokens");
+  app.add_option("--dtypes", opt.dtypes_text, "comma-separated index-K cache dtypes: fp8, bf16");
+  app.add_option("--q-lens", opt.q_lens_text, "comma-separated query rows per request");
   app.add_flag("--quick", opt.quick, "batches 1,32 x contexts 4K,32K,128K x fp8 x q_len 1");
   app.add_option("--reps", opt.reps, "graph replays per measurement");
   app.add_option("--max-copies", opt.max_copies, "input copies rotated through (at most)");
   app.add_option("--json", opt.json_path, "write the results as JSON here (after every config)");
   app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (auto code = parse_flags(app, argc, argv)) return *code;
+  // Every value is checked here, before the device and the first measurement.
+  opt.worlds = int_list("--worlds", opt.worlds_text, 1);
+  opt.transports = parsed_list("--transports", opt.transports_text, parse_cp_transport);
+  opt.batches = int_list("--batches", opt.batches_text, 1);
+  opt.contexts =
+      int_list<int64_t>("--contexts", opt.contexts_text, 1, std::numeric_limits<int32_t>::max());
+  opt.dtypes = dtype_list("--dtypes", opt.dtypes_text, {DType::kFP8E4M3, DType::kBF16});
+  opt.q_lens = int_list("--q-lens", opt.q_lens_text, 1, kMaxQueryLen);
+  require_range("--reps", opt.reps, 1);
+  require_range("--max-copies", opt.max_copies, 1);
   if (opt.quick) {
     opt.batches = {1, 32};
     opt.contexts = {4096, 32768, 131072};
-    opt.dtypes = {"fp8"};
+    opt.dtypes = {DType::kFP8E4M3};
     opt.q_lens = {1};
   }
-  M3MSA_CHECK_ARG(opt.reps >= 1, "--reps must be >= 1");
-  M3MSA_CHECK_ARG(opt.max_copies >= 1, "--max-copies must be >= 1");
-  std::vector<CpTransport> transports;
-  for (const std::string& t : opt.transports) transports.push_back(parse_cp_transport(t));
+  std::vector<CpTransport> transports = opt.transports;
   // Replicated first, so the speedup columns of the others have their reference.
   std::stable_sort(transports.begin(), transports.end(), [](CpTransport a, CpTransport b) {
     return (a == CpTransport::kReplicated) > (b == CpTransport::kReplicated);
   });
+  require_output_path("--json", opt.json_path);
+  require_device("bench cp");
   const int visible = cuda_device_count();
-  M3MSA_CHECK_SUPPORTED(visible > 0, "bench cp: no CUDA device visible");
   const std::string device = device_description();
   std::printf("m3msa bench cp on %d x %s\n\n", visible, device.c_str());
   std::vector<int> worlds;
@@ -291,8 +304,8 @@ int run_cp_bench(int argc, char** argv) {
 
   for (int P : worlds) {
     auto comms = std::make_unique<Communicators>(P);
-    for (const std::string& dt : opt.dtypes) {
-      const DType dtype = parse_dtype(dt, "--dtypes");
+    for (const DType dtype : opt.dtypes) {
+      const std::string dt = dtype_label(dtype);
       for (int q : opt.q_lens) {
         for (int batch : opt.batches) {
           for (int64_t context : opt.contexts) {

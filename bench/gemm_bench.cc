@@ -65,9 +65,10 @@ std::vector<Shape> m3_shapes() {
 }
 
 struct Options {
-  std::vector<std::string> shapes = {"qkv_tp1", "o_tp1", "qkv_tp2", "o_tp2"};
-  std::vector<int> rows = {1, 2, 4, 8, 16};
-  std::vector<std::string> dtypes = {"bf16", "fp8"};
+  // The comma lists as given (checked and parsed after the flags).
+  std::string shapes = "qkv_tp1,o_tp1,qkv_tp2,o_tp2";
+  std::string rows = "1,2,4,8,16";
+  std::string dtypes = "bf16,fp8";
   bool quick = false;
   int reps = 50;
   int64_t rotate_bytes = 4 * kL2Bytes;
@@ -112,10 +113,11 @@ int run_gemm_bench(int argc, char** argv) {
   app.option_defaults()->always_capture_default();
   std::string shape_help = "projection shapes:";
   for (const Shape& s : m3_shapes()) shape_help += fmt::format(" {} [{}, {}]", s.name, s.n, s.k);
-  app.add_option("--shapes", opt.shapes, shape_help)->delimiter(',');
-  app.add_option("--rows", opt.rows, "token rows (1..16)")->delimiter(',');
-  app.add_option("--dtypes", opt.dtypes, "weight dtypes: bf16, fp8 (per-channel scales)")
-      ->delimiter(',');
+  app.add_option("--shapes", opt.shapes, "comma-separated " + shape_help);
+  app.add_option("--rows", opt.rows,
+                 fmt::format("comma-separated token rows (1..{})", cuda::kSkinnyMaxRows));
+  app.add_option("--dtypes", opt.dtypes,
+                 "comma-separated weight dtypes: bf16, fp8 (per-channel scales)");
   app.add_flag("--quick", opt.quick, "rows 1,16 only (every shape and dtype), at most 20 reps");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--rotate-bytes", opt.rotate_bytes,
@@ -129,51 +131,32 @@ int run_gemm_bench(int argc, char** argv) {
   app.add_option("--json", opt.json_path, "write the results as JSON here");
   app.add_option("--torch-json", opt.torch_json, "PyTorch baseline results (torch_gemm.py)");
   app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
-  if (opt.quick) {
-    opt.rows = {1, 16};
-    opt.reps = std::min(opt.reps, 20);
-  }
+  if (auto code = parse_flags(app, argc, argv)) return *code;
+  // Every value is checked here, before the device and the first measurement.
   const std::vector<Shape> all_shapes = m3_shapes();
+  std::vector<std::string> shape_names;
+  for (const Shape& s : all_shapes) shape_names.push_back(s.name);
   std::vector<Shape> shapes;
-  for (const std::string& name : opt.shapes) {
-    const auto it = std::find_if(all_shapes.begin(), all_shapes.end(),
-                                 [&](const Shape& s) { return s.name == name; });
-    if (it == all_shapes.end()) {
-      std::fprintf(stderr, "m3msa bench gemm: --shapes: unknown shape '%s' (%s)\n", name.c_str(),
-                   shape_help.c_str());
-      return 2;
-    }
-    shapes.push_back(*it);
+  for (const std::string& name : choice_list("--shapes", opt.shapes, shape_names)) {
+    shapes.push_back(*std::find_if(all_shapes.begin(), all_shapes.end(),
+                                   [&](const Shape& s) { return s.name == name; }));
   }
-  for (int r : opt.rows) {
-    if (r < 1 || r > cuda::kSkinnyMaxRows) {
-      std::fprintf(stderr, "m3msa bench gemm: --rows: %d is outside 1..%d\n", r,
-                   cuda::kSkinnyMaxRows);
-      return 2;
-    }
-  }
+  std::vector<int> row_list = int_list("--rows", opt.rows, 1, cuda::kSkinnyMaxRows);
   std::vector<bool> fp8s;
-  for (const std::string& d : opt.dtypes) {
-    if (d != "bf16" && d != "fp8") {
-      std::fprintf(stderr, "m3msa bench gemm: --dtypes: unknown dtype '%s' (bf16, fp8)\n",
-                   d.c_str());
-      return 2;
-    }
+  for (const std::string& d : choice_list("--dtypes", opt.dtypes, {"bf16", "fp8"})) {
     fp8s.push_back(d == "fp8");
   }
-  if (opt.reps < 1 || opt.max_copies < 1 || opt.min_launches < 1 || opt.check_cols < 0 ||
-      opt.rotate_bytes < 0) {
-    std::fprintf(stderr,
-                 "m3msa bench gemm: --reps, --max-copies, --min-launches must be >= 1, "
-                 "--check-cols and --rotate-bytes >= 0\n");
-    return 2;
+  require_range("--reps", opt.reps, 1);
+  require_range("--rotate-bytes", opt.rotate_bytes, 0);
+  require_range("--max-copies", opt.max_copies, 1);
+  require_range("--min-launches", opt.min_launches, 1);
+  require_range("--check-cols", opt.check_cols, 0);
+  if (opt.quick) {
+    row_list = {1, 16};
+    opt.reps = std::min(opt.reps, 20);
   }
-  M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, "bench gemm: no CUDA device visible");
+  require_output_path("--json", opt.json_path);
+  require_device("bench gemm");
   const TorchBaseline torch =
       TorchBaseline::read(opt.torch_json, {"n", "k", "rows", "dtype"}, "bench gemm");
 
@@ -203,7 +186,7 @@ int run_gemm_bench(int argc, char** argv) {
   bool all_ok = true;
   for (bool fp8 : fp8s) {
     for (const Shape& shape : shapes) {
-      for (int rows : opt.rows) {
+      for (int rows : row_list) {
         const int64_t n = shape.n, k = shape.k;
         const int64_t elem = fp8 ? 1 : 2;
         const int64_t w_bytes = n * k * elem + (fp8 ? n * 4 : 0);

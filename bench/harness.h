@@ -5,6 +5,7 @@
 // through input copies whose total size is several times the 60 MB L2, so no launch finds its
 // inputs in L2; the graph is replayed `reps` times after `warmup` replays; the time of one launch
 // is the replay time / launches. Reported: the median over replays, and the noise as p10..p90.
+// The flag convention of the handlers (parse_flags, checks that name the flag) is flags.h's.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +23,7 @@
 #include <vector>
 
 #include "cuda/common.cuh"
+#include "flags.h"
 #include "m3msa/error.h"
 
 namespace m3msa::bench {
@@ -29,26 +31,6 @@ namespace m3msa::bench {
 inline constexpr double kReadCeilingTBs =
     4.57;  // measured HBM read-only ceiling (docs/benchmarks.md)
 inline constexpr int64_t kL2Bytes = 60ll << 20;
-
-// "a,b,c" -> {"a", "b", "c"} (the comma lists of the bench flags; "" -> {}).
-inline std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> out;
-  std::size_t at = 0;
-  while (at < text.size()) {
-    std::size_t end = text.find(',', at);
-    if (end == std::string::npos) end = text.size();
-    out.push_back(text.substr(at, end - at));
-    at = end + 1;
-  }
-  return out;
-}
-
-// "1,4,16" -> {1, 4, 16}.
-inline std::vector<int64_t> parse_list(const std::string& text) {
-  std::vector<int64_t> out;
-  for (const std::string& item : split_list(text)) out.push_back(std::stoll(item));
-  return out;
-}
 
 struct Timing {
   double median_us = 0.0;

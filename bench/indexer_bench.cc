@@ -18,6 +18,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <string>
@@ -28,6 +29,7 @@
 #include "cuda/indexer.h"
 #include "fill.h"
 #include "harness.h"
+#include "m3msa/batch.h"
 #include "m3msa/cuda_backend.h"
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
@@ -55,13 +57,21 @@ std::string fmt_context(int64_t context) {
 }
 
 struct Options {
-  std::vector<int> batches = {1, 4, 32, 128};
-  std::vector<int64_t> contexts = {4096, 32768, 131072, 524288, 1048576};
-  std::vector<std::string> dtypes = {"bf16", "fp8"};
-  std::vector<int> q_lens = {1, 4};
-  std::vector<int> tps = {1};
-  std::vector<std::string> q_dtypes = {"bf16"};
-  std::vector<int> min_blocks = {1};
+  // The comma lists as given; parsed (and checked) into the vectors below.
+  std::string batches_text = "1,4,32,128";
+  std::string contexts_text = "4096,32768,131072,524288,1048576";
+  std::string dtypes_text = "bf16,fp8";
+  std::string q_lens_text = "1,4";
+  std::string tps_text = "1";
+  std::string q_dtypes_text = "bf16";
+  std::string min_blocks_text = "1";
+  std::vector<int> batches;
+  std::vector<int64_t> contexts;
+  std::vector<DType> dtypes;
+  std::vector<int> q_lens;
+  std::vector<int> tps;
+  std::vector<DType> q_dtypes;
+  std::vector<int> min_blocks;
   bool quick = false;
   bool no_unfused = false;
   bool split_merge = false;
@@ -76,72 +86,74 @@ struct Options {
 int run_indexer_bench(int argc, char** argv) {
   Options opt;
   CLI::App app{"CUDA decode indexer benchmark (graph replay, rotated inputs)"};
-  app.add_option("--batches", opt.batches, "batch sizes")->delimiter(',');
-  app.add_option("--contexts", opt.contexts, "context lengths in tokens")->delimiter(',');
-  app.add_option("--dtypes", opt.dtypes, "index-K cache dtypes: bf16, fp8")->delimiter(',');
-  app.add_option("--q-lens", opt.q_lens, "query rows per request")->delimiter(',');
-  app.add_option("--tp", opt.tps,
-                 "tensor-parallel sizes: one rank's shape each (M3: 4 index heads at TP 1, one "
-                 "at TP 4 and 8)")
-      ->delimiter(',');
-  app.add_option("--q-dtypes", opt.q_dtypes,
-                 "index_q dtypes: bf16, fp8 (fp8 runs with the fp8 index cache only)")
-      ->delimiter(',');
+  app.add_option("--batches", opt.batches_text, "comma-separated batch sizes");
+  app.add_option("--contexts", opt.contexts_text, "comma-separated context lengths in tokens");
+  app.add_option("--dtypes", opt.dtypes_text, "comma-separated index-K cache dtypes: bf16, fp8");
+  app.add_option("--q-lens", opt.q_lens_text, "comma-separated query rows per request");
+  app.add_option("--tp", opt.tps_text,
+                 "comma-separated tensor-parallel sizes: one rank's shape each (M3: 4 index heads "
+                 "at TP 1, one at TP 4 and 8)");
+  app.add_option("--q-dtypes", opt.q_dtypes_text,
+                 "comma-separated index_q dtypes: bf16, fp8 (fp8 runs with the fp8 index cache "
+                 "only)");
   app.add_flag("--quick", opt.quick, "batches 1,32 x contexts 4K,128K only");
   app.add_flag("--no-unfused", opt.no_unfused, "skip the unfused baseline");
   app.add_flag("--split-merge", opt.split_merge,
                "also time the two merge placements the default picks between: the merge as a "
                "separate, programmatically dependent kernel (IndexerVariant::kSplitMerge) and in "
                "the request's last CTA (kLastCtaMerge)");
-  app.add_option("--min-blocks", opt.min_blocks,
-                 "IndexerPlan::min_blocks_per_cta values to time side by side (>= 1)")
-      ->delimiter(',');
+  app.add_option("--min-blocks", opt.min_blocks_text,
+                 "comma-separated IndexerPlan::min_blocks_per_cta values to time side by side "
+                 "(>= 1)");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--rotate-bytes", opt.rotate_bytes,
                  "bytes of distinct inputs one graph cycles through (default 4 x L2)");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
   app.add_option("--torch-json", opt.torch_json, "PyTorch baseline results (torch_indexer.py)");
   app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
-  }
+  if (auto code = parse_flags(app, argc, argv)) return *code;
+  // Every value is checked here, before the device and the first measurement.
+  const ModelConfig model;  // M3: 4 index heads, dim 128, block 128, top-16, forced own block
+  const std::vector<DType> cache_dtypes = {DType::kBF16, DType::kFP8E4M3};
+  opt.batches = int_list("--batches", opt.batches_text, 1);
+  opt.contexts =
+      int_list<int64_t>("--contexts", opt.contexts_text, 1, std::numeric_limits<int32_t>::max());
+  opt.dtypes = dtype_list("--dtypes", opt.dtypes_text, cache_dtypes);
+  opt.q_lens = int_list("--q-lens", opt.q_lens_text, 1, kMaxQueryLen);
+  opt.tps = int_list("--tp", opt.tps_text, 1);
+  // A size that does not split M3's heads is refused here.
+  for (int tp : opt.tps) with_flag("--tp", [&] { return model.sparse(tp); });
+  opt.q_dtypes = dtype_list("--q-dtypes", opt.q_dtypes_text, cache_dtypes);
+  opt.min_blocks = int_list("--min-blocks", opt.min_blocks_text, 1);
+  require_range("--reps", opt.reps, 1);
+  require_range("--rotate-bytes", opt.rotate_bytes, 0);
   if (opt.quick) {
     opt.batches = {1, 32};
     opt.contexts = {4096, 131072};
   }
-  M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, "bench indexer: no CUDA device visible");
+  require_output_path("--json", opt.json_path);
+  require_device("bench indexer");
   ResultFile results("indexer", argc, argv, opt.json_path, opt.commit);
   const TorchBaseline torch =
       TorchBaseline::read(opt.torch_json, {"batch", "context", "dtype", "q_len"}, "bench indexer");
 
-  const ModelConfig model;  // M3: 4 index heads, dim 128, block 128, top-16, forced own block
   cuda::Stream stream;
   const std::string device = device_description();
   std::printf("m3msa bench indexer on %s\n", device.c_str());
   std::printf("bytes = index-K rows read once + queries + tables + output; roof = 4.57 TB/s\n\n");
 
-  for (int tp : opt.tps) (void)model.sparse(tp);  // refuses a size that does not split M3's heads
-  for (int mb : opt.min_blocks) {
-    if (mb < 1) {
-      std::fprintf(stderr, "m3msa bench indexer: --min-blocks must be >= 1, got %d\n", mb);
-      return 2;
-    }
-  }
   Table table({"tp", "batch", "context", "dtype", "q", "min blk", "default us", "noise", "MB",
                "TB/s", "% roof", "span us", "x span", "unfused us", "x unfused", "torch us",
                "x torch", "check"});
   std::vector<Config> configs;
-  for (const std::string& dt : opt.dtypes) {
-    const DType dtype = parse_dtype(dt, "--dtypes");
+  for (const DType dtype : opt.dtypes) {
     for (int q : opt.q_lens) {
       for (int b : opt.batches) {
         for (int64_t ctx : opt.contexts) {
           for (int mb : opt.min_blocks) {
             for (int tp : opt.tps) {
-              for (const std::string& qd : opt.q_dtypes) {
-                const bool q8 = parse_dtype(qd, "--q-dtypes") == DType::kFP8E4M3;
+              for (const DType q_dtype : opt.q_dtypes) {
+                const bool q8 = q_dtype == DType::kFP8E4M3;
                 if (q8 && dtype != DType::kFP8E4M3) continue;  // fp8 queries need an fp8 cache
                 configs.push_back({b, ctx, dtype, q, mb, tp, q8});
               }

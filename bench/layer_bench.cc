@@ -58,9 +58,9 @@
 #include <cstdio>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <nlohmann/json.hpp>
-#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -82,6 +82,12 @@
 
 namespace m3msa::bench {
 namespace {
+
+// The step shapes the runtime of every run is prepared for (RuntimeConfig): --tokens and --q-len
+// are checked against them.
+const std::vector<int> kTokenBuckets = {1, 2, 4, 8, 16};
+const std::vector<int> kQueryLens = {1, 2, 4};
+constexpr int kMaxRequests = 16;
 
 struct Config {
   std::string kind = "sparse";  // sparse | dense (M3's layers [0, first_sparse_layer))
@@ -364,9 +370,9 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
   const int64_t pages = int64_t{reqs} * nb + 1;
   RuntimeConfig config;
   config.model = m;
-  config.token_buckets = {1, 2, 4, 8, 16};
-  config.query_lens = {1, 2, 4};
-  config.max_requests = 16;
+  config.token_buckets = kTokenBuckets;
+  config.query_lens = kQueryLens;
+  config.max_requests = kMaxRequests;
   config.max_context = nb * m.block_size;
   config.context_parallel = c.cp;
   config.selection_share_period = c.share_period;
@@ -522,24 +528,20 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
   return res;
 }
 
-std::vector<DType> parse_dtypes(const std::string& text, const char* what) {
-  std::vector<DType> out;
-  for (const std::string& item : split_list(text)) out.push_back(parse_dtype(item, what));
-  return out;
-}
-
-// "on,off" -> {true, false}; anything else: an error naming the flag (nullopt).
-std::optional<std::vector<bool>> parse_switches(const std::string& text, const char* flag) {
-  std::vector<bool> out;
-  for (const std::string& v : split_list(text)) {
-    if (v != "on" && v != "off") {
-      std::fprintf(stderr, "m3msa bench layer: %s takes on and/or off, got '%s'\n", flag,
-                   v.c_str());
-      return std::nullopt;
-    }
-    out.push_back(v == "on");
-  }
-  return out;
+// A TP size P (or --rank-of P) whose per-rank shapes M3 has: P splits the attention heads
+// (ModelConfig::sparse) and, where an FFN runs, the expert and dense MLP intermediates into
+// whole MXFP8 blocks.
+void check_rank_split(const char* flag, int P, bool ffn) {
+  const ModelConfig m;
+  with_flag(flag, [&] { return m.sparse(P); });
+  if (!ffn) return;
+  require_flag(m.moe_intermediate % P == 0 && m.dense_intermediate % P == 0 &&
+                   (m.moe_intermediate / P) % kMxfp8Block == 0 &&
+                   (m.dense_intermediate / P) % kMxfp8Block == 0,
+               flag,
+               fmt::format("{} must divide the expert intermediate {} and the dense MLP {} into "
+                           "multiples of {}",
+                           P, m.moe_intermediate, m.dense_intermediate, kMxfp8Block));
 }
 
 int run_layer_bench(int argc, char** argv) {
@@ -594,66 +596,66 @@ int run_layer_bench(int argc, char** argv) {
                "subset: tokens 1,16 x q_len 1 x 128K, TP 1,2, CP off and on, bf16 and fp8");
   app.add_option("--json", json_path, "write the results as JSON here");
   app.add_option("--commit", commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  if (auto code = parse_flags(app, argc, argv)) return *code;
+  // Every value is checked here, before the device and the first measurement.
+  const std::vector<std::string> kind_list =
+      choice_list("--layer-kind", kinds, {"sparse", "dense"});
+  const std::vector<std::string> moe_list = choice_list("--moe", moe, {"off", "bf16", "mxfp8"});
+  // Whether an FFN runs (the MoE, or the MLP of a dense layer, which has no FFN-less form): in a
+  // --moe weight format.
+  const bool ffn_format = std::any_of(moe_list.begin(), moe_list.end(),
+                                      [](const std::string& v) { return v != "off"; });
+  for (const std::string& kind : kind_list) {
+    require_flag(kind != "dense" || ffn_format, "--layer-kind",
+                 fmt::format("dense needs the dense MLP's weight format: --moe bf16 and/or mxfp8 "
+                             "(got --moe {})",
+                             moe));
   }
+  std::vector<int> token_list = int_list("--tokens", tokens, 1, kTokenBuckets.back());
+  std::vector<int> q_len_list = int_choice_list("--q-len", q_lens, kQueryLens);
+  std::vector<int64_t> context_list =
+      int_list<int64_t>("--context", contexts, 1, std::numeric_limits<int32_t>::max());
+  const int max_q_len = *std::max_element(q_len_list.begin(), q_len_list.end());
+  for (int64_t context : context_list) {
+    require_flag(context >= max_q_len, "--context",
+                 fmt::format("{} tokens are fewer than --q-len {}", context, max_q_len));
+  }
+  const std::vector<int> tp_values = int_list("--tp", tps, 1);
+  for (int tp : tp_values) check_rank_split("--tp", tp, ffn_format);
+  const std::vector<bool> cp_list = [&] {
+    std::vector<bool> out;
+    for (const std::string& v : choice_list("--cp", cps, {"on", "off"})) out.push_back(v == "on");
+    return out;
+  }();
+  const TpAllReduce allreduce_mode =
+      with_flag("--allreduce", [&] { return parse_tp_allreduce(allreduce); });
+  require_range("--share-period", share_period, 1);
+  const std::vector<IndexerOverlap> overlap_list =
+      parsed_list("--overlap", overlap, parse_indexer_overlap);
+  const std::vector<DType> weight_dtypes =
+      dtype_list("--weights", weights, {DType::kBF16, DType::kFP8E4M3});
+  const DType kv_dtype = dtype_flag("--kv", kv, {DType::kBF16, DType::kFP8E4M3});
+  const std::vector<int> rank_of_list = int_list("--rank-of", rank_of, 1);
+  for (int P : rank_of_list) check_rank_split("--rank-of", P, ffn_format);
+  require_range("--layers", layers, 1);
+  require_range("--reps", reps, 1);
   if (quick) {
-    tokens = "1,16";
-    q_lens = "1";
-    contexts = "131072";
+    token_list = {1, 16};
+    q_len_list = {1};
+    context_list = {131072};
     reps = std::min(reps, 20);
   }
-  // Checked before the device: a refused command line says why on any machine.
-  std::vector<std::string> moe_list = split_list(moe);
-  bool dense_format = false;  // a weight format for the dense MLP
-  for (const std::string& v : moe_list) {
-    if (v != "off" && v != "bf16" && v != "mxfp8") {
-      std::fprintf(stderr, "m3msa bench layer: --moe takes off, bf16 and/or mxfp8, got '%s'\n",
-                   v.c_str());
-      return 2;
-    }
-    dense_format = dense_format || v != "off";
-  }
-  const std::vector<std::string> kind_list = split_list(kinds);
-  for (const std::string& v : kind_list) {
-    if (v != "sparse" && v != "dense") {
-      std::fprintf(stderr, "m3msa bench layer: --layer-kind takes sparse and/or dense, got '%s'\n",
-                   v.c_str());
-      return 2;
-    }
-    if (v == "dense" && !dense_format) {
-      std::fprintf(stderr,
-                   "m3msa bench layer: --layer-kind dense needs the dense MLP's weight format: "
-                   "--moe bf16 and/or mxfp8 (got --moe %s)\n",
-                   moe.c_str());
-      return 2;
-    }
-  }
+  require_output_path("--json", json_path);
+  require_device("bench layer");
   const int gpus = cuda_device_count();
-  if (gpus == 0) {
-    std::fprintf(stderr, "m3msa bench layer: no CUDA device visible\n");
-    return 1;
-  }
-  const DType kv_dtype = parse_dtype(kv, "--kv");
-  const std::vector<DType> weight_dtypes = parse_dtypes(weights, "--weights");
   std::vector<int> tp_list;
-  for (int64_t tp : parse_list(tps)) {
+  for (int tp : tp_values) {
     if (tp > gpus) {
-      std::fprintf(stderr, "bench layer: TP %lld skipped: %d GPU(s) visible\n",
-                   static_cast<long long>(tp), gpus);
+      std::fprintf(stderr, "bench layer: TP %d skipped: %d GPU(s) visible\n", tp, gpus);
       continue;
     }
-    tp_list.push_back(static_cast<int>(tp));
+    tp_list.push_back(tp);
   }
-  const auto cp_list = parse_switches(cps, "--cp");
-  if (!cp_list) return 2;
-  if (share_period < 1) {
-    std::fprintf(stderr, "m3msa bench layer: --share-period must be >= 1, got %d\n", share_period);
-    return 2;
-  }
-  const TpAllReduce allreduce_mode = parse_tp_allreduce(allreduce);
   const std::string device = device_description();
   const ResultFile results("layer", argc, argv, json_path, commit);
   std::printf(
@@ -661,9 +663,6 @@ int run_layer_bench(int argc, char** argv) {
       "sparse layers per graph, kv %s, MoE %s, share period %d; per layer under graph replay\n",
       device.c_str(), kReadCeilingTBs, kinds.c_str(), layers, dtype_name(kv_dtype), moe.c_str(),
       share_period);
-  std::vector<IndexerOverlap> overlap_list;
-  for (const std::string& v : split_list(overlap)) overlap_list.push_back(parse_indexer_overlap(v));
-  const std::vector<int64_t> rank_of_list = parse_list(rank_of);
   Table table({"kind",  "tp",        "rank of", "moe",     "cp",        "weights", "tokens",
                "q_len", "reqs",      "context", "overlap", "median us", "noise",   "launches",
                "MB",    "allreduce", "nccl us", "peer us", "floor us",  "ratio"});
@@ -676,14 +675,14 @@ int run_layer_bench(int argc, char** argv) {
     }
     for (const std::string& kind : kind_list) {
       const bool dense = kind == "dense";
-      for (bool cp : *cp_list) {
+      for (bool cp : cp_list) {
         for (DType w : weight_dtypes) {
-          for (int64_t context : parse_list(contexts)) {
-            for (int64_t q : parse_list(q_lens)) {
-              for (int64_t t : parse_list(tokens)) {
+          for (int64_t context : context_list) {
+            for (int q : q_len_list) {
+              for (int t : token_list) {
                 for (IndexerOverlap with_overlap : overlap_list) {
                   for (const std::string& moe_mode : moe_list) {
-                    for (int64_t rank_shape : rank_of_list) {
+                    for (int rank_shape : rank_of_list) {
                       if (t % q != 0) continue;                // tokens = requests * q_len
                       if (rank_shape > 1 && tp > 1) continue;  // rank shapes run on one GPU
                       Config c;
@@ -691,8 +690,8 @@ int run_layer_bench(int argc, char** argv) {
                       if (cp && with_overlap != overlap_list.front()) continue;
                       // A dense layer has no indexer (CP and the overlap change nothing in it) and
                       // always an MLP.
-                      if (dense && (cp != cp_list->front() ||
-                                    with_overlap != overlap_list.front() || moe_mode == "off")) {
+                      if (dense && (cp != cp_list.front() || with_overlap != overlap_list.front() ||
+                                    moe_mode == "off")) {
                         continue;
                       }
                       c.kind = kind;
@@ -703,12 +702,12 @@ int run_layer_bench(int argc, char** argv) {
                       c.allreduce = allreduce_mode;
                       c.weights = w;
                       c.kv = kv_dtype;
-                      c.tokens = static_cast<int>(t);
-                      c.q_len = static_cast<int>(q);
+                      c.tokens = t;
+                      c.q_len = q;
                       c.context = context;
                       c.layers = layers;
                       c.moe = moe_mode;
-                      c.rank_of = static_cast<int>(rank_shape);
+                      c.rank_of = rank_shape;
                       const Result r = run_config(c, comms, reps, seed);
                       const double us = r.timing.median_us;
                       const double mb = (r.weight_bytes + r.cache_bytes) / 1e6;

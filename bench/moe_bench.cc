@@ -61,11 +61,17 @@ constexpr int kScaleCodeLo = 120;
 constexpr int kScaleCodeHi = 127;
 
 struct Options {
-  std::vector<int> tp = {1, 4, 8};
-  std::vector<int> tokens = {1, 4, 16};
-  std::vector<std::string> dtypes = {"bf16", "mxfp8"};
-  std::vector<std::string> kernels = {"mma", "fma"};
-  std::vector<std::string> what = {"moe", "dense"};
+  // The comma lists as given; parsed (and checked) into the vectors below.
+  std::string tp_text = "1,4,8";
+  std::string tokens_text = "1,4,16";
+  std::string dtypes_text = "bf16,mxfp8";
+  std::string kernels_text = "mma,fma";
+  std::string what_text = "moe,dense";
+  std::vector<int> tp;
+  std::vector<int> tokens;
+  std::vector<std::string> dtypes;
+  std::vector<std::string> kernels;
+  std::vector<std::string> what;
   bool quick = false;
   int reps = 50;
   int x_copies = 16;
@@ -167,11 +173,6 @@ struct KernelCheck {
   bool compared = false;
 };
 
-int refuse(const std::string& message) {
-  std::fprintf(stderr, "m3msa bench moe: %s\n", message.c_str());
-  return 2;
-}
-
 int run_moe_bench(int argc, char** argv) {
   Options opt;
   const ModelConfig model;  // M3 defaults
@@ -181,23 +182,21 @@ int run_moe_bench(int argc, char** argv) {
       "kernels, graph replay with rotated layer copies; floor = the bytes of the experts actually "
       "routed to (+ router, shared expert, x, out) / 4.57 TB/s"};
   app.option_defaults()->always_capture_default();
-  app.add_option("--tp", opt.tp,
-                 fmt::format("one rank's shapes at TP P (expert intermediate {} / P, dense MLP {} "
-                             "/ P, hidden {}), on one GPU",
-                             model.moe_intermediate, model.dense_intermediate, model.hidden))
-      ->delimiter(',');
-  app.add_option("--tokens", opt.tokens, fmt::format("token rows (1..{})", cuda::kMoeMaxRows))
-      ->delimiter(',');
-  app.add_option("--dtypes", opt.dtypes, "weights: bf16, mxfp8 (e4m3 + e8m0 per 32)")
-      ->delimiter(',');
-  app.add_option("--kernels", opt.kernels,
-                 "expert projections: mma (tensor cores), fma (fp32 FMA kernels), mma+pdl "
-                 "(tensor cores, programmatic dependent launches), mma-deep (tensor cores at 4 CTAs "
-                 "per SM with more weight chunks in flight: MoeParams::deep)")
-      ->delimiter(',');
-  app.add_option("--what", opt.what,
-                 "moe (router + routed + shared experts), dense (the MLP of layers 0-2)")
-      ->delimiter(',');
+  app.add_option("--tp", opt.tp_text,
+                 fmt::format("comma-separated: one rank's shapes at TP P (expert intermediate {} / "
+                             "P, dense MLP {} / P, hidden {}), on one GPU",
+                             model.moe_intermediate, model.dense_intermediate, model.hidden));
+  app.add_option("--tokens", opt.tokens_text,
+                 fmt::format("comma-separated token rows (1..{})", cuda::kMoeMaxRows));
+  app.add_option("--dtypes", opt.dtypes_text,
+                 "comma-separated weights: bf16, mxfp8 (e4m3 + e8m0 per 32)");
+  app.add_option("--kernels", opt.kernels_text,
+                 "comma-separated expert projections: mma (tensor cores), fma (fp32 FMA kernels), "
+                 "mma+pdl (tensor cores, programmatic dependent launches), mma-deep (tensor cores "
+                 "at 4 CTAs per SM with more weight chunks in flight: MoeParams::deep)");
+  app.add_option("--what", opt.what_text,
+                 "comma-separated: moe (router + routed + shared experts), dense (the MLP of "
+                 "layers 0-2)");
   app.add_flag("--quick", opt.quick,
                "tokens 1,16 and mma only (unless given), at most 20 reps: every TP, dtype, what");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
@@ -210,66 +209,34 @@ int run_moe_bench(int argc, char** argv) {
   app.add_option("--seed", opt.seed, "random seed of the weights and inputs");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
   app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int code = app.exit(e);
-    return code == 0 ? 0 : 2;
+  if (auto code = parse_flags(app, argc, argv)) return *code;
+  // Every value is checked here, before the device and the first measurement.
+  opt.tp = int_list("--tp", opt.tp_text, 1);
+  for (int tp : opt.tp) {
+    require_flag(model.moe_intermediate % tp == 0 && model.dense_intermediate % tp == 0 &&
+                     (model.moe_intermediate / tp) % kMxfp8Block == 0 &&
+                     (model.dense_intermediate / tp) % kMxfp8Block == 0,
+                 "--tp",
+                 fmt::format("{} must divide the expert intermediate {} and the dense MLP {} into "
+                             "multiples of {} (e.g. 1, 2, 4, 8)",
+                             tp, model.moe_intermediate, model.dense_intermediate, kMxfp8Block));
   }
+  opt.tokens = int_list("--tokens", opt.tokens_text, 1, cuda::kMoeMaxRows);
+  opt.dtypes = choice_list("--dtypes", opt.dtypes_text, {"bf16", "mxfp8"});
+  opt.kernels = choice_list("--kernels", opt.kernels_text, {"mma", "fma", "mma+pdl", "mma-deep"});
+  opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
+  require_range("--reps", opt.reps, 1);
+  require_range("--min-launches", opt.min_launches, 1);
+  require_range("--max-copies", opt.max_copies, 1);
+  require_range("--x-copies", opt.x_copies, 1, 256);
+  require_range("--rotate-bytes", opt.rotate_bytes, 0);
   if (opt.quick) {
     if (app.count("--tokens") == 0) opt.tokens = {1, 16};
     if (app.count("--kernels") == 0) opt.kernels = {"mma"};
     opt.reps = std::min(opt.reps, 20);
   }
-  for (int tp : opt.tp) {
-    const bool ok = tp >= 1 && model.moe_intermediate % tp == 0 &&
-                    model.dense_intermediate % tp == 0 &&
-                    (model.moe_intermediate / tp) % kMxfp8Block == 0 &&
-                    (model.dense_intermediate / tp) % kMxfp8Block == 0;
-    if (!ok) {
-      return refuse(fmt::format(
-          "--tp: {} must divide the expert intermediate {} and the dense MLP {} into multiples of "
-          "{} (e.g. 1, 2, 4, 8)",
-          tp, model.moe_intermediate, model.dense_intermediate, kMxfp8Block));
-    }
-  }
-  for (int t : opt.tokens) {
-    if (t < 1 || t > cuda::kMoeMaxRows) {
-      return refuse(fmt::format("--tokens: {} is outside 1..{}", t, cuda::kMoeMaxRows));
-    }
-  }
-  for (const std::string& d : opt.dtypes) {
-    if (d != "bf16" && d != "mxfp8") {
-      return refuse(fmt::format("--dtypes: unknown dtype '{}' (bf16, mxfp8)", d));
-    }
-  }
-  for (const std::string& k : opt.kernels) {
-    if (k != "mma" && k != "fma" && k != "mma+pdl" && k != "mma-deep") {
-      return refuse(
-          fmt::format("--kernels: unknown kernels '{}' (mma, fma, mma+pdl, mma-deep)", k));
-    }
-  }
-  for (const std::string& w : opt.what) {
-    if (w != "moe" && w != "dense") {
-      return refuse(fmt::format("--what: unknown '{}' (moe, dense)", w));
-    }
-  }
-  if (opt.tp.empty() || opt.tokens.empty() || opt.dtypes.empty() || opt.kernels.empty() ||
-      opt.what.empty()) {
-    return refuse("--tp, --tokens, --dtypes, --kernels and --what each need at least one value");
-  }
-  const std::pair<const char*, int64_t> at_least_one[] = {
-      {"--reps", opt.reps}, {"--min-launches", opt.min_launches}, {"--max-copies", opt.max_copies}};
-  for (const auto& [name, value] : at_least_one) {
-    if (value < 1) return refuse(fmt::format("{}: must be >= 1, got {}", name, value));
-  }
-  if (opt.x_copies < 1 || opt.x_copies > 256) {
-    return refuse(fmt::format("--x-copies: {} is outside 1..256", opt.x_copies));
-  }
-  if (opt.rotate_bytes < 0) {
-    return refuse(fmt::format("--rotate-bytes: must be >= 0, got {}", opt.rotate_bytes));
-  }
-  M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, "bench moe: no CUDA device visible");
+  require_output_path("--json", opt.json_path);
+  require_device("bench moe");
 
   cuda::Stream stream;
   const std::string device = device_description();

@@ -21,6 +21,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <set>
@@ -33,6 +34,7 @@
 #include "cuda/indexer.h"
 #include "fill.h"
 #include "harness.h"
+#include "m3msa/batch.h"
 #include "m3msa/config.h"
 #include "m3msa/cuda_backend.h"
 #include "m3msa/dtype.h"
@@ -43,13 +45,21 @@ namespace m3msa::bench {
 namespace {
 
 struct StepOptions {
-  std::vector<int> batches = {1, 4, 32};
-  std::vector<int64_t> contexts = {16384, 131072};
-  std::vector<std::string> dtypes = {"bf16", "fp8"};
-  std::vector<int> q_lens = {1, 4};
-  std::vector<int> tps = {1};
-  std::vector<std::string> indexers = {"default"};
-  std::string attention_tunings = "default";
+  // The lists as given; parsed (and checked) into the vectors below.
+  std::string batches_text = "1,4,32";
+  std::string contexts_text = "16384,131072";
+  std::string dtypes_text = "bf16,fp8";
+  std::string q_lens_text = "1,4";
+  std::string tps_text = "1";
+  std::string indexers_text = "default";
+  std::string attention_tunings_text = "default";
+  std::vector<int> batches;
+  std::vector<int64_t> contexts;
+  std::vector<DType> dtypes;
+  std::vector<int> q_lens;
+  std::vector<int> tps;
+  std::vector<IndexerVariant> variants;
+  std::vector<cuda::AttentionTuning> tunings;
   bool quick = false;
   int reps = 30;
   int64_t rotate_bytes = 4 * kL2Bytes;
@@ -66,71 +76,53 @@ std::string context_label(int64_t context) {
 int run_sparse_step_bench(int argc, char** argv) {
   StepOptions opt;
   CLI::App app{"one sparse layer's indexer + sparse attention (graph replay, rotated inputs)"};
-  app.add_option("--batches", opt.batches, "batch sizes")->delimiter(',');
-  app.add_option("--contexts", opt.contexts, "context lengths in tokens")->delimiter(',');
-  app.add_option("--dtypes", opt.dtypes, "cache dtypes (index-K and KV): bf16, fp8")
-      ->delimiter(',');
-  app.add_option("--q-lens", opt.q_lens, "query rows per request")->delimiter(',');
-  app.add_option("--tp", opt.tps, "one rank's shapes under tensor parallelism: 1, 2, 4, 8")
-      ->delimiter(',');
-  app.add_option("--indexer", opt.indexers,
-                 "indexer variants: default (the library's pick of the two merge placements), "
-                 "split-merge (the merge as a second, programmatically dependent kernel), last-cta "
-                 "(the merge in the request's last CTA)")
-      ->delimiter(',');
-  app.add_option("--attention-tunings", opt.attention_tunings,
+  app.add_option("--batches", opt.batches_text, "comma-separated batch sizes");
+  app.add_option("--contexts", opt.contexts_text, "comma-separated context lengths in tokens");
+  app.add_option("--dtypes", opt.dtypes_text,
+                 "comma-separated cache dtypes (index-K and KV): bf16, fp8");
+  app.add_option("--q-lens", opt.q_lens_text, "comma-separated query rows per request");
+  app.add_option("--tp", opt.tps_text,
+                 "comma-separated: one rank's shapes under tensor parallelism: 1, 2, 4, 8");
+  app.add_option("--indexer", opt.indexers_text,
+                 "comma-separated indexer variants: default (the library's pick of the two merge "
+                 "placements), split-merge (the merge as a second, programmatically dependent "
+                 "kernel), last-cta (the merge in the request's last CTA)");
+  app.add_option("--attention-tunings", opt.attention_tunings_text,
                  "';'-separated attention launcher tunings (attention.h: splitp, cluster, pdl, "
                  "splits, rows; 'default' = the library default)");
   app.add_flag("--quick", opt.quick, "batch 1, 128K, q 1 only (the target point)");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
   app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+  if (auto code = parse_flags(app, argc, argv)) return *code;
+  // Every value is checked here, before the device and the first measurement.
+  opt.batches = int_list("--batches", opt.batches_text, 1);
+  opt.contexts =
+      int_list<int64_t>("--contexts", opt.contexts_text, 1, std::numeric_limits<int32_t>::max());
+  opt.dtypes = dtype_list("--dtypes", opt.dtypes_text, {DType::kBF16, DType::kFP8E4M3});
+  opt.q_lens = int_list("--q-lens", opt.q_lens_text, 1, kMaxQueryLen);
+  opt.tps = int_choice_list("--tp", opt.tps_text, {1, 2, 4, 8});
+  for (const std::string& name :
+       choice_list("--indexer", opt.indexers_text, {"default", "split-merge", "last-cta"})) {
+    opt.variants.push_back(name == "split-merge" ? IndexerVariant::kSplitMerge
+                           : name == "last-cta"  ? IndexerVariant::kLastCtaMerge
+                                                 : IndexerVariant::kFused);
   }
+  opt.tunings = parsed_list(
+      "--attention-tunings", opt.attention_tunings_text,
+      [](const std::string& item) {
+        return item == "default" ? cuda::default_attention_tuning()
+                                 : cuda::AttentionTuning::parse(item);
+      },
+      ';');
+  require_range("--reps", opt.reps, 1);
   if (opt.quick) {
     opt.batches = {1};
     opt.contexts = {131072};
     opt.q_lens = {1};
   }
-  std::vector<IndexerVariant> variants;
-  for (const std::string& name : opt.indexers) {
-    if (name == "default") {
-      variants.push_back(IndexerVariant::kFused);
-    } else if (name == "split-merge") {
-      variants.push_back(IndexerVariant::kSplitMerge);
-    } else if (name == "last-cta") {
-      variants.push_back(IndexerVariant::kLastCtaMerge);
-    } else {
-      std::fprintf(stderr,
-                   "m3msa bench sparse-step: --indexer: unknown variant '%s' (default, "
-                   "split-merge, last-cta)\n",
-                   name.c_str());
-      return 2;
-    }
-  }
-  std::vector<cuda::AttentionTuning> tunings;
-  {
-    size_t at = 0;
-    const std::string& text = opt.attention_tunings;
-    while (at <= text.size()) {
-      size_t end = text.find(';', at);
-      if (end == std::string::npos) end = text.size();
-      const std::string item = text.substr(at, end - at);
-      tunings.push_back(item == "default" || item.empty() ? cuda::default_attention_tuning()
-                                                          : cuda::AttentionTuning::parse(item));
-      at = end + 1;
-    }
-  }
-  for (int tp : opt.tps) {
-    if (tp != 1 && tp != 2 && tp != 4 && tp != 8) {
-      std::fprintf(stderr, "m3msa bench sparse-step: --tp: %d is not 1, 2, 4 or 8\n", tp);
-      return 2;
-    }
-  }
-  M3MSA_CHECK_SUPPORTED(cuda_device_count() > 0, "bench sparse-step: no CUDA device visible");
+  require_output_path("--json", opt.json_path);
+  require_device("bench sparse-step");
   ResultFile results("sparse-step", argc, argv, opt.json_path, opt.commit);
 
   cuda::Stream stream;
@@ -151,8 +143,8 @@ int run_sparse_step_bench(int argc, char** argv) {
     const int QH = config.q_heads;
     const int HD = config.head_dim;
     const int k = config.topk;
-    for (const std::string& dt : opt.dtypes) {
-      const DType dtype = parse_dtype(dt, "--dtypes");
+    for (const DType dtype : opt.dtypes) {
+      const std::string dt = dtype_label(dtype);
       const bool fp8 = dtype == DType::kFP8E4M3;
       const int elem = fp8 ? 1 : 2;
       for (int q_len : opt.q_lens) {
@@ -238,8 +230,8 @@ int run_sparse_step_bench(int argc, char** argv) {
             CUDA_CHECK(cudaMemsetAsync(attn_ws.data(), 0, attn_ws.bytes(), stream.get()));
             stream.synchronize();
 
-            for (IndexerVariant variant : variants) {
-              for (const cuda::AttentionTuning& tuning : tunings) {
+            for (IndexerVariant variant : opt.variants) {
+              for (const cuda::AttentionTuning& tuning : opt.tunings) {
                 const std::string indexer_name =
                     variant == IndexerVariant::kSplitMerge     ? "split-merge"
                     : variant == IndexerVariant::kLastCtaMerge ? "last-cta"

@@ -1,6 +1,7 @@
 // Runs the built `m3msa` binary: help, info, a small runtime demo (TP = 2 rank threads, fp8,
-// --cp), the ops-level demo (--ops), demo --ops --save + replay --check, and bad
-// flags (non-zero exit, the flag named on stderr).
+// --cp), the ops-level demo (--ops), demo --ops --save + replay --check, bad
+// flags (non-zero exit, the flag named on stderr) and, in a CUDA build, every benchmark's flag
+// checks (exit 2 before it looks for a device, so they run on a machine without a GPU).
 #include <gtest/gtest.h>
 
 #include <sys/wait.h>
@@ -10,7 +11,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 #include <string>
+#include <vector>
 
 #include "m3msa/backend.h"
 #include "m3msa/npy.h"
@@ -292,6 +295,137 @@ TEST_F(CliTest, BadFlagsExitNonZeroNamingTheFlag) {
     EXPECT_EQ(r.code, 2) << r.out << r.err;
     EXPECT_TRUE(contains(r.err, bad.named)) << r.err;
     EXPECT_TRUE(contains(r.err, "error")) << r.err;
+  }
+}
+
+// The flag convention of every benchmark (bench/flags.h): an unknown flag and a bad value exit 2
+// naming the flag, --help exits 0, all before the benchmark looks for a device.
+TEST_F(CliTest, EveryBenchRefusesBadFlagsAndValuesBeforeTheDevice) {
+  if (!built_with_cuda()) {
+    GTEST_SKIP() << "built without CUDA: no benchmark is registered (BenchWithoutCudaSaysSo)";
+  }
+  struct BadValue {
+    std::string args;
+    std::string flag;  // named on stderr
+  };
+  struct Bench {
+    std::string name;
+    std::vector<BadValue> bad;
+  };
+  const std::vector<Bench> benches = {
+      {"allreduce",
+       {{"--reps 0", "--reps"},
+        {"--rows 1,x", "--rows"},
+        {"--tp 9", "--tp"},
+        {"--hidden 0", "--hidden"}}},
+      {"attention",
+       {{"--reps 0", "--reps"},
+        {"--batch 1,x", "--batch"},
+        {"--kv bf17", "--kv"},
+        {"--context 1024", "--context"},
+        {"--q-len 9", "--q-len"},
+        {"--tp 3", "--tp"},
+        {"--layout ours,foo", "--layout"},
+        {"--tunings 'default;bogus=1'", "--tunings"},
+        {"--row-share 16", "--row-share"},
+        {"--launches abc", "--launches"}}},
+      {"cp",
+       {{"--reps 0", "--reps"},
+        {"--batches 1,,4", "--batches"},
+        {"--contexts 0", "--contexts"},
+        {"--transports peer,foo", "--transports"},
+        {"--dtypes f32", "--dtypes"},
+        {"--worlds 0", "--worlds"}}},
+      {"gemm",
+       {{"--reps 0", "--reps"},
+        {"--rows 17", "--rows"},
+        {"--shapes qkv_tp3", "--shapes"},
+        {"--dtypes fp4", "--dtypes"},
+        {"--check-cols -1", "--check-cols"}}},
+      {"indexer",
+       {{"--reps 0", "--reps"},
+        {"--contexts 0", "--contexts"},
+        {"--batches 1,4x", "--batches"},
+        {"--tp 3", "--tp"},
+        {"--q-dtypes e5m2", "--q-dtypes"},
+        {"--min-blocks 0", "--min-blocks"}}},
+      {"layer",
+       {{"--reps 0", "--reps"},
+        {"--tp 3", "--tp"},
+        {"--tokens 17", "--tokens"},
+        {"--q-len 3", "--q-len"},
+        {"--context 2", "--context"},
+        {"--cp maybe", "--cp"},
+        {"--kv fp16", "--kv"},
+        {"--weights bf16,x", "--weights"},
+        {"--moe fp4", "--moe"},
+        {"--layer-kind dense", "--layer-kind"},
+        {"--allreduce ring", "--allreduce"},
+        {"--overlap x", "--overlap"},
+        {"--rank-of 3", "--rank-of"},
+        {"--share-period 0", "--share-period"}}},
+      {"moe",
+       {{"--reps 0", "--reps"},
+        {"--tp 5", "--tp"},
+        {"--tokens 17", "--tokens"},
+        {"--dtypes fp8", "--dtypes"},
+        {"--kernels mma,x", "--kernels"},
+        {"--what both", "--what"},
+        {"--x-copies 0", "--x-copies"}}},
+      {"sparse-step",
+       {{"--reps 0", "--reps"},
+        {"--batches 0", "--batches"},
+        {"--tp 3", "--tp"},
+        {"--indexer x", "--indexer"},
+        {"--attention-tunings rows=3", "--attention-tunings"}}},
+  };
+
+  // `bench help` lists exactly these: a new benchmark needs its cases here.
+  Result r = run("bench help");
+  ASSERT_EQ(r.code, 0) << r.out << r.err;
+  const std::size_t list_at = r.out.find("Benchmarks:\n");
+  ASSERT_NE(list_at, std::string::npos) << r.out;
+  std::vector<std::string> listed;
+  {
+    std::istringstream lines(r.out.substr(list_at + std::string("Benchmarks:\n").size()));
+    std::string line;
+    while (std::getline(lines, line)) {
+      std::istringstream words(line);
+      std::string name;
+      if (words >> name) listed.push_back(name);
+    }
+  }
+  std::vector<std::string> expected;
+  for (const Bench& b : benches) expected.push_back(b.name);
+  EXPECT_EQ(listed, expected) << r.out;
+
+  for (const Bench& b : benches) {
+    SCOPED_TRACE("bench " + b.name);
+    r = run("bench " + b.name + " --no-such-flag");
+    EXPECT_EQ(r.code, 2) << r.out << r.err;
+    EXPECT_TRUE(contains(r.err, "--no-such-flag")) << r.err;
+
+    r = run("bench " + b.name + " --help");
+    EXPECT_EQ(r.code, 0) << r.out << r.err;
+    EXPECT_TRUE(contains(r.out, "Usage: m3msa bench " + b.name)) << r.out;
+    EXPECT_TRUE(contains(r.out, "--reps")) << r.out;
+
+    std::vector<BadValue> bad_values = b.bad;
+    bad_values.push_back({"--json '" + path("no_such_folder/out.json") + "'", "--json"});
+    for (const BadValue& bad : bad_values) {
+      SCOPED_TRACE(bad.args);
+      r = run("bench " + b.name + " " + bad.args);
+      EXPECT_EQ(r.code, 2) << r.out << r.err;
+      EXPECT_TRUE(contains(r.err, bad.flag)) << r.err;
+      EXPECT_FALSE(contains(r.err, "no CUDA device")) << r.err;
+    }
+
+    // Good flags on a machine without a GPU: every benchmark says so (a library error, exit 3).
+    if (cuda_device_count() == 0) {
+      r = run("bench " + b.name + " --reps 1");
+      EXPECT_EQ(r.code, 3) << r.out << r.err;
+      EXPECT_TRUE(contains(r.err, "no CUDA device visible")) << r.err;
+    }
   }
 }
 

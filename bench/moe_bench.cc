@@ -22,8 +22,9 @@
 // Check (per configuration, before timing): the output poisoned (NaN bits), one eager launch on
 // (copy 0, input 0): every output finite, a guard row after it still poisoned; with both kernel
 // kinds requested, mma against fma within |a - b| <= max|fma row| / 128 + 1e-6 (the bound of
-// tests/cuda/moe_kernel_test.cc against the CPU oracle); one launch captured in a graph and
-// replayed over the poisoned output gives the eager bits. A failure exits 1 after the run.
+// tests/cuda/moe_kernel_test.cc against the CPU oracle); mma-deep, mma-down4 and mma-persistent
+// give mma's bits; one launch captured in a graph and replayed over the poisoned output gives the
+// eager bits. A failure exits 1 after the run.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -171,6 +172,7 @@ struct KernelCheck {
   int64_t mismatch = 0;  // mma vs fma elements outside the bound
   double worst = 0.0;    // max |mma - fma| / bound
   bool compared = false;
+  bool same_as_mma = true;  // the variants that must give mma's bits (when mma ran too)
 };
 
 int run_moe_bench(int argc, char** argv) {
@@ -193,7 +195,10 @@ int run_moe_bench(int argc, char** argv) {
   app.add_option("--kernels", opt.kernels_text,
                  "comma-separated expert projections: mma (tensor cores), fma (fp32 FMA kernels), "
                  "mma+pdl (tensor cores, programmatic dependent launches), mma-deep (tensor cores "
-                 "at 4 CTAs per SM with more weight chunks in flight: MoeParams::deep)");
+                 "at 4 CTAs per SM with more weight chunks in flight: MoeParams::deep), mma-down4 "
+                 "(four down tiles per CTA over one load ring: MoeParams::down_tiles), "
+                 "mma-persistent (the whole MoE in one launch: MoeParams::persistent; the dense "
+                 "MLP runs mma)");
   app.add_option("--what", opt.what_text,
                  "comma-separated: moe (router + routed + shared experts), dense (the MLP of "
                  "layers 0-2)");
@@ -223,7 +228,8 @@ int run_moe_bench(int argc, char** argv) {
   }
   opt.tokens = int_list("--tokens", opt.tokens_text, 1, cuda::kMoeMaxRows);
   opt.dtypes = choice_list("--dtypes", opt.dtypes_text, {"bf16", "mxfp8"});
-  opt.kernels = choice_list("--kernels", opt.kernels_text, {"mma", "fma", "mma+pdl", "mma-deep"});
+  opt.kernels = choice_list("--kernels", opt.kernels_text,
+                            {"mma", "fma", "mma+pdl", "mma-deep", "mma-down4", "mma-persistent"});
   opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
   require_range("--reps", opt.reps, 1);
   require_range("--min-launches", opt.min_launches, 1);
@@ -347,6 +353,7 @@ int run_moe_bench(int argc, char** argv) {
         const TensorView x_all = arena.random(DType::kBF16, {S, max_tokens, H}, seed++);
         const TensorView out_all = arena.alloc(DType::kF32, {max_tokens + 1, H});
         cuda::DeviceBuffer workspace(ws_bytes);
+        CUDA_CHECK(cudaMemsetAsync(workspace.data(), 0, ws_bytes, stream.get()));  // moe.h contract
         stream.synchronize();
 
         for (int t : opt.tokens) {
@@ -358,8 +365,9 @@ int run_moe_bench(int argc, char** argv) {
           };
           const TensorView out_view =
               TensorView::contiguous(out_all.data, DType::kF32, {t, H}, out_all.device);
-          // kernels: "mma", "fma", "mma+pdl" (tensor cores, programmatic dependent launches) or
-          // "mma-deep" (MoeParams::deep).
+          // kernels: "mma", "fma", "mma+pdl" (tensor cores, programmatic dependent launches),
+          // "mma-deep" (MoeParams::deep), "mma-down4" (MoeParams::down_tiles) or "mma-persistent"
+          // (MoeParams::persistent).
           auto params = [&](int l, int s, const std::string& kernels) {
             cuda::MoeParams p;
             if (dense) {
@@ -378,6 +386,8 @@ int run_moe_bench(int argc, char** argv) {
             p.tensor_cores = kernels != "fma";
             p.pdl = kernels == "mma+pdl";
             p.deep = kernels == "mma-deep";
+            p.down_tiles = kernels == "mma-down4" ? cuda::kMoeDownTiles : 1;
+            p.persistent = kernels == "mma-persistent";
             return p;
           };
           auto launch = [&](const cuda::MoeParams& p) {
@@ -460,6 +470,17 @@ int run_moe_bench(int argc, char** argv) {
               c->worst = worst;
             }
           }
+          // mma-deep, mma-down4 and mma-persistent change only how the mma kernels' work is
+          // scheduled: the same bits as mma.
+          if (mma_it != opt.kernels.end()) {
+            const KernelCheck& mma = checks[static_cast<std::size_t>(mma_it - opt.kernels.begin())];
+            for (std::size_t ki = 0; ki < opt.kernels.size(); ++ki) {
+              const std::string& k = opt.kernels[ki];
+              if (k != "mma-deep" && k != "mma-down4" && k != "mma-persistent") continue;
+              checks[ki].same_as_mma =
+                  std::memcmp(checks[ki].eager.data(), mma.eager.data(), mma.eager.size() * 4) == 0;
+            }
+          }
 
           for (std::size_t ki = 0; ki < opt.kernels.size(); ++ki) {
             const std::string& kernels = opt.kernels[ki];
@@ -506,7 +527,9 @@ int run_moe_bench(int argc, char** argv) {
             if (!chk.guard_ok) check += " guard";
             if (!chk.replay_same) check += " replay!=eager";
             if (chk.mismatch > 0) check += fmt::format(" mma!=fma {}", chk.mismatch);
-            const bool ok = chk.bad == 0 && chk.guard_ok && chk.replay_same && chk.mismatch == 0;
+            if (!chk.same_as_mma) check += " bits!=mma";
+            const bool ok = chk.bad == 0 && chk.guard_ok && chk.replay_same && chk.mismatch == 0 &&
+                            chk.same_as_mma;
             all_ok = all_ok && ok;
 
             const double floor_us = bytes / (kReadCeilingTBs * 1e12) * 1e6;

@@ -17,7 +17,8 @@
 #                                    {1,4} x context {16K,128K} x weights {bf16,fp8}
 #   gemm                             M3's four projection shapes x rows {1,2,4,8,16} x {bf16,fp8}
 #   moe                              {MoE, dense MLP} x TP {1,4,8} rank shapes x tokens {1,4,16} x
-#                                    {bf16,mxfp8} x {mma,fma,mma+pdl,mma-deep} kernels
+#                                    {bf16,mxfp8} x kernels {mma,fma,mma+pdl,mma-deep,mma-down4,
+#                                    mma-persistent}
 #   cp, allreduce                    only with 2 GPUs visible (P = 2 / TP = 2 over NVLink)
 # BENCH_RESULTS_ONLY (comma list, default all of the above) picks benchmarks;
 # BENCH_RESULTS_<NAME>_ARGS (NAME upper case, '-' as '_', e.g. BENCH_RESULTS_SPARSE_STEP_ARGS)
@@ -41,7 +42,7 @@ declare -A brs_args=(
   [sparse-step-long]="--batches 1,4 --contexts $brs_long --q-lens 1,2,4 --dtypes bf16,fp8 --reps 20"
   [layer]="--tp 1 --cp off --tokens 1,4,16 --q-len 1,4 --context 16384,131072 --weights bf16,fp8 --reps 20"
   [gemm]="--reps 30"
-  [moe]="--tp 1,4,8 --tokens 1,4,16 --dtypes bf16,mxfp8 --kernels mma,fma,mma+pdl,mma-deep --what moe,dense --reps 20"
+  [moe]="--tp 1,4,8 --tokens 1,4,16 --dtypes bf16,mxfp8 --kernels mma,fma,mma+pdl,mma-deep,mma-down4,mma-persistent --what moe,dense --reps 20"
   [cp]="--worlds 2 --batches 1,4,32 --contexts $brs_ctx --dtypes fp8 --q-lens 1 --reps 20"
   [allreduce]="--tp 2"
 )

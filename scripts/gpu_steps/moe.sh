@@ -5,7 +5,8 @@
 #  - MoeRuntimeGpu.*, DenseLayersRuntimeGpu.*  forward_layer with experts / dense layers vs the
 #                     CPU runtime, StepGraphs replay == eager;
 # then `bench moe` (the MoE and the dense MLP alone: TP 1 / 4 / 8 rank shapes, tokens 1, 4, 16,
-# bf16 and MXFP8, kernels mma, fma, mma+pdl, mma-deep; JSON to $OUT/bench_moe.json) and
+# bf16 and MXFP8, kernels mma, fma, mma+pdl, mma-deep, mma-down4, mma-persistent; JSON to
+# $OUT/bench_moe.json) and
 # `bench layer --moe bf16,mxfp8 --rank-of 1,4,8 --layer-kind sparse,dense` (tokens 1, 4, 16,
 # q_len 1, 16K context, TP 1; JSON to $OUT/bench_layer_moe.json). MOE_TEST_TIMEOUT /
 # MOE_BENCH_TIMEOUT bound them (s); MOE_BENCH_ARGS adds flags to bench layer, MOE_ALONE_ARGS
@@ -20,7 +21,7 @@ grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED|^\[==========\]|Failure|\[ in
 if [[ $moe_rc -eq 0 ]]; then
   # shellcheck disable=SC2086  # the *_ARGS are word-split on purpose
   timeout "${MOE_BENCH_TIMEOUT:-400}" "$CLI" bench moe \
-    ${MOE_ALONE_ARGS:---kernels mma,fma,mma+pdl,mma-deep --reps 20} \
+    ${MOE_ALONE_ARGS:---kernels mma,fma,mma+pdl,mma-deep,mma-down4,mma-persistent --reps 20} \
     --json "$OUT/bench_moe.json" --commit "${M3MSA_COMMIT:-unknown}" >>"$OUT/moe.log" 2>&1
   moe_rc=$?
   # shellcheck disable=SC2086

@@ -77,11 +77,17 @@ __device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], uint32_t a0, uin
 // The 16 activations of one row that pair with this thread's 16 weights of a chunk, as 8 bf16x2
 // words (word w = elements 2w, 2w + 1). Offsets: bf16 weights {t*8 .. +8} and {32 + t*8 .. +8};
 // fp8 weights {t*16 .. +16}.
-template <bool kFp8>
+// kFresh: x was written earlier in the same launch (the persistent moe kernel), so it is read
+// through L2 (ld.global.cg), not the read-only path, which may only serve data the launch never
+// writes.
+template <bool kFp8, bool kFresh = false>
 __device__ __forceinline__ void load_x(const uint16_t* row_chunk, int t, uint32_t (&a)[8]) {
-  const uint4 lo = __ldg(reinterpret_cast<const uint4*>(row_chunk + (kFp8 ? t * 16 : t * 8)));
-  const uint4 hi =
-      __ldg(reinterpret_cast<const uint4*>(row_chunk + (kFp8 ? t * 16 + 8 : 32 + t * 8)));
+  const auto load = [](const uint16_t* p) {
+    if constexpr (kFresh) return __ldcg(reinterpret_cast<const uint4*>(p));
+    return __ldg(reinterpret_cast<const uint4*>(p));
+  };
+  const uint4 lo = load(row_chunk + (kFp8 ? t * 16 : t * 8));
+  const uint4 hi = load(row_chunk + (kFp8 ? t * 16 + 8 : 32 + t * 8));
   a[0] = lo.x, a[1] = lo.y, a[2] = lo.z, a[3] = lo.w;
   a[4] = hi.x, a[5] = hi.y, a[6] = hi.z, a[7] = hi.w;
 }
@@ -150,6 +156,96 @@ struct TileOperands {
   int chunks = 0;  // k / (64 * kSub)
 };
 
+// One chunk of a tile's two weight rows as this lane loads it (kSub 64-k sub-chunks from k0;
+// ok false: zeros, an absent row or a chunk past the end), with the MXFP8 block-scale multipliers
+// (kMx).
+template <bool kFp8, int kSub, bool kMx>
+__device__ __forceinline__ void load_chunk_rows(const uint8_t* const (&w_row)[2],
+                                                const uint8_t* const (&scale_row)[2],
+                                                const bool (&ok)[2], int64_t k0, int t,
+                                                ChunkRegs<kFp8, kSub, kMx>& slot) {
+  constexpr int kElem = kFp8 ? 1 : 2;
+#pragma unroll
+  for (int u = 0; u < kSub; ++u) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int64_t k = k0 + u * kChunk;
+      if (ok[j]) {
+        load_w<kFp8>(w_row[j] + k * kElem, t, slot.w[u][j]);
+        if constexpr (kMx)
+          slot.scale[u][j] = e8m0_to_bf16x2(__ldg(scale_row[j] + (k + t * 16) / 32));
+      } else {
+#pragma unroll
+        for (int i = 0; i < (kFp8 ? 1 : 2); ++i) slot.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
+        if constexpr (kMx) slot.scale[u][j] = 0u;
+      }
+    }
+  }
+}
+
+// The MMAs of one loaded chunk (k0 as it was loaded) into the two n8 tiles' accumulators; kFresh
+// as for load_x.
+template <bool kFp8, int kSub, bool kMx, bool kFresh = false>
+__device__ __forceinline__ void mma_chunk(const uint16_t* x_lo, const uint16_t* x_hi, int64_t k0,
+                                          int t, const ChunkRegs<kFp8, kSub, kMx>& slot,
+                                          float (&acc)[2][4], uint32_t (&nan_bits)[2]) {
+#pragma unroll
+  for (int u = 0; u < kSub; ++u) {
+    const int64_t k = k0 + u * kChunk;
+    uint32_t a_lo[8] = {}, a_hi[8] = {};
+    if (x_lo != nullptr) load_x<kFp8, kFresh>(x_lo + k, t, a_lo);
+    if (x_hi != nullptr) load_x<kFp8, kFresh>(x_hi + k, t, a_hi);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint32_t b[8];
+      weight_words<kFp8>(slot.w[u][j], b, nan_bits[j]);
+      if constexpr (kMx) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) b[i] = scale_bf16x2(b[i], slot.scale[u][j]);
+      }
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        mma_bf16_16x8x16(acc[j], a_lo[2 * s], a_hi[2 * s], a_lo[2 * s + 1], a_hi[2 * s + 1],
+                         b[2 * s], b[2 * s + 1]);
+      }
+    }
+  }
+}
+
+// A warp's sums of one 16-column tile into its s_red slice (warp-uniform call). fp8: a NaN weight
+// makes its column NaN whatever x is (as NaN * x would).
+template <bool kFp8>
+__device__ __forceinline__ void store_warp_sums(
+    float (&acc)[2][4], const uint32_t (&nan_bits)[2],
+    float (&s_red_warp)[kSkinnyMaxRows][kColsPerCta + 1]) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  if constexpr (kFp8) {
+    // Lanes 4c .. 4c + 3 loaded column c of tile j; this lane holds the sums of columns 2t and
+    // 2t + 1.
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uint32_t nan_lanes = __ballot_sync(0xFFFFFFFFu, (nan_bits[j] & 0x80808080u) != 0u);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if ((nan_lanes >> (4 * (2 * t + e))) & 0xFu) {
+          acc[j][e] = acc[j][e + 2] = __int_as_float(0x7FFFFFFF);
+        }
+      }
+    }
+  }
+  // C fragment: c0, c1 = (row g, cols 2t, 2t + 1), c2, c3 = (row g + 8, same cols).
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int col = j * 8 + 2 * t;
+    s_red_warp[g][col] = acc[j][0];
+    s_red_warp[g][col + 1] = acc[j][1];
+    s_red_warp[g + 8][col] = acc[j][2];
+    s_red_warp[g + 8][col + 1] = acc[j][3];
+  }
+}
+
 // The sums of one 16-column tile: K is cut into chunks of kSub x 64 (kSub 2: fp8 weights read 128
 // bytes per row per chunk, as bf16's 64-k chunks are). Warp w of kWarps handles the chunks c = w,
 // w + kWarps, ... of K for the tile's 16 columns, kUnroll chunks in flight (a group loaded before
@@ -165,9 +261,7 @@ __device__ __forceinline__ void tile_accumulate(
   static_assert(!kMx || kFp8, "block scales are for fp8 weights");
   constexpr int kChunkK = kChunk * kSub;
   const int warp = threadIdx.x >> 5;
-  const int lane = threadIdx.x & 31;
-  const int g = lane >> 2;
-  const int t = lane & 3;
+  const int t = threadIdx.x & 3;
   const int chunks = op.chunks;
   const bool lo_ok = op.x_lo != nullptr;
   const bool hi_ok = op.x_hi != nullptr;
@@ -257,28 +351,81 @@ __device__ __forceinline__ void tile_accumulate(
     }
   }
 
-  if constexpr (kFp8) {
-    // A NaN weight makes its column NaN whatever x is (as NaN * x would). Lanes 4c .. 4c + 3
-    // loaded column c of tile j; this lane holds the sums of columns 2t and 2t + 1.
+  store_warp_sums<kFp8>(acc, nan_bits, s_red[warp]);
+  __syncthreads();
+}
+
+// kTiles consecutive 16-column tiles of one CTA, each summed exactly as tile_accumulate sums it
+// (kSub 1: warp w takes the chunks w, w + kWarps, ... of every tile in increasing order, from
+// zero), so every tile gets tile_accumulate's bits; but the weight loads are one register ring over
+// the warp's chunks of all the tiles, kUnroll chunks in flight across the tile boundaries. For
+// short K (a few chunks per warp) a CTA per tile pays a whole round trip per tile with the loads
+// idle before and after it; here only the first chunks wait. Tile i's weight rows are op.w_row
+// advanced by i * row_stride bytes (its scale rows by i * scale_stride): the caller passes the
+// first tile's rows, all tiles present. kFresh: x was written earlier in the same launch (load_x).
+// Leaves warp w's sums of tile i in s_red[i][w][row][col], the block synchronized.
+template <bool kFp8, int kUnroll, int kWarps, int kTiles, bool kMx = false, bool kFresh = false>
+__device__ __forceinline__ void tiles_accumulate(
+    const TileOperands& op, int64_t row_stride, int64_t scale_stride,
+    float (&s_red)[kTiles][kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
+  static_assert(!kMx || kFp8, "block scales are for fp8 weights");
+  const int warp = threadIdx.x >> 5;
+  const int t = threadIdx.x & 3;
+  const int chunks = op.chunks;
+  const bool col_ok[2] = {op.w_row[0] != nullptr, op.w_row[1] != nullptr};
+  // This warp's chunks per tile; its stream runs over (tile, i), chunk warp + i * kWarps of the
+  // tile, tile by tile. Loads run kUnroll positions ahead of the MMAs, each side with its own
+  // position (no divisions in the loop).
+  const int per_tile = warp < chunks ? (chunks - warp + kWarps - 1) / kWarps : 0;
+  const int total = kTiles * per_tile;
+
+  using Slot = ChunkRegs<kFp8, 1, kMx>;
+  int load_tile = 0, load_i = 0;
+  const auto load_next = [&](Slot& slot) {
+    const bool live = load_tile < kTiles && per_tile > 0;
+    const bool ok[2] = {live && col_ok[0], live && col_ok[1]};
+    const uint8_t* rows[2] = {nullptr, nullptr};
+    const uint8_t* scales[2] = {nullptr, nullptr};
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      const uint32_t nan_lanes = __ballot_sync(0xFFFFFFFFu, (nan_bits[j] & 0x80808080u) != 0u);
+      if (!ok[j]) continue;
+      rows[j] = op.w_row[j] + load_tile * row_stride;
+      if constexpr (kMx) scales[j] = op.scale_row[j] + load_tile * scale_stride;
+    }
+    load_chunk_rows<kFp8, 1, kMx>(rows, scales, ok,
+                                  static_cast<int64_t>(warp + load_i * kWarps) * kChunk, t, slot);
+    if (++load_i == per_tile) load_i = 0, ++load_tile;
+  };
+  float acc[2][4] = {};
+  uint32_t nan_bits[2] = {0u, 0u};
+  if (total == 0) {  // a warp without chunks still posts its (zero) sums for every tile
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        if ((nan_lanes >> (4 * (2 * t + e))) & 0xFu) {
-          acc[j][e] = acc[j][e + 2] = __int_as_float(0x7FFFFFFF);
+    for (int i = 0; i < kTiles; ++i) store_warp_sums<kFp8>(acc, nan_bits, s_red[i][warp]);
+  }
+  Slot w[kUnroll];
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) load_next(w[u]);
+  int tile = 0, i = 0;
+  for (int first = 0; first < total; first += kUnroll) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (first + u >= total) break;  // warp-uniform
+      mma_chunk<kFp8, 1, kMx, kFresh>(op.x_lo, op.x_hi,
+                                      static_cast<int64_t>(warp + i * kWarps) * kChunk, t, w[u],
+                                      acc, nan_bits);
+      load_next(w[u]);
+      if (++i == per_tile) {  // the tile's last chunk: post its sums, start the next from zero
+        store_warp_sums<kFp8>(acc, nan_bits, s_red[tile][warp]);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          nan_bits[j] = 0u;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[j][e] = 0.0f;
         }
+        i = 0;
+        ++tile;
       }
     }
-  }
-  // C fragment: c0, c1 = (row g, cols 2t, 2t + 1), c2, c3 = (row g + 8, same cols).
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int col = j * 8 + 2 * t;
-    s_red[warp][g][col] = acc[j][0];
-    s_red[warp][g][col + 1] = acc[j][1];
-    s_red[warp][g + 8][col] = acc[j][2];
-    s_red[warp][g + 8][col + 1] = acc[j][3];
   }
   __syncthreads();
 }

@@ -36,6 +36,8 @@ void launch_kernel(void (*kernel)(MoeParams), dim3 grid, unsigned threads, const
 // last row of its grid); else they ran beside the router.
 void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_up,
                                cudaStream_t stream) {
+  M3MSA_CHECK_ARG(p.down_tiles == 1 || p.down_tiles == kMoeDownTiles,
+                  "moe: down_tiles must be 1 or ", kMoeDownTiles, ", got ", p.down_tiles);
   const bool has_shared = p.shared.inter > 0;
   MoeParams gate_up = p;
   gate_up.shared_slot = has_shared && shared_gate_up ? 1 : 0;
@@ -46,16 +48,22 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
   const int inter = std::max(p.experts.inter, gate_up.shared_slot ? p.shared.inter : 0);
   if (use_tensor_cores(p)) {
     const dim3 gate_up_grid((inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows, gate_up_sets);
-    const dim3 down_grid((p.hidden + gemm::kColsPerCta - 1) / gemm::kColsPerCta, down_sets);
-    const auto gate_up_kernel =
-        p.deep ? (p.fp8 ? moe::moe_gate_up_mma_kernel<true, true>
-                        : moe::moe_gate_up_mma_kernel<false, true>)
-               : (p.fp8 ? moe::moe_gate_up_mma_kernel<true, false>
-                        : moe::moe_gate_up_mma_kernel<false, false>);
+    // down_tiles: only where every CTA's tiles are whole (hidden a multiple of their columns).
+    const bool down_tiled =
+        p.down_tiles == kMoeDownTiles && p.hidden % (kMoeDownTiles * gemm::kColsPerCta) == 0;
+    const int down_cols = (down_tiled ? kMoeDownTiles : 1) * gemm::kColsPerCta;
+    const dim3 down_grid((p.hidden + down_cols - 1) / down_cols, down_sets);
+    const auto gate_up_kernel = p.deep ? (p.fp8 ? moe::moe_gate_up_mma_kernel<true, true>
+                                                : moe::moe_gate_up_mma_kernel<false, true>)
+                                       : (p.fp8 ? moe::moe_gate_up_mma_kernel<true, false>
+                                                : moe::moe_gate_up_mma_kernel<false, false>);
     const auto down_kernel =
-        p.deep ? (p.fp8 ? moe::moe_down_mma_kernel<true, true> : moe::moe_down_mma_kernel<false, true>)
-               : (p.fp8 ? moe::moe_down_mma_kernel<true, false>
-                        : moe::moe_down_mma_kernel<false, false>);
+        down_tiled ? (p.fp8 ? moe::moe_down_mma_kernel<true, true, kMoeDownTiles>
+                            : moe::moe_down_mma_kernel<false, true, kMoeDownTiles>)
+        : p.deep
+            ? (p.fp8 ? moe::moe_down_mma_kernel<true, true> : moe::moe_down_mma_kernel<false, true>)
+            : (p.fp8 ? moe::moe_down_mma_kernel<true, false>
+                     : moe::moe_down_mma_kernel<false, false>);
     if (gate_up_sets > 0)
       launch_kernel(gate_up_kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream);
     launch_kernel(down_kernel, down_grid, moe::kMmaThreads, down, stream);
@@ -69,16 +77,36 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
   launch_kernel(moe::moe_down_kernel, down_grid, moe::kThreads, down, stream);
 }
 
+// MoeParams::persistent: one wave at most (a CTA past it would only draw an exit ticket), no more
+// CTAs than items.
+void launch_persistent(const MoeParams& p, cudaStream_t stream) {
+  const auto kernel = p.fp8 ? moe::moe_persistent_kernel<true> : moe::moe_persistent_kernel<false>;
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  int sms = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, moe::kMmaThreads, 0));
+  const int items = moe::persistent_items(p).total;
+  const int ctas = std::max(1, std::min(items, std::max(1, per_sm) * sms));
+  launch_kernel(kernel, dim3(static_cast<unsigned>(ctas)), moe::kMmaThreads, p, stream);
+}
+
 struct Layout {
   std::size_t route_s = 0, route_key = 0, ids = 0, weights = 0, slot_expert = 0, slot_count = 0,
-              slot_picks = 0, act = 0, act_shared = 0, y = 0, total = 0;
+              slot_picks = 0, act = 0, act_shared = 0, y = 0, sync = 0, total = 0;
 };
 
 Layout layout_of(const MoeConfig& c, int rows) {
   const std::size_t r = static_cast<std::size_t>(rows);
   const std::size_t k = static_cast<std::size_t>(c.experts_per_token);
   Layout l;
-  l.route_s = 0;
+  // The persistent kernel's sync words first, at a place and size that do not depend on the rows:
+  // the counters a launch of any row count finds must be the zeros the last one left.
+  l.sync = 0;
+  l.route_s =
+      align256(static_cast<std::size_t>(moe::persistent_sync_words(c.num_experts, c.hidden)) *
+               sizeof(uint32_t));
   l.route_key = l.route_s + align256(r * static_cast<std::size_t>(c.num_experts) * sizeof(float));
   l.ids = l.route_key + align256(r * static_cast<std::size_t>(c.num_experts) * sizeof(float));
   l.weights = l.ids + align256(r * k * sizeof(int32_t));
@@ -113,6 +141,11 @@ void moe_carve(const MoeConfig& config, int rows, void* workspace, MoeParams& p)
   p.act = reinterpret_cast<uint16_t*>(base + l.act);
   p.act_shared = reinterpret_cast<uint16_t*>(base + l.act_shared);
   p.y = reinterpret_cast<float*>(base + l.y);
+  p.sync = reinterpret_cast<uint32_t*>(base + l.sync);
+}
+
+const uint32_t* moe_status_word(const MoeParams& p) {
+  return p.sync == nullptr ? nullptr : p.sync + moe::kSyncStatus;
 }
 
 MoeParams moe_params(const MoeConfig& c, const MoeArgs& a, void* workspace) {
@@ -186,6 +219,11 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                     "moe: the activations and weights must be 16-byte aligned");
   }
   if (p.rows == 0) return;
+  if (p.persistent && use_tensor_cores(p) && p.hidden % moe::kDownGroupCols == 0) {
+    M3MSA_CHECK_ARG(p.sync != nullptr, "moe: persistent without the workspace's sync words");
+    launch_persistent(p, stream);
+    return;
+  }
   // One slot per distinct expert the step can pick.
   const int routed = std::min(p.num_experts, p.rows * p.topk);
   // On tensor cores the shared expert's gate/up tiles run in the router's launch.

@@ -7,7 +7,8 @@
 // cores (fp32 accumulation) where hidden and the intermediates are multiples of 64
 // (MoeParams::tensor_cores), else as fp32 FMA.
 // On tensor cores the shared expert's gate/up tiles run in the router's launch, beside the
-// logits, since they need no routing.
+// logits, since they need no routing. MoeParams::persistent runs the same work as ordered items of
+// one launch (moe_kernel.cuh), with the same bits.
 // Validates on the host, allocates nothing, never synchronizes, CUDA-graph capturable;
 // deterministic run to run.
 #pragma once
@@ -21,16 +22,21 @@
 
 namespace m3msa::cuda {
 
-// Bytes of workspace for `rows` rows (topk_ids, topk_weights, act, act_shared, y), each part
-// 256-byte aligned; moe_carve points the params' workspace fields into `workspace`.
+// Bytes of workspace for `rows` rows (topk_ids, topk_weights, act, act_shared, y, and the
+// persistent kernel's sync words), each part 256-byte aligned; moe_carve points the params'
+// workspace fields into `workspace`. Zero the workspace once before its first launch (cudaMemset):
+// every launch leaves the persistent kernel's counters zero again.
 std::size_t moe_workspace_bytes(const MoeConfig& config, int rows);
 void moe_carve(const MoeConfig& config, int rows, void* workspace, MoeParams& p);
+// The persistent kernel's sticky status word in the workspace (kMoeStatus* bits; 0: no wait gave
+// up), for tests and diagnostics; the caller clears it.
+const uint32_t* moe_status_word(const MoeParams& p);
 
 // Fills MoeParams from the validated tensors of `args` (device tensors on one GPU; args.out is
 // the f32 partial) and a workspace of moe_workspace_bytes. Throws naming the argument.
 MoeParams moe_params(const MoeConfig& config, const MoeArgs& args, void* workspace);
 
-// The five launches on `stream`.
+// The five launches on `stream` (MoeParams::persistent: one).
 void launch_moe(const MoeParams& p, cudaStream_t stream);
 
 // A dense layer's MLP (docs/spec.md section 8, "Dense MLP") on the same kernels: the shared-expert

@@ -33,7 +33,8 @@
 // integer pipes, times the block's power-of-two scale in registers. A gate/up CTA takes 8 rows j:
 // gate rows as the first n8 tile, the matching up rows as the second, so the activation needs no
 // exchange between CTAs. The shared expert's gate/up tiles run in the router's launch
-// (moe_route_and_shared_kernel), beside the logits: they need no routing.
+// (moe_route_and_shared_kernel), beside the logits: they need no routing. moe_persistent_kernel
+// (MoeParams::persistent) runs all of it as work items of one launch (see there).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -182,19 +183,21 @@ __global__ void __launch_bounds__(kRouteThreads)
   route_logits(p, blockIdx.x, partial);
 }
 
-__global__ void __launch_bounds__(kThreads)
-    moe_route_topk_kernel(const __grid_constant__ MoeParams p) {
-  __shared__ int s_pick[kMoeMaxRows * kMoeMaxTopk];
-  __shared__ uint32_t s_used[kMoeMaxExperts / 32];
-  wait_previous_kernel();
-  release_next_kernel();
+// The top-k picks of every row and the step's expert slots (MoeParams::slot_*), by one CTA of any
+// whole number of warps (the picks are warp-local, the slots one thread per pick, <= 128 picks:
+// the same bits for every CTA size). Reads the router's outputs through L2: the persistent kernel
+// writes them earlier in the same launch. s_pick / s_used: CTA-shared scratch.
+__device__ __forceinline__ void route_topk(const MoeParams& p,
+                                           int (&s_pick)[kMoeMaxRows * kMoeMaxTopk],
+                                           uint32_t (&s_used)[kMoeMaxExperts / 32]) {
   const int tid = static_cast<int>(threadIdx.x);
+  const int threads = static_cast<int>(blockDim.x);
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int words = (p.num_experts + 31) / 32;
-  for (int w = tid; w < words; w += kThreads) s_used[w] = 0u;
+  for (int w = tid; w < words; w += threads) s_used[w] = 0u;
   __syncthreads();
-  for (int row = warp; row < p.rows; row += kMoeWarps) {
+  for (int row = warp; row < p.rows; row += threads / 32) {
     const float* key = p.route_key + static_cast<int64_t>(row) * p.num_experts;
     const float* s = p.route_s + static_cast<int64_t>(row) * p.num_experts;
     int picked[kMoeMaxTopk];
@@ -207,7 +210,7 @@ __global__ void __launch_bounds__(kThreads)
         bool used = false;
         for (int t = 0; t < i; ++t) used = used || picked[t] == e;
         if (used) continue;
-        const float k = key[e];
+        const float k = __ldcg(key + e);
         if (best < 0 || key_before(k, e, best_key, best)) {
           best = e;
           best_key = k;
@@ -223,13 +226,13 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
       picked[i] = best;  // topk <= num_experts: some expert is always left
-      sum = __fadd_rn(sum, s[best]);
+      sum = __fadd_rn(sum, __ldcg(s + best));
     }
     if (lane == 0) {
       for (int i = 0; i < p.topk; ++i) {
         p.topk_ids[row * p.topk + i] = picked[i];
         p.topk_weights[row * p.topk + i] =
-            sum == 0.0f ? 0.0f : __fdiv_rn(__fmul_rn(p.routed_scaling, s[picked[i]]), sum);
+            sum == 0.0f ? 0.0f : __fdiv_rn(__fmul_rn(p.routed_scaling, __ldcg(s + picked[i])), sum);
         s_pick[row * p.topk + i] = picked[i];
         atomicOr(&s_used[picked[i] / 32], 1u << (picked[i] % 32));
       }
@@ -260,10 +263,20 @@ __global__ void __launch_bounds__(kThreads)
   // Slots past the distinct experts: nothing to do.
   int distinct = 0;
   for (int w = 0; w < words; ++w) distinct += __popc(s_used[w]);
-  for (int y = distinct + tid; y < max_slots; y += kThreads) {
+  for (int y = distinct + tid; y < max_slots; y += threads) {
     p.slot_expert[y] = -1;
     p.slot_count[y] = 0;
   }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    moe_route_topk_kernel(const __grid_constant__ MoeParams p) {
+  static_assert(kMoeMaxRows * kMoeMaxTopk <= kThreads, "one thread per pick");
+  __shared__ int s_pick[kMoeMaxRows * kMoeMaxTopk];
+  __shared__ uint32_t s_used[kMoeMaxExperts / 32];
+  wait_previous_kernel();
+  release_next_kernel();
+  route_topk(p, s_pick, s_used);
 }
 
 // The shared expert's token list: every row, at pick slot k (its place in y).
@@ -275,21 +288,17 @@ __device__ __forceinline__ void list_every_row(const MoeParams& p, int* tok_row,
   }
 }
 
-// The expert CTA row `y` of the expert grid serves and the rows (and pick slots) that use it.
-// Rows y < grid.y - 1 (all rows without a shared expert) take expert slot y (MoeParams::slot_*,
-// the y-th smallest distinct expert the step picked; none past their count: the CTA has nothing to
-// do); the last row with a shared expert takes the shared expert (id E, every row, slot k).
-// Returns the token count (0: return); every thread of the CTA gets it and `ex`. Waits for the
-// previous kernel first and then releases the next one (MoeParams::pdl), as every expert kernel
-// starts with it.
-__device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int* tok_slot,
-                                           int& ex) {
-  wait_previous_kernel();  // the routing and the activations come from earlier kernels
+// The tokens (rows and pick slots) of expert slot `y` (MoeParams::slot_*, the y-th smallest
+// distinct expert the step picked; none past their count), or with `shared` of the shared expert
+// (id E, every row, slot k). Returns the token count (0: nothing to do); every thread of the CTA
+// gets it and `ex`. The slot lists are read through L2: the persistent kernel writes them earlier
+// in the same launch.
+__device__ __forceinline__ int slot_tokens(const MoeParams& p, int y, bool shared, int* tok_row,
+                                           int* tok_slot, int& ex) {
   __shared__ int count;
   __shared__ int expert;
-  const int y = blockIdx.y;
   const int tid = static_cast<int>(threadIdx.x);
-  if (p.shared_slot != 0 && y == static_cast<int>(gridDim.y) - 1) {
+  if (shared) {
     list_every_row(p, tok_row, tok_slot);
     if (tid == 0) {
       count = p.rows;
@@ -297,20 +306,33 @@ __device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int
     }
   } else {
     // The slot's list, made once by the top-k kernel.
-    const int n = p.slot_count[y];
+    const int n = __ldcg(p.slot_count + y);
     if (tid < n) {
-      const int pick = p.slot_picks[y * kMoeMaxRows + tid];
+      const int pick = __ldcg(p.slot_picks + y * kMoeMaxRows + tid);
       tok_row[tid] = pick / p.topk;
       tok_slot[tid] = pick % p.topk;
     }
     if (tid == 0) {
       count = n;
-      expert = p.slot_expert[y];
+      expert = __ldcg(p.slot_expert + y);
     }
   }
   __syncthreads();
-  release_next_kernel();
   ex = expert;
+  return count;
+}
+
+// The expert CTA row `y` of the expert grid serves and the rows (and pick slots) that use it:
+// rows y < grid.y - 1 (all rows without a shared expert) take expert slot y, the last row with a
+// shared expert takes the shared expert (slot_tokens). Waits for the previous kernel first and
+// then releases the next one (MoeParams::pdl), as every expert kernel starts with it.
+__device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int* tok_slot,
+                                           int& ex) {
+  wait_previous_kernel();  // the routing and the activations come from earlier kernels
+  const int y = blockIdx.y;
+  const int count = slot_tokens(p, y, p.shared_slot != 0 && y == static_cast<int>(gridDim.y) - 1,
+                                tok_row, tok_slot, ex);
+  release_next_kernel();
   return count;
 }
 
@@ -435,6 +457,10 @@ inline constexpr int kMmaUnroll = kFp8 ? 6 : 3;
 template <bool kFp8, bool kDeep>
 inline constexpr int kMmaChunksInFlight = kDeep ? (kFp8 ? 8 : 6) : kMmaUnroll<kFp8>;
 inline constexpr int kMmaDeepMinCtasPerSm = 4;
+// MoeParams::down_tiles: the tiled down kernel's ring, also at 4 CTAs per SM (ptxas: <= 128
+// registers without a spill with the ring's bookkeeping; one chunk more spills).
+template <bool kFp8>
+inline constexpr int kMmaTiledChunksInFlight = kFp8 ? 5 : 4;
 
 // The weight rows of a w13 / w2 matrix in bytes, and their MXFP8 scale rows.
 template <bool kFp8>
@@ -448,7 +474,7 @@ __device__ __forceinline__ const uint8_t* scale_row(const uint8_t* scales, int64
 
 // One gate/up tile (rows j0 .. j0 + 7 of gate and up) of expert e (the shared expert: e = 0 of
 // p.shared) for the ntok listed tokens, with the activation stored.
-template <bool kFp8, bool kDeep = false>
+template <bool kFp8, int kInFlight>
 __device__ __forceinline__ void gate_up_tile(
     const MoeParams& p, bool shared, int64_t e, int ntok, const int* tok_row, const int* tok_slot,
     int j0, float (&s_red)[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1]) {
@@ -471,8 +497,7 @@ __device__ __forceinline__ void gate_up_tile(
     }
   }
   op.chunks = H / gemm::kChunk;
-  gemm::tile_accumulate<kFp8, kMmaChunksInFlight<kFp8, kDeep>, false, kMmaWarps, 1, kFp8>(op,
-                                                                                        s_red);
+  gemm::tile_accumulate<kFp8, kInFlight, false, kMmaWarps, 1, kFp8>(op, s_red);
   // s_red[w][token][jj]: warp w's gate sum of row j0 + jj, at jj + 8 its up sum.
   for (int o = threadIdx.x; o < kSkinnyMaxRows * kMmaGateUpRows; o += kMmaThreads) {
     const int r = o / kMmaGateUpRows;
@@ -506,8 +531,8 @@ __global__ void __launch_bounds__(kMmaThreads, kDeep ? kMmaDeepMinCtasPerSm : 1)
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
-  gate_up_tile<kFp8, kDeep>(p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot,
-                            blockIdx.x * kMmaGateUpRows, s_red);
+  gate_up_tile<kFp8, kMmaChunksInFlight<kFp8, kDeep>>(p, shared, shared ? 0 : ex, ntok, tok_row,
+                                                      tok_slot, blockIdx.x * kMmaGateUpRows, s_red);
 }
 
 // The router's logits (CTAs 0 .. E - 1, one expert each) beside the shared expert's gate/up tiles
@@ -530,25 +555,24 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
   list_every_row(p, tok_row, tok_slot);
   __syncthreads();
-  gate_up_tile<kFp8>(p, true, 0, p.rows, tok_row, tok_slot, (cta - p.num_experts) * kMmaGateUpRows,
-                     s_red);
+  gate_up_tile<kFp8, kMmaChunksInFlight<kFp8, false>>(
+      p, true, 0, p.rows, tok_row, tok_slot, (cta - p.num_experts) * kMmaGateUpRows, s_red);
 }
 
-template <bool kFp8, bool kDeep>
-__global__ void __launch_bounds__(kMmaThreads, kDeep ? kMmaDeepMinCtasPerSm : 1)
-    moe_down_mma_kernel(const __grid_constant__ MoeParams p) {
-  __shared__ int tok_row[kMoeMaxRows];
-  __shared__ int tok_slot[kMoeMaxRows];
-  __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
-  int ex = -1;
-  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
-  if (ntok == 0) return;
+// kTiles x 16 hidden rows n0.. of the down projection of expert `ex` (the shared expert: E) for
+// its ntok listed tokens into p.y. kTiles > 1: the tiles share one ring of weight loads
+// (gemm::tiles_accumulate; each tile's bits as with kTiles 1); the caller takes them only where
+// every tile is present (hidden a multiple of kTiles x 16). kFresh: the activations were written
+// earlier in the same launch (the persistent kernel).
+template <bool kFp8, int kInFlight, int kTiles, bool kFresh = false>
+__device__ __forceinline__ void down_tiles(
+    const MoeParams& p, int ex, int ntok, const int* tok_row, const int* tok_slot, int n0,
+    float (&s_red)[kTiles][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1]) {
+  constexpr int kCols = kTiles * gemm::kColsPerCta;
   const bool shared = ex == p.num_experts;
   const MoeExpertSet& set = shared ? p.shared : p.experts;
   const int I = set.inter;
   const int H = p.hidden;
-  const int n0 = blockIdx.x * gemm::kColsPerCta;
-  if (n0 >= H) return;
   const int64_t e = shared ? 0 : ex;
   const int g = (threadIdx.x & 31) >> 2;
   // The activations of token r of the list.
@@ -568,35 +592,247 @@ __global__ void __launch_bounds__(kMmaThreads, kDeep ? kMmaDeepMinCtasPerSm : 1)
     }
   }
   op.chunks = I / gemm::kChunk;
-  gemm::tile_accumulate<kFp8, kMmaChunksInFlight<kFp8, kDeep>, false, kMmaWarps, 1, kFp8>(op,
-                                                                                        s_red);
-  for (int o = threadIdx.x; o < kSkinnyMaxRows * gemm::kColsPerCta; o += kMmaThreads) {
-    const int r = o / gemm::kColsPerCta;
-    const int n = n0 + o % gemm::kColsPerCta;
+  if constexpr (kTiles == 1 && !kFresh) {
+    gemm::tile_accumulate<kFp8, kInFlight, false, kMmaWarps, 1, kFp8>(op, s_red[0]);
+  } else {
+    const int64_t tile_rows = gemm::kColsPerCta;
+    gemm::tiles_accumulate<kFp8, kInFlight, kMmaWarps, kTiles, kFp8, kFresh>(
+        op, tile_rows * I * (kFp8 ? 1 : 2), tile_rows * (I / kMxfp8Block), s_red);
+  }
+  for (int o = threadIdx.x; o < kSkinnyMaxRows * kCols; o += kMmaThreads) {
+    const int r = o / kCols;
+    const int col = o % kCols;
+    const int tile = col / gemm::kColsPerCta;
+    const int cc = col % gemm::kColsPerCta;
+    const int n = n0 + col;
     if (r >= ntok || n >= H) continue;
-    float sum = s_red[0][r][o % gemm::kColsPerCta];
+    float sum = s_red[tile][0][r][cc];
 #pragma unroll
-    for (int w = 1; w < kMmaWarps; ++w) sum = __fadd_rn(sum, s_red[w][r][o % gemm::kColsPerCta]);
+    for (int w = 1; w < kMmaWarps; ++w) sum = __fadd_rn(sum, s_red[tile][w][r][cc]);
     p.y[(static_cast<int64_t>(tok_row[r]) * (p.topk + 1) + tok_slot[r]) * H + n] = sum;
   }
+}
+
+// The down projection: a CTA per (kTiles x 16 hidden rows n, expert slot). kTiles > 1
+// (MoeParams::down_tiles): the CTA's tiles share one ring of weight loads, at 4 CTAs per SM
+// (kMmaTiledChunksInFlight): TP 4 / 8 ranks' K (768 / 384) gives a warp three or fewer chunks per
+// tile, so a CTA per tile waits a whole round trip for each, and one token's 5 x 384 CTAs take
+// five waves.
+template <bool kFp8, bool kDeep, int kTiles = 1>
+__global__ void __launch_bounds__(kMmaThreads, (kDeep || kTiles > 1) ? kMmaDeepMinCtasPerSm : 1)
+    moe_down_mma_kernel(const __grid_constant__ MoeParams p) {
+  constexpr int kInFlight =
+      kTiles > 1 ? kMmaTiledChunksInFlight<kFp8> : kMmaChunksInFlight<kFp8, kDeep>;
+  __shared__ int tok_row[kMoeMaxRows];
+  __shared__ int tok_slot[kMoeMaxRows];
+  __shared__ float s_red[kTiles][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  int ex = -1;
+  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
+  const int n0 = blockIdx.x * kTiles * gemm::kColsPerCta;
+  if (n0 >= p.hidden) return;
+  down_tiles<kFp8, kInFlight, kTiles>(p, ex, ntok, tok_row, tok_slot, n0, s_red);
+}
+
+// out[r, n] = sum_i w_i y[r, i, n] + y[r, k, n] in pick order with unfused fp32 operations (the
+// CPU reference's order); y and the weights read through L2 (the persistent kernel writes them
+// earlier in the same launch).
+__device__ __forceinline__ void combine_element(const MoeParams& p, int64_t r, int64_t n) {
+  const float* y = p.y + r * (p.topk + 1) * p.hidden + n;
+  float acc = 0.0f;
+  for (int k = 0; k < p.topk; ++k) {
+    acc = __fadd_rn(acc, __fmul_rn(__ldcg(p.topk_weights + r * p.topk + k),
+                                   __ldcg(y + static_cast<int64_t>(k) * p.hidden)));
+  }
+  if (p.shared.inter > 0) acc = __fadd_rn(acc, __ldcg(y + static_cast<int64_t>(p.topk) * p.hidden));
+  p.out[r * p.hidden + n] = acc;
 }
 
 __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
   wait_previous_kernel();
   release_next_kernel();
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
-  const bool shared = p.shared.inter > 0;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = i / p.hidden;
-    const int64_t n = i % p.hidden;
-    const float* y = p.y + r * (p.topk + 1) * p.hidden + n;
-    float acc = 0.0f;
-    for (int k = 0; k < p.topk; ++k) {
-      acc = __fadd_rn(acc, __fmul_rn(p.topk_weights[r * p.topk + k], y[k * p.hidden]));
+    combine_element(p, i / p.hidden, i % p.hidden);
+  }
+}
+
+// ---- the persistent kernel (MoeParams::persistent) ----
+//
+// The whole MoE in one launch of at most one wave of CTAs, which take work items in a fixed order
+// from a ticket counter: the router's logits (one item per expert), the shared expert's gate/up
+// tiles, the top-k, the shared expert's down column groups, then per expert slot its gate/up
+// tiles, per slot its down column groups, and the combine per column group. An item waits only for
+// items before it (counters in MoeParams::sync: the router, the shared gate/up, the top-k, each
+// slot's gate/up, each column group's downs), and a CTA draws its next ticket only when its item
+// is done, so the smallest unfinished item can always run: no deadlock, whatever the residency.
+// What it removes: the five launches' boundaries, where every kernel's last wave drains before the
+// next one's first loads (TP 4 / 8 ranks' short rows make each of them a few microseconds). Each
+// item computes exactly what the matching CTA of the launch sequence computes (the same code), so
+// the output has the mma kernels' bits. The CTA that draws the last exit ticket (every other CTA
+// has drawn one, so every item is done) zeroes the counters for the next launch. A wait that never
+// ends (a bug) flags kMoeStatusTimeout in the sync words and goes on: a wrong result, not a hang.
+inline constexpr int kDownGroupCols = kMoeDownTiles * gemm::kColsPerCta;  // a down item's columns
+inline constexpr uint32_t kSpinLimit = 1u << 24;  // polls of one wait (~4 s) before giving up
+
+// First item of each kind, in ticket order (host and device: the host sizes the grid).
+struct PersistentItems {
+  int shared_gate_up_tiles = 0;  // gate/up tiles of the shared expert
+  int gate_up_tiles = 0;         // gate/up tiles of a routed expert
+  int slots = 0;                 // expert slots: min(E, rows * topk)
+  int groups = 0;                // down / combine column groups of kDownGroupCols
+  int shared_gate_up = 0, topk = 0, shared_down = 0, routed_gate_up = 0, routed_down = 0,
+      combine = 0, total = 0;
+};
+
+__host__ __device__ inline PersistentItems persistent_items(const MoeParams& p) {
+  PersistentItems it;
+  it.shared_gate_up_tiles = p.shared.inter / kMmaGateUpRows;
+  it.gate_up_tiles = p.experts.inter / kMmaGateUpRows;
+  it.slots = p.num_experts < p.rows * p.topk ? p.num_experts : p.rows * p.topk;
+  it.groups = p.hidden / kDownGroupCols;
+  it.shared_gate_up = p.num_experts;  // items 0 .. E - 1: the router's logits
+  it.topk = it.shared_gate_up + it.shared_gate_up_tiles;
+  it.shared_down = it.topk + 1;
+  it.routed_gate_up = it.shared_down + (it.shared_gate_up_tiles > 0 ? it.groups : 0);
+  it.routed_down = it.routed_gate_up + it.slots * it.gate_up_tiles;
+  it.combine = it.routed_down + it.slots * it.groups;
+  it.total = it.combine + it.groups;
+  return it;
+}
+
+// The sync words: counters (zero between launches), then the sticky status.
+inline constexpr int kSyncTicket = 0;
+inline constexpr int kSyncRouter = 1;        // router items done
+inline constexpr int kSyncSharedGateUp = 2;  // shared gate/up items done
+inline constexpr int kSyncTopk = 3;          // 1 once the top-k item is done
+inline constexpr int kSyncStatus = 4;        // kMoeStatus* bits, sticky until the host clears them
+inline constexpr int kSyncSlots = 8;         // [E] gate/up items done per slot, then
+                                             // [groups] down items done per column group
+// Fixed by the config, not the rows: one workspace serves launches of any row count.
+__host__ __device__ inline int persistent_sync_words(int num_experts, int hidden) {
+  return kSyncSlots + num_experts + hidden / kDownGroupCols;
+}
+
+__device__ __forceinline__ uint32_t load_acquire(const uint32_t* ptr) {
+  uint32_t v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(ptr) : "memory");
+  return v;
+}
+
+// Thread 0 waits until *counter >= target, then the whole CTA goes on with the producers' writes
+// visible (read through L2).
+__device__ __forceinline__ void wait_count(const MoeParams& p, const uint32_t* counter,
+                                           uint32_t target) {
+  if (threadIdx.x == 0) {
+    uint32_t polls = 0;
+    while (load_acquire(counter) < target) {
+      if (++polls > kSpinLimit) {
+        atomicOr(p.sync + kSyncStatus, kMoeStatusTimeout);
+        break;
+      }
+      __nanosleep(polls < 64 ? 32 : 256);
     }
-    if (shared) acc = __fadd_rn(acc, y[static_cast<int64_t>(p.topk) * p.hidden]);
-    p.out[i] = acc;
+    __threadfence();
+  }
+  __syncthreads();
+}
+
+// Publishes the CTA's writes of an item and counts it on `counter`.
+__device__ __forceinline__ void count_done(uint32_t* counter) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(counter, 1u);
+  }
+}
+
+template <bool kFp8>
+__global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
+    moe_persistent_kernel(const __grid_constant__ MoeParams p) {
+  static_assert(kMmaThreads == kRouteThreads, "one CTA size for the router's items");
+  static_assert(kMoeMaxRows * kMoeMaxTopk <= kMmaThreads, "one thread per pick in the top-k");
+  __shared__ int tok_row[kMoeMaxRows];
+  __shared__ int tok_slot[kMoeMaxRows];
+  __shared__ float partial[kRouteWarps][kMoeMaxRows];
+  __shared__ int s_pick[kMoeMaxRows * kMoeMaxTopk];
+  __shared__ uint32_t s_used[kMoeMaxExperts / 32];
+  __shared__ float s_red[kMoeDownTiles][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  __shared__ int s_item;
+  wait_previous_kernel();  // x comes from the previous kernel
+  const PersistentItems it = persistent_items(p);
+  uint32_t* const sync = p.sync;
+  uint32_t* const slot_done = sync + kSyncSlots;
+  uint32_t* const group_done = slot_done + p.num_experts;
+  const bool has_shared = it.shared_gate_up_tiles > 0;
+  const int E = p.num_experts;
+  constexpr int kInFlight = kMmaTiledChunksInFlight<kFp8>;
+  for (;;) {
+    __syncthreads();  // the previous item's shared memory is free
+    if (threadIdx.x == 0) s_item = static_cast<int>(atomicAdd(sync + kSyncTicket, 1u));
+    __syncthreads();
+    const int item = s_item;
+    if (item >= it.total) {
+      if (item == it.total + static_cast<int>(gridDim.x) - 1) {
+        // The last exit ticket: every item is done. Zero the counters for the next launch.
+        const int words = persistent_sync_words(p.num_experts, p.hidden);
+        for (int w = threadIdx.x; w < words; w += kMmaThreads) {
+          if (w != kSyncStatus) sync[w] = 0u;
+        }
+      }
+      return;
+    }
+    if (item < it.shared_gate_up) {
+      route_logits(p, item, partial);
+      count_done(sync + kSyncRouter);
+    } else if (item < it.topk) {
+      list_every_row(p, tok_row, tok_slot);
+      __syncthreads();
+      gate_up_tile<kFp8, kInFlight>(p, true, 0, p.rows, tok_row, tok_slot,
+                                    (item - it.shared_gate_up) * kMmaGateUpRows, s_red[0]);
+      count_done(sync + kSyncSharedGateUp);
+    } else if (item == it.topk) {
+      wait_count(p, sync + kSyncRouter, static_cast<uint32_t>(E));
+      route_topk(p, s_pick, s_used);
+      count_done(sync + kSyncTopk);
+    } else if (item < it.routed_gate_up) {
+      const int group = item - it.shared_down;
+      wait_count(p, sync + kSyncSharedGateUp, static_cast<uint32_t>(it.shared_gate_up_tiles));
+      int ex = -1;
+      const int ntok = slot_tokens(p, 0, true, tok_row, tok_slot, ex);
+      down_tiles<kFp8, kInFlight, kMoeDownTiles, true>(p, ex, ntok, tok_row, tok_slot,
+                                                       group * kDownGroupCols, s_red);
+      count_done(group_done + group);
+    } else if (item < it.routed_down) {
+      const int slot = (item - it.routed_gate_up) / it.gate_up_tiles;
+      const int tile = (item - it.routed_gate_up) % it.gate_up_tiles;
+      wait_count(p, sync + kSyncTopk, 1u);
+      int ex = -1;
+      const int ntok = slot_tokens(p, slot, false, tok_row, tok_slot, ex);
+      if (ntok > 0) {
+        gate_up_tile<kFp8, kInFlight>(p, false, ex, ntok, tok_row, tok_slot, tile * kMmaGateUpRows,
+                                      s_red[0]);
+      }
+      count_done(slot_done + slot);
+    } else if (item < it.combine) {
+      const int slot = (item - it.routed_down) / it.groups;
+      const int group = (item - it.routed_down) % it.groups;
+      wait_count(p, slot_done + slot, static_cast<uint32_t>(it.gate_up_tiles));
+      int ex = -1;
+      const int ntok = slot_tokens(p, slot, false, tok_row, tok_slot, ex);
+      if (ntok > 0) {
+        down_tiles<kFp8, kInFlight, kMoeDownTiles, true>(p, ex, ntok, tok_row, tok_slot,
+                                                         group * kDownGroupCols, s_red);
+      }
+      count_done(group_done + group);
+    } else {
+      const int group = item - it.combine;
+      wait_count(p, group_done + group, static_cast<uint32_t>(it.slots + (has_shared ? 1 : 0)));
+      for (int o = threadIdx.x; o < p.rows * kDownGroupCols; o += kMmaThreads) {
+        combine_element(p, o / kDownGroupCols, group * kDownGroupCols + o % kDownGroupCols);
+      }
+    }
   }
 }
 

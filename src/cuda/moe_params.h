@@ -12,6 +12,9 @@ inline constexpr int kMoeMaxTopk = 8;        // experts_per_token the kernels ta
 inline constexpr int kMoeMaxExperts = 4096;  // routed experts the kernels take
 inline constexpr int kMoeWarps = 8;          // warps per CTA of every moe kernel
 inline constexpr int kMoeRowsPerWarp = 2;    // output rows (j or n) per warp and pass
+inline constexpr int kMoeDownTiles = 4;      // MoeParams::down_tiles above 1
+// Sticky bits of the persistent kernel's status word (moe_persistent_status).
+inline constexpr uint32_t kMoeStatusTimeout = 1u;  // a wait for other items gave up: wrong output
 
 // One expert set's weights: bf16, or MXFP8 (e4m3 codes + e8m0 scales per 32 elements along K).
 // Routed: [E, 2 I, hidden] and [E, hidden, I]; shared: the same with E = 1.
@@ -42,6 +45,16 @@ struct MoeParams {
   // for the short rows of TP 4 / 8 ranks, whose CTAs wait on latency. Off by default until
   // measured (bench moe --kernels mma,mma-deep).
   bool deep = false;
+  // Hidden-row tiles of 16 per tensor-core down CTA, 1 or kMoeDownTiles: the CTA's tiles share
+  // one ring of weight loads at 4 CTAs per SM (moe_down_mma_kernel; the same bits). For TP 4 / 8
+  // ranks, whose short down rows (K 768 / 384) leave a CTA per tile waiting a round trip per tile.
+  // Off (1) by default until measured (bench moe --kernels mma,mma-down4).
+  int down_tiles = 1;
+  // The whole MoE in one launch (moe_persistent_kernel: work items in a fixed order from a ticket
+  // counter, waits on counters in `sync`; the same bits as the tensor-core launches). Needs the
+  // tensor-core shapes and hidden a multiple of 64; else the launch sequence. Off by default until
+  // measured (bench moe --kernels mma,mma-persistent).
+  bool persistent = false;
   // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
   int shared_slot = 0;
   int rows = 0;
@@ -64,6 +77,9 @@ struct MoeParams {
   uint16_t* act_shared = nullptr;  // [rows, S] bf16
   float* y = nullptr;              // [rows, topk + 1, hidden] f32: each expert's output
   float* out = nullptr;            // [rows, hidden] f32: this rank's partial
+  // The persistent kernel's counters and status word (moe_kernel.cuh, kSync*): zero before the
+  // first launch (moe_workspace_bytes' contract); each launch leaves the counters zero.
+  uint32_t* sync = nullptr;
 };
 
 }  // namespace m3msa::cuda

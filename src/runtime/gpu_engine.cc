@@ -666,6 +666,8 @@ class GpuEngineImpl final : public GpuEngine {
     if (tp_size_ > 1 || any_moe || any_dense) o32_ = cuda::DeviceBuffer(4 * rows * hidden);
     if (any_moe) {
       moe_ws_ = cuda::DeviceBuffer(cuda::moe_workspace_bytes(m.moe(tp_size_), max_rows_));
+      // Zero once before the first launch (moe.h): the persistent kernel's counters.
+      CUDA_CHECK(cudaMemsetAsync(moe_ws_.data(), 0, moe_ws_.bytes(), stream_));
     }
     if (any_dense) {
       dense_ws_ = cuda::DeviceBuffer(

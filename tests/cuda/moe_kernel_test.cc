@@ -46,26 +46,39 @@ HostTensor host_of(const TensorView& v) {
 }
 
 // The kernel choices every case runs: tensor cores (where the shapes allow), the fp32 FMA
-// kernels, tensor cores with programmatic dependent launches, and tensor cores with more chunks
-// in flight (MoeParams::deep, which must give mma's bits: the first choice).
+// kernels, tensor cores with programmatic dependent launches, tensor cores with more chunks in
+// flight (MoeParams::deep), the down projection's tiles sharing one load ring
+// (MoeParams::down_tiles), and the whole MoE in one persistent launch (MoeParams::persistent,
+// twice, so a launch after one that ran finds the counters reset); the last ones must give mma's
+// bits (the first choice).
 struct KernelChoice {
   bool tensor_cores;
   bool pdl;
   bool deep;
+  int down_tiles;
+  bool persistent;
   const char* name;
+  bool same_bits_as_mma() const { return deep || down_tiles > 1 || persistent; }
 };
-constexpr KernelChoice kKernelChoices[] = {{true, false, false, "mma"},
-                                           {false, false, false, "fma"},
-                                           {true, true, false, "mma+pdl"},
-                                           {true, false, true, "mma-deep"}};
+constexpr KernelChoice kKernelChoices[] = {
+    {true, false, false, 1, false, "mma"},
+    {false, false, false, 1, false, "fma"},
+    {true, true, false, 1, false, "mma+pdl"},
+    {true, false, true, 1, false, "mma-deep"},
+    {true, false, false, cuda::kMoeDownTiles, false, "mma-down4"},
+    {true, false, false, 1, true, "mma-persistent"},
+    {true, true, false, 1, true, "mma-persistent+pdl"}};
 
-// Records the "mma" choice's output; a deep choice must give its bits (the same k order).
+// Records the "mma" choice's output; the deep, tiled and persistent choices must give its bits
+// (the same k order).
 void expect_same_as_mma(const KernelChoice& kernels, const HostTensor& got,
                         std::vector<float>& mma_out) {
   const float* data = got.ptr<float>();
   const std::size_t n = static_cast<std::size_t>(got.numel());
-  if (kernels.tensor_cores && !kernels.pdl && !kernels.deep) mma_out.assign(data, data + n);
-  if (!kernels.deep) return;
+  if (kernels.tensor_cores && !kernels.pdl && !kernels.same_bits_as_mma()) {
+    mma_out.assign(data, data + n);
+  }
+  if (!kernels.same_bits_as_mma()) return;
   ASSERT_EQ(mma_out.size(), n) << "the mma choice runs before " << kernels.name;
   EXPECT_EQ(std::memcmp(mma_out.data(), data, n * sizeof(float)), 0)
       << kernels.name << " changed bits of the mma kernels' output";
@@ -177,7 +190,8 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
     }
 
     // GPU: the tensor-core kernels (where the shapes allow) and the fp32 FMA kernels.
-    std::vector<float> mma_out;  // the first choice's output: the deep kernels must match it
+    std::vector<float>
+        mma_out;  // the first choice's output: the deep and tiled kernels must match it
     for (const KernelChoice& kernels : kKernelChoices) {
       SCOPED_TRACE(kernels.name);
       MoeArgs g = weights_on_gpu;
@@ -189,12 +203,19 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       g.topk_ids = {};
       g.topk_weights = {};
       cuda::DeviceBuffer workspace(cuda::moe_workspace_bytes(config, rows));
+      CUDA_CHECK(cudaMemset(workspace.data(), 0, cuda::moe_workspace_bytes(config, rows)));
       cuda::MoeParams p = cuda::moe_params(config, g, workspace.data());
       p.tensor_cores = kernels.tensor_cores;
       p.pdl = kernels.pdl;
       p.deep = kernels.deep;
+      p.down_tiles = kernels.down_tiles;
+      p.persistent = kernels.persistent;
       cuda::Stream stream;
       cuda::launch_moe(p, stream.get());
+      if (kernels.persistent) {  // again, on counters the first launch reset
+        CUDA_CHECK(cudaMemsetAsync(dout.view.data, 0xFF, out_host.nbytes(), stream.get()));
+        cuda::launch_moe(p, stream.get());
+      }
       stream.synchronize();
       HostTensor got(DType::kF32, {rows, c.hidden});
       CUDA_CHECK(cudaMemcpy(got.data(), dout.view.data, got.nbytes(), cudaMemcpyDeviceToHost));
@@ -238,6 +259,11 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       // Graph replay == eager, and a second eager run changes no bit.
       expect_replay_equals_eager([&](cudaStream_t s) { cuda::launch_moe(p, s); }, stream.get(),
                                  dout.view, got);
+      // The persistent kernel's waits all ended (none gave up).
+      uint32_t status = 0;
+      CUDA_CHECK(
+          cudaMemcpy(&status, cuda::moe_status_word(p), sizeof(status), cudaMemcpyDeviceToHost));
+      EXPECT_EQ(status, 0u) << kernels.name << ": a persistent wait gave up";
     }
   }
 }
@@ -254,6 +280,16 @@ TEST(MoeKernel, SmallWithoutSharedExpertAndTopTwo) {
   M3MSA_REQUIRE_GPU();
   const Case c{"no shared", 128, 8, 2, 96, 0, true};
   run_case(c, {1, 5}, 201);
+}
+
+// The same without a shared expert at shapes the tensor-core kernels (and the persistent one)
+// take.
+TEST(MoeKernel, SmallWithoutSharedExpertOnTensorCores) {
+  M3MSA_REQUIRE_GPU();
+  for (bool fp8 : {false, true}) {
+    const Case c{"no shared, mma", 128, 8, 2, 64, 0, fp8};
+    run_case(c, {1, 5, 16}, fp8 ? 211 : 212);
+  }
 }
 
 // M3's rank shapes: hidden 6144, 128 experts, top 4, I_r 768 (TP 4) and 384 (TP 8).
@@ -292,7 +328,8 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
     cpu_args.out = want.view();
     cpu::dense_mlp(cpu_args, 0);
 
-    std::vector<float> mma_out;  // the first choice's output: the deep kernels must match it
+    std::vector<float>
+        mma_out;  // the first choice's output: the deep and tiled kernels must match it
     for (const KernelChoice& kernels : kKernelChoices) {
       SCOPED_TRACE(kernels.name);
       const DevTensor dx = to_dev(x);
@@ -307,6 +344,7 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
       p.tensor_cores = kernels.tensor_cores;
       p.pdl = kernels.pdl;
       p.deep = kernels.deep;
+      p.down_tiles = kernels.down_tiles;
       cuda::Stream stream;
       cuda::launch_dense_mlp(p, stream.get());
       stream.synchronize();

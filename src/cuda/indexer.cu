@@ -87,7 +87,8 @@ __global__ void __launch_bounds__(1024)
 // round trip. Launched programmatically dependent on the split kernel (which releases it at its
 // start), so the CTAs are resident and wait in griddepcontrol.wait until the candidates are
 // visible. Each warp takes the top k of an eighth of the vector's candidates (warp_top_keys); warp
-// 0 takes the top k of those 8 x k. The keys are unique, so the answer equals the in-kernel merge.
+// 0 takes the top k of those 8 x k (at most kFewCandidates candidates: warp 0 alone ranks them,
+// write_top_of_few). The keys are unique, so the answer equals the in-kernel merge.
 // Grid: (unit_vectors, num_reqs); 256 threads. Requests the split kernel answered itself (dead,
 // or all blocks on one CTA) are skipped.
 __global__ void __launch_bounds__(kThreads)
@@ -111,6 +112,11 @@ __global__ void __launch_bounds__(kThreads)
                         static_cast<int64_t>(n) * vec_stride;
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int lane = static_cast<int>(lane_id());
+  if (count <= kFewCandidates) {  // a short context: one warp, one round trip
+    if (warp == 0)
+      write_top_of_few(p, src, count, answer_row(p, unit.row0 + n / p.heads, n % p.heads));
+    return;
+  }
   const int chunk = (count + kWarps - 1) / kWarps;
   const int lo = min(count, warp * chunk);
   const int hi = min(count, lo + chunk);

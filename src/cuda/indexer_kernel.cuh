@@ -291,6 +291,36 @@ __device__ __forceinline__ void order_answer(const IndexerParams& p, int32_t* ou
   __syncwarp();
 }
 
+// The merges' short path: the exact top k of <= 64 candidate keys (unique, or kNoCandidate) at
+// src[0, count) straight into `out`, by one warp. Each lane holds two keys and ranks them by
+// counting the larger ones across the warp; the key of rank r < k is entry r. One L2 round trip
+// and a few dozen instructions in a loop: where a merge has this few candidates (one request of a
+// short context) its cost is the code it runs once, on one SM, so the code is kept short. The
+// whole warp calls it; the answer is then in the order asked for (order_answer).
+__device__ __forceinline__ void write_top_of_few(const IndexerParams& p, const uint64_t* src,
+                                                 int count, int32_t* out) {
+  const int lane = static_cast<int>(lane_id());
+  const int k = p.topk;
+  const uint64_t a = lane < count ? __ldcg(src + lane) : kNoCandidate;
+  const uint64_t b = 32 + lane < count ? __ldcg(src + 32 + lane) : kNoCandidate;
+  int rank_a = 0;
+  int rank_b = 0;
+#pragma unroll 4
+  for (int o = 0; o < 32; ++o) {
+    const uint64_t other_a = __shfl_sync(0xFFFFFFFFu, a, o);
+    const uint64_t other_b = __shfl_sync(0xFFFFFFFFu, b, o);
+    rank_a += (other_a > a) + (other_b > a);
+    rank_b += (other_a > b) + (other_b > b);
+  }
+  const int real = __popc(__ballot_sync(0xFFFFFFFFu, a != kNoCandidate)) +
+                   __popc(__ballot_sync(0xFFFFFFFFu, b != kNoCandidate));
+  if (a != kNoCandidate && rank_a < k) out[rank_a] = key_block(a);
+  if (b != kNoCandidate && rank_b < k) out[rank_b] = key_block(b);
+  for (int i = real + lane; i < k; i += 32) out[i] = -1;
+  order_answer(p, out);
+}
+inline constexpr int kFewCandidates = 64;  // write_top_of_few's capacity
+
 // Every answer of rows [row0, row0 + rows) is -1 (dead rows), the CTA's threads striding.
 __device__ __forceinline__ void write_dead_answers(const IndexerParams& p, int64_t row0, int rows,
                                                    int tid, int threads) {
@@ -919,7 +949,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 // Each CTA keeps its best min(k, range) keys per query vector and writes them to the workspace;
 // the last CTA of the request (arrival counter, reset by that CTA) selects the exact top k per
 // vector from them in one L2 round trip: lane-maximum floors cut each slice down to a few
-// survivors, which are ranked by counting (see the merge below).
+// survivors, which are ranked by counting (see the merge below); at most kFewCandidates per vector
+// (a short context) are ranked directly, a warp per vector (write_top_of_few).
 // Requires: decode; index_dim = block_size = 128, unit_vectors <= 8 * kNT, topk <= 32, counters
 // zero before the launch (left zero after it), 16-byte aligned cache pages.
 inline constexpr int kSplitRingBytes = 64 * 1024;  // 2 CTAs per SM
@@ -1083,6 +1114,13 @@ __global__ void __launch_bounds__(kThreads, 2)
   write_own_candidates(&s_keys[warp][0], count, nvec, slots, region + split * slots, vec_stride);
   if (p.separate_merge) return;  // indexer_split_merge_kernel selects
   if (!arrive_last(&p.counters[r], active, s_last)) return;
+  if (cand_count <= kFewCandidates) {  // a short context: one warp per vector, one round trip
+    for (int v = warp; v < nvec; v += kWarps) {
+      write_top_of_few(p, region + v * vec_stride, cand_count,
+                       answer_row(p, unit.row0 + v / H, v % H));
+    }
+    return;
+  }
   // The request's merge, one L2 round trip deep. Jobs of (vector, slice of <= kSliceKeys keys)
   // go to the warps; a warp loads its slice with every load in flight, takes the k-th largest of
   // its 32 lane maxima as a floor (k distinct keys of the slice are >= it, so every key of the

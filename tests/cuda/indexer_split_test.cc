@@ -64,6 +64,10 @@ TEST(CudaIndexerSplit, RandomizedDecodeEqualsSpanAndCpu) {
   const std::vector<Shape> shapes = {
       {1, 1, 1, 1, bf16, 0, 16},            // one token
       {1, 1, 4096, 4096, bf16, 0, 16},      // 32 blocks: one block per CTA
+      {1, 1, 1200, 1200, bf16, 0, 16},      // 10 candidates: fewer than k, the answer padded
+      {1, 1, 8192, 8192, fp8, 0, 16},       // 64 candidates: the short merge at its capacity
+      {1, 2, 8320, 8320, bf16, 0, 16},      // 65: just past it
+      {1, 1, 5000, 5000, bf16, 0, 32},      // k 32 of 40 candidates
       {1, 4, 4096, 4096, fp8, 0, 16},       // q_len 4
       {1, 1, 131072, 131072, bf16, 0, 16},  // 1024 blocks over the grid, staged merge
       {1, 4, 131072, 131072, fp8, 0, 16},   // 16 vectors x 1024 candidates: two staging rounds

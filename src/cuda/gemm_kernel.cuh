@@ -272,6 +272,8 @@ __device__ __forceinline__ void tile_accumulate(
   constexpr int kElem = kFp8 ? 1 : 2;
 
   using Slot = ChunkRegs<kFp8, kSub, kMx>;
+  // The loads stay written out here rather than through load_chunk_rows: that helper moved the
+  // skinny GEMM's register allocation (ptxas: the fp8 kernel's spill 8 -> 24 bytes).
   const auto load_chunk = [&](int c, Slot& slot) {
 #pragma unroll
     for (int u = 0; u < kSub; ++u) {
@@ -294,27 +296,8 @@ __device__ __forceinline__ void tile_accumulate(
   float acc[2][4] = {};
   uint32_t nan_bits[2] = {0u, 0u};
   const auto compute_chunk = [&](int c, const Slot& slot) {
-#pragma unroll
-    for (int u = 0; u < kSub; ++u) {
-      const int64_t k0 = static_cast<int64_t>(c) * kChunkK + u * kChunk;
-      uint32_t a_lo[8] = {}, a_hi[8] = {};
-      if (lo_ok) load_x<kFp8>(x_lo + k0, t, a_lo);
-      if (hi_ok) load_x<kFp8>(x_hi + k0, t, a_hi);
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        uint32_t b[8];
-        weight_words<kFp8>(slot.w[u][j], b, nan_bits[j]);
-        if constexpr (kMx) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) b[i] = scale_bf16x2(b[i], slot.scale[u][j]);
-        }
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          mma_bf16_16x8x16(acc[j], a_lo[2 * s], a_hi[2 * s], a_lo[2 * s + 1], a_hi[2 * s + 1],
-                           b[2 * s], b[2 * s + 1]);
-        }
-      }
-    }
+    mma_chunk<kFp8, kSub, kMx>(lo_ok ? x_lo : nullptr, hi_ok ? x_hi : nullptr,
+                               static_cast<int64_t>(c) * kChunkK, t, slot, acc, nan_bits);
   };
 
   if constexpr (kRing) {

@@ -28,6 +28,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 
@@ -115,6 +116,28 @@ MetaLayout meta_layout(int max_reqs, int max_rows, int64_t max_blocks) {
 }
 
 constexpr int kStagingSlots = 2;
+
+// How the MoE's launches are scheduled: M3MSA_MOE_SCHEDULE = launches (default: the launch
+// sequence), deep, down4 or persistent (MoeParams::deep / down_tiles / persistent), for comparing
+// them inside the layer (bench layer --moe); each gives the same bits.
+enum class MoeSchedule { kLaunches, kDeep, kDown4, kPersistent };
+
+MoeSchedule moe_schedule_from_env() {
+  const char* v = std::getenv("M3MSA_MOE_SCHEDULE");
+  const std::string text = v == nullptr ? "" : v;
+  if (text.empty() || text == "launches") return MoeSchedule::kLaunches;
+  if (text == "deep") return MoeSchedule::kDeep;
+  if (text == "down4") return MoeSchedule::kDown4;
+  if (text == "persistent") return MoeSchedule::kPersistent;
+  M3MSA_THROW(ErrorCode::kInvalidArgument, "M3MSA_MOE_SCHEDULE: expected launches, deep, down4 or ",
+              "persistent, got '", text, "'");
+}
+
+void apply_moe_schedule(MoeSchedule schedule, cuda::MoeParams& p) {
+  p.deep = schedule == MoeSchedule::kDeep;
+  p.down_tiles = schedule == MoeSchedule::kDown4 ? cuda::kMoeDownTiles : 1;
+  p.persistent = schedule == MoeSchedule::kPersistent;
+}
 
 class GpuEngineImpl final : public GpuEngine {
  public:
@@ -555,8 +578,11 @@ class GpuEngineImpl final : public GpuEngine {
       a.experts = w.experts;
       a.shared = w.shared_expert;
       a.out = TensorView::contiguous(o32_.data(), DType::kF32, {int64_t{rows}, H}, dev);
-      cuda::launch_moe(cuda::moe_params(m.moe(tp_size_), a, moe_ws_.data()), stream_);
-      launches += 4 + ffn_to_hidden(w.layer, h, rows);
+      cuda::MoeParams p = cuda::moe_params(m.moe(tp_size_), a, moe_ws_.data());
+      apply_moe_schedule(moe_schedule_, p);
+      cuda::launch_moe(p, stream_);
+      launches +=
+          (moe_schedule_ == MoeSchedule::kPersistent ? 1 : 4) + ffn_to_hidden(w.layer, h, rows);
     }
 
     // 8''. Or a dense layer's MLP (docs/spec.md section 8, "Dense MLP"): the shared-expert path of
@@ -665,6 +691,7 @@ class GpuEngineImpl final : public GpuEngine {
     }
     if (tp_size_ > 1 || any_moe || any_dense) o32_ = cuda::DeviceBuffer(4 * rows * hidden);
     if (any_moe) {
+      moe_schedule_ = moe_schedule_from_env();
       moe_ws_ = cuda::DeviceBuffer(cuda::moe_workspace_bytes(m.moe(tp_size_), max_rows_));
       // Zero once before the first launch (moe.h): the persistent kernel's counters.
       CUDA_CHECK(cudaMemsetAsync(moe_ws_.data(), 0, moe_ws_.bytes(), stream_));
@@ -796,7 +823,8 @@ class GpuEngineImpl final : public GpuEngine {
   int next_slot_ = 0;
 
   cuda::DeviceBuffer normed_, qkv_, q_, index_q_, topk_, attn_, o16_, o32_, mlp_gu_, mlp_act_;
-  cuda::DeviceBuffer moe_ws_;    // the moe family's workspace (layers with experts)
+  cuda::DeviceBuffer moe_ws_;  // the moe family's workspace (layers with experts)
+  MoeSchedule moe_schedule_ = MoeSchedule::kLaunches;  // M3MSA_MOE_SCHEDULE, read at allocation
   cuda::DeviceBuffer dense_ws_;  // the dense MLP's activations (the dense layers)
   PlanLimits limits_;
   cuda::IndexerPlan indexer_plan_;

@@ -47,7 +47,7 @@ declare -A brs_args=(
   [allreduce]="--tp 2"
 )
 declare -A brs_timeout=([indexer]=110 [attention]=70 [attention-own]=60 [sparse-step]=110 [indexer-long]=60
-  [attention-long]=45 [sparse-step-long]=60 [layer]=75 [gemm]=30 [moe]=240 [cp]=60 [allreduce]=30)
+  [attention-long]=45 [sparse-step-long]=60 [layer]=75 [gemm]=30 [moe]=330 [cp]=60 [allreduce]=30)
 [[ $brs_gpus -ge 2 ]] && brs_args[layer]=${brs_args[layer]/--tp 1/--tp 1,2}
 IFS=',' read -ra brs_list <<<"${BENCH_RESULTS_ONLY:-indexer,attention,attention-own,sparse-step,indexer-long,attention-long,sparse-step-long,layer,gemm,moe,cp,allreduce}"
 : >"$OUT/bench_results.txt"

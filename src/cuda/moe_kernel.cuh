@@ -722,13 +722,17 @@ __device__ __forceinline__ uint32_t load_acquire(const uint32_t* ptr) {
 }
 
 // Thread 0 waits until *counter >= target, then the whole CTA goes on with the producers' writes
-// visible (read through L2).
+// visible (read through L2). Once any wait has given up (the status word), the others give up
+// too, so a broken launch ends in seconds, not in one spin limit per item.
 __device__ __forceinline__ void wait_count(const MoeParams& p, const uint32_t* counter,
                                            uint32_t target) {
   if (threadIdx.x == 0) {
     uint32_t polls = 0;
     while (load_acquire(counter) < target) {
-      if (++polls > kSpinLimit) {
+      ++polls;
+      const bool given_up =
+          (polls & 255u) == 0 && (__ldcg(p.sync + kSyncStatus) & kMoeStatusTimeout) != 0;
+      if (given_up || polls > kSpinLimit) {
         atomicOr(p.sync + kSyncStatus, kMoeStatusTimeout);
         break;
       }

@@ -15,6 +15,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -182,6 +183,64 @@ void graph_replay_equals_eager(uint64_t seed, bool dense_layers) {
 
 TEST(MoeRuntimeGpu, GraphReplayEqualsEager) {
   graph_replay_equals_eager(613, false);
+}
+
+// Every MoE schedule of the runtime (M3MSA_MOE_SCHEDULE: the launch sequence, deep, down4, the
+// persistent kernel) gives the launch sequence's bits under StepGraphs replay, bf16 and MXFP8; a
+// bad value is refused at prepare, naming the variable.
+TEST(MoeRuntimeGpu, EveryMoeScheduleGivesTheSameBits) {
+  M3MSA_RUNTIME_REQUIRE_GPUS(1);
+  struct EnvRestore {
+    ~EnvRestore() { unsetenv("M3MSA_MOE_SCHEDULE"); }
+  } restore;
+  const std::vector<Shape> shapes = {{{700, 1500, 0, 2000}, 2}, {{703, 1503, 90}, 1}};
+  for (bool fp8 : {false, true}) {
+    const Scenario s = moe_scenario(fp8 ? 615 : 614, fp8, shapes);
+    const int64_t H = s.config.model.hidden;
+    testkit::RankModel host = testkit::make_rank_model(s.master, 0, 1);
+    auto comm = make_single_rank_communicator();
+    std::vector<std::vector<uint16_t>> first;  // the launch sequence's outputs, per step
+    for (const char* schedule : {"launches", "deep", "down4", "persistent"}) {
+      SCOPED_TRACE(std::string(schedule) + (fp8 ? " mxfp8" : " bf16"));
+      setenv("M3MSA_MOE_SCHEDULE", schedule, 1);
+      DeviceModel dev = upload_model(host, 0);
+      Runtime rt([](const std::string&) {});
+      ASSERT_EQ(rt.prepare(dev.weights, s.config, *comm), PrepareResult::kActive);
+      {
+        StepGraphs graphs(rt);
+        for (std::size_t step = 0; step < s.steps.size(); ++step) {
+          const StepMeta& meta = s.steps[step];
+          upload_into(graphs.hidden(), s.hidden_in[step].data(), s.hidden_in[step].size() * 2);
+          upload_into(graphs.residual(), s.residual_in[step].data(),
+                      s.residual_in[step].size() * 2);
+          upload_into(graphs.positions(), meta.positions.data(), meta.positions.nbytes());
+          ASSERT_TRUE(graphs.run(meta.batch));
+          CUDA_CHECK(cudaStreamSynchronize(static_cast<cudaStream_t>(rt.cuda_stream())));
+          std::vector<uint16_t> h = download<uint16_t>(graphs.hidden());
+          h.resize(static_cast<std::size_t>(meta.batch.num_rows() * H));
+          if (first.size() <= step) {
+            first.push_back(h);
+          } else {
+            EXPECT_EQ(h, first[step]) << "step " << step << ": differs from the launch sequence";
+          }
+        }
+      }
+      rt.close();
+    }
+    first.clear();
+  }
+  setenv("M3MSA_MOE_SCHEDULE", "fastest", 1);
+  const Scenario s = moe_scenario(616, true, shapes);
+  testkit::RankModel host = testkit::make_rank_model(s.master, 0, 1);
+  DeviceModel dev = upload_model(host, 0);
+  auto comm = make_single_rank_communicator();
+  Runtime rt([](const std::string&) {});
+  try {
+    rt.prepare(dev.weights, s.config, *comm);
+    ADD_FAILURE() << "prepare took M3MSA_MOE_SCHEDULE=fastest";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("M3MSA_MOE_SCHEDULE"), std::string::npos) << e.what();
+  }
 }
 
 TEST(DenseLayersRuntimeGpu, GraphReplayEqualsEager) {

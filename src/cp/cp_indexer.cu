@@ -178,13 +178,7 @@ struct RegistryKey {
   bool operator<(const RegistryKey& o) const { return tie() < o.tie(); }
 };
 
-std::mutex g_registry_mutex;  // guards the registry and smem_limits()
-
-// The dynamic shared memory limit set so far on the shard scoring kernels, by device.
-std::map<int, std::size_t>& smem_limits() {
-  static std::map<int, std::size_t> limits;
-  return limits;
-}
+std::mutex g_registry_mutex;  // guards the registry
 std::map<RegistryKey, std::weak_ptr<BufferSet>>& registry() {
   static std::map<RegistryKey, std::weak_ptr<BufferSet>> sets;
   return sets;
@@ -237,12 +231,6 @@ std::shared_ptr<BufferSet> create_set(Communicator& comm, int device, CpTranspor
     throw;
   }
   return set;
-}
-
-// Dynamic shared memory of the scoring kernel: the units' prefix sums.
-// Must equal dynamic_smem_bytes() of indexer.cu (the one-GPU launcher), which it mirrors.
-std::size_t score_smem_bytes(int max_units) {
-  return static_cast<std::size_t>(max_units + 1) * sizeof(int32_t);
 }
 
 }  // namespace
@@ -435,7 +423,7 @@ void CudaCpIndexer::Impl::launch_score(const IndexerArgs& args, cudaStream_t str
     CUDA_CHECK_LAUNCH();
     return;
   }
-  const std::size_t smem = score_smem_bytes(cp.max_reqs);
+  const std::size_t smem = cuda::span_indexer_smem_bytes(cp.max_reqs);
   cuda::span_indexer_kernel(
       fp8, q8, tiles, /*scores_only=*/true)<<<grid_sm, cuda::indexer::kThreads, smem, stream>>>(s);
   CUDA_CHECK_LAUNCH();
@@ -555,32 +543,14 @@ CudaCpIndexer::CudaCpIndexer(Communicator& comm, int device, const SparseConfig&
     CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
     m.grid_sm = 2 * sms;
     if (cp.transport != CpTransport::kReplicated) {
-      const std::size_t smem = score_smem_bytes(cp.max_reqs);
+      const std::size_t smem = cuda::span_indexer_smem_bytes(cp.max_reqs);
       int optin = 0;
       CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
       M3MSA_CHECK_SUPPORTED(smem + 32 * 1024 <= static_cast<std::size_t>(optin),
                             "CUDA CP: max_reqs = ", cp.max_reqs,
                             " needs more shared memory than the device has");
-      // The limit is per kernel and device, shared by every indexer of the process: only ever
-      // raise it, so a smaller indexer made later never lowers it under a bigger one.
-      std::lock_guard<std::mutex> lock(g_registry_mutex);
-      std::size_t& limit = smem_limits()[device];
-      if (smem > limit) {
-        for (auto [fp8, q8] : {std::pair{false, false}, {true, false}, {true, true}}) {
-          for (int tiles : {1, 2, 4}) {
-            CUDA_CHECK(cudaFuncSetAttribute(
-                cuda::span_indexer_kernel(fp8, q8, tiles, /*scores_only=*/true),
-                cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-            // The split kernel's page ring (a fixed size): set with the first limit raised.
-            if (limit == 0) {
-              CUDA_CHECK(cudaFuncSetAttribute(cuda::split_indexer_kernel(fp8, q8, tiles),
-                                              cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                              cuda::indexer::kSplitRingBytes));
-            }
-          }
-        }
-        limit = smem;
-      }
+      // One limit for every decode-indexer kernel of the device, shared with the one-GPU plans.
+      cuda::raise_indexer_smem_limit(device, smem);
     }
     const CpBufferKey key{cp.world_size, static_cast<int>(m.heads.size()), m.max_rows, config.topk};
     const RegistryKey rkey{&comm,         device,           static_cast<int>(cp.transport),

@@ -210,17 +210,19 @@ std::size_t align_up(std::size_t value, std::size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
-// The units' prefix sums (the kernels' only dynamic shared memory).
-std::size_t dynamic_smem_bytes(int max_units) {
-  return static_cast<std::size_t>(max_units + 1) * sizeof(int32_t);
-}
-
 // The dynamic shared-memory limit set on the scoring kernels of each device. Plans of different
 // sizes coexist (and run on any stream), so the attribute is only ever raised, never lowered.
 std::mutex g_smem_mutex;
 std::map<int, std::size_t> g_smem_limit;
 
-void raise_scoring_smem_limit(int device, std::size_t smem) {
+}  // namespace
+
+// The units' prefix sums (the kernels' only dynamic shared memory).
+std::size_t span_indexer_smem_bytes(int max_units) {
+  return static_cast<std::size_t>(max_units + 1) * sizeof(int32_t);
+}
+
+void raise_indexer_smem_limit(int device, std::size_t smem) {
   std::lock_guard<std::mutex> lock(g_smem_mutex);
   std::size_t& limit = g_smem_limit[device];
   if (smem <= limit) return;
@@ -240,8 +242,6 @@ void raise_scoring_smem_limit(int device, std::size_t smem) {
   }
   limit = smem;
 }
-
-}  // namespace
 
 void check_indexer_supported(const SparseConfig& config) {
   M3MSA_CHECK_SUPPORTED(config.index_dim == indexer::kDim,
@@ -293,14 +293,14 @@ IndexerPlan plan_indexer(const SparseConfig& config, const PlanLimits& limits, i
   CUDA_CHECK(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device));
   plan.grid = 2 * sm_count;
 
-  const std::size_t smem = dynamic_smem_bytes(plan.max_units);
+  const std::size_t smem = span_indexer_smem_bytes(plan.max_units);
   int smem_optin = 0;
   CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
   M3MSA_CHECK_SUPPORTED(smem + 28 * 1024 <= static_cast<std::size_t>(smem_optin),
                         "CUDA indexer: ", plan.max_units,
                         " units (limits.max_reqs + max_rows / 8) need more shared memory than "
                         "the device has");
-  raise_scoring_smem_limit(device, smem);
+  raise_indexer_smem_limit(device, smem);
 
   if (limits.max_context > 0) {
     plan.score_cols = (limits.max_context + config.block_size - 1) / config.block_size;
@@ -444,7 +444,7 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
   const bool q8 = args.index_q.dtype == DType::kFP8E4M3;  // validate(): only beside an fp8 cache
 
   DeviceGuard guard(plan.device);
-  const std::size_t smem = dynamic_smem_bytes(plan.max_units);
+  const std::size_t smem = span_indexer_smem_bytes(plan.max_units);
   if (batch.kind == BatchKind::kDecode) {
     p.seq_lens = batch.seq_lens.ptr<const int32_t>();
     p.unit_vectors = batch.q_len * config.index_heads;

@@ -64,6 +64,12 @@ void check_indexer_args_supported(const IndexerArgs& args);
 using IndexerKernel = void (*)(const IndexerParams);
 IndexerKernel span_indexer_kernel(bool fp8, bool q8, int n_tiles, bool scores_only);
 IndexerKernel split_indexer_kernel(bool fp8, bool q8, int n_tiles);
+// The span kernel's dynamic shared memory for max_units units (their block prefix sums), and
+// raising every decode-indexer kernel's limit to it on `device` (the current device). The limit
+// is per kernel and device, shared by every plan and CP indexer of the process: one registry,
+// only ever raised, so a smaller user never lowers it under a bigger one.
+std::size_t span_indexer_smem_bytes(int max_units);
+void raise_indexer_smem_limit(int device, std::size_t smem);
 
 // limits.max_context > 0 also plans the unfused baseline's score tensor.
 IndexerPlan plan_indexer(const SparseConfig& config, const PlanLimits& limits, int device);

@@ -3,6 +3,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "cuda/common.cuh"
 #include "cuda/moe.h"
@@ -49,8 +52,7 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
   if (use_tensor_cores(p)) {
     const dim3 gate_up_grid((inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows, gate_up_sets);
     // down_tiles: only where every CTA's tiles are whole (hidden a multiple of their columns).
-    const bool down_tiled =
-        p.down_tiles == kMoeDownTiles && p.hidden % (kMoeDownTiles * gemm::kColsPerCta) == 0;
+    const bool down_tiled = p.down_tiles == kMoeDownTiles && p.hidden % moe::kDownGroupCols == 0;
     const int down_cols = (down_tiled ? kMoeDownTiles : 1) * gemm::kColsPerCta;
     const dim3 down_grid((p.hidden + down_cols - 1) / down_cols, down_sets);
     const auto gate_up_kernel = p.deep ? (p.fp8 ? moe::moe_gate_up_mma_kernel<true, true>
@@ -78,17 +80,28 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
 }
 
 // MoeParams::persistent: one wave at most (a CTA past it would only draw an exit ticket), no more
-// CTAs than items.
+// CTAs than items. The wave of each device and kernel is queried once, not on every launch.
 void launch_persistent(const MoeParams& p, cudaStream_t stream) {
   const auto kernel = p.fp8 ? moe::moe_persistent_kernel<true> : moe::moe_persistent_kernel<false>;
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
-  int sms = 0;
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  int per_sm = 0;
-  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, moe::kMmaThreads, 0));
-  const int items = moe::persistent_items(p).total;
-  const int ctas = std::max(1, std::min(items, std::max(1, per_sm) * sms));
+  int wave = 0;
+  {
+    static std::mutex mutex;
+    static std::map<std::pair<int, bool>, int> waves;
+    std::lock_guard<std::mutex> lock(mutex);
+    int& known = waves[{device, p.fp8}];
+    if (known == 0) {
+      int sms = 0;
+      CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+      int per_sm = 0;
+      CUDA_CHECK(
+          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, moe::kMmaThreads, 0));
+      known = std::max(1, per_sm) * sms;
+    }
+    wave = known;
+  }
+  const int ctas = std::max(1, std::min(moe::persistent_items(p).total, wave));
   launch_kernel(kernel, dim3(static_cast<unsigned>(ctas)), moe::kMmaThreads, p, stream);
 }
 

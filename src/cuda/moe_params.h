@@ -13,7 +13,7 @@ inline constexpr int kMoeMaxExperts = 4096;  // routed experts the kernels take
 inline constexpr int kMoeWarps = 8;          // warps per CTA of every moe kernel
 inline constexpr int kMoeRowsPerWarp = 2;    // output rows (j or n) per warp and pass
 inline constexpr int kMoeDownTiles = 4;      // MoeParams::down_tiles above 1
-// Sticky bits of the persistent kernel's status word (moe_persistent_status).
+// Sticky bits of the persistent kernel's status word (moe_status_word in moe.h).
 inline constexpr uint32_t kMoeStatusTimeout = 1u;  // a wait for other items gave up: wrong output
 
 // One expert set's weights: bf16, or MXFP8 (e4m3 codes + e8m0 scales per 32 elements along K).

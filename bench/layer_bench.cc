@@ -534,14 +534,7 @@ Result run_config(const Config& c, std::vector<std::unique_ptr<NcclCommunicator>
 void check_rank_split(const char* flag, int P, bool ffn) {
   const ModelConfig m;
   with_flag(flag, [&] { return m.sparse(P); });
-  if (!ffn) return;
-  require_flag(m.moe_intermediate % P == 0 && m.dense_intermediate % P == 0 &&
-                   (m.moe_intermediate / P) % kMxfp8Block == 0 &&
-                   (m.dense_intermediate / P) % kMxfp8Block == 0,
-               flag,
-               fmt::format("{} must divide the expert intermediate {} and the dense MLP {} into "
-                           "multiples of {}",
-                           P, m.moe_intermediate, m.dense_intermediate, kMxfp8Block));
+  if (ffn) require_ffn_split(flag, P);
 }
 
 int run_layer_bench(int argc, char** argv) {

@@ -217,15 +217,7 @@ int run_moe_bench(int argc, char** argv) {
   if (auto code = parse_flags(app, argc, argv)) return *code;
   // Every value is checked here, before the device and the first measurement.
   opt.tp = int_list("--tp", opt.tp_text, 1);
-  for (int tp : opt.tp) {
-    require_flag(model.moe_intermediate % tp == 0 && model.dense_intermediate % tp == 0 &&
-                     (model.moe_intermediate / tp) % kMxfp8Block == 0 &&
-                     (model.dense_intermediate / tp) % kMxfp8Block == 0,
-                 "--tp",
-                 fmt::format("{} must divide the expert intermediate {} and the dense MLP {} into "
-                             "multiples of {} (e.g. 1, 2, 4, 8)",
-                             tp, model.moe_intermediate, model.dense_intermediate, kMxfp8Block));
-  }
+  for (int tp : opt.tp) require_ffn_split("--tp", tp);
   opt.tokens = int_list("--tokens", opt.tokens_text, 1, cuda::kMoeMaxRows);
   opt.dtypes = choice_list("--dtypes", opt.dtypes_text, {"bf16", "mxfp8"});
   opt.kernels = choice_list("--kernels", opt.kernels_text,

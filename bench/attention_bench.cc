@@ -37,6 +37,7 @@
 #include "m3msa/ops.h"
 #include "m3msa/testing/layouts.h"
 #include "m3msa/testing/splitmix.h"
+#include "timeline.h"
 
 namespace m3msa::bench {
 namespace {
@@ -64,13 +65,14 @@ struct Result {
   int sets = 0;
   Timing timing;
   double bytes = 0;
+  nlohmann::json timeline;  // --timeline: the recorded launch's stage table
 };
 
 std::string kv_name(const Config& c) {
   return c.kv == DType::kFP8E4M3 ? "fp8" : "bf16";
 }
 
-Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
+Result run_config(const Config& c, int launches_min, int reps, uint64_t seed, bool timeline) {
   // M3 per rank: 64 q heads, 4 KV heads at TP 1; 128-d heads, topk 16.
   const SparseConfig sc = ModelConfig{}.sparse(c.tp);
   const int kvh = sc.kv_heads;
@@ -209,6 +211,16 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed) {
   });
   const Timing timing = time_graph(graph, stream.get(), launches, /*warmup=*/2, reps);
   Result res;
+  if (timeline) {
+    graph.launch(stream.get());
+    res.timeline =
+        record_timeline(fmt::format("attention {} tp {} batch {} q_len {} context {} tuning {}",
+                                    kv_name(c), c.tp, c.batch, c.q_len, c.context, c.tuning.name()),
+                        [&] {
+                          cuda::launch_attention_tuned(sc, args_for(launches % sets), ws.data(),
+                                                       ws_bytes, stream.get(), c.tuning);
+                        });
+  }
   res.cfg = c;
   const cuda::AttentionPlanInfo plan =
       cuda::attention_plan_info(sc, rows, c.q_len, false, c.kv == DType::kFP8E4M3, c.tuning);
@@ -263,6 +275,11 @@ int run_attention_bench(int argc, char** argv) {
   app.add_flag("--quick", quick, "subset: batch 1,32 x q_len 1 x 128K, default tuning only");
   app.add_option("--json", json_path, "write the results as JSON here");
   app.add_option("--seed", seed, "random seed");
+  bool timeline = false;
+  app.add_flag("--timeline", timeline,
+               "after timing each configuration, record one more launch's stage stamps (per CTA: "
+               "pages looked up, first chunk in, chunks done, partials published, end) and print "
+               "when each stage ended (bench/timeline.h); also in the JSON");
   if (auto code = parse_flags(app, argc, argv)) return *code;
   // Every value is checked here, before the device and the first measurement.
   const SparseConfig m3 = ModelConfig{}.sparse();  // block size and topk: the same at every TP
@@ -329,7 +346,7 @@ int run_attention_bench(int argc, char** argv) {
                     plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits, plan.row_tiles,
                     kv_layout_name(layout));
                 if (!seen.insert(key).second) continue;
-                const Result r = run_config(c, launches, reps, seed);
+                const Result r = run_config(c, launches, reps, seed, timeline);
                 const double us = r.timing.median_us;
                 const double tbs = r.bytes / (us * 1e-6) / 1e12;
                 const std::string merge = r.splits == 1 ? "-" : (r.cluster ? "cluster" : "global");
@@ -377,6 +394,7 @@ int run_attention_bench(int argc, char** argv) {
                                   {"pct_of_read_ceiling", 100.0 * tbs / kReadCeilingTBs},
                                   {"device", device}});
                 table.last_record().update(measured_fields(r.timing, r.bytes));
+                if (!r.timeline.is_null()) table.last_record()["timeline"] = r.timeline;
                 results.write(table.records(), false);
               }
             }

@@ -35,6 +35,7 @@
 #include "m3msa/error.h"
 #include "m3msa/ops.h"
 #include "m3msa/testing/splitmix.h"
+#include "timeline.h"
 
 namespace m3msa::bench {
 namespace {
@@ -75,6 +76,7 @@ struct Options {
   bool quick = false;
   bool no_unfused = false;
   bool split_merge = false;
+  bool timeline = false;
   int reps = 30;
   int64_t rotate_bytes = 4 * kL2Bytes;
   int max_copies = 256;
@@ -105,6 +107,11 @@ int run_indexer_bench(int argc, char** argv) {
   app.add_option("--min-blocks", opt.min_blocks_text,
                  "comma-separated IndexerPlan::min_blocks_per_cta values to time side by side "
                  "(>= 1)");
+  app.add_flag("--timeline", opt.timeline,
+               "after timing, record one more launch of each timed variant but span and unfused "
+               "with its stage stamps (split kernel per CTA: first page in, scored, candidates "
+               "out, arrived, end; the merge kernel's) and print when each stage ended "
+               "(bench/timeline.h); also in the JSON");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--rotate-bytes", opt.rotate_bytes,
                  "bytes of distinct inputs one graph cycles through (default 4 x L2)");
@@ -241,16 +248,34 @@ int run_indexer_bench(int argc, char** argv) {
     cuda::init_indexer_workspace(plan, workspace.data(), stream.get());
     stream.synchronize();
 
-    auto measure = [&](IndexerVariant variant, const DeviceTensor& out) {
+    // With `timeline` (--timeline): one more launch recorded after a replay, on copy 0 (the one
+    // the replay read longest ago).
+    auto measure = [&](IndexerVariant variant, const DeviceTensor& out,
+                       nlohmann::json* timeline = nullptr) {
       cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
         for (int c = 0; c < copies; ++c) {
           cuda::launch_indexer(plan, config, args_for(c, out), variant, workspace.data(),
                                stream.get());
         }
       });
-      return time_graph(graph, stream.get(), copies, 2, opt.reps);
+      const Timing t = time_graph(graph, stream.get(), copies, 2, opt.reps);
+      if (timeline != nullptr && opt.timeline) {
+        graph.launch(stream.get());
+        *timeline = record_timeline(
+            fmt::format("indexer {} tp {} batch {} context {} q_len {} {}", shown_dtype, cfg.tp,
+                        cfg.batch, fmt_context(cfg.context), cfg.q_len,
+                        variant == IndexerVariant::kSplitMerge     ? "merge kernel"
+                        : variant == IndexerVariant::kLastCtaMerge ? "last-CTA merge"
+                                                                   : "default"),
+            [&] {
+              cuda::launch_indexer(plan, config, args_for(0, out), variant, workspace.data(),
+                                   stream.get());
+            });
+      }
+      return t;
     };
-    const Timing fused = measure(IndexerVariant::kFused, out_fused);
+    nlohmann::json fused_timeline, merge_timeline, last_cta_timeline;
+    const Timing fused = measure(IndexerVariant::kFused, out_fused, &fused_timeline);
     const Timing span = measure(IndexerVariant::kSpan, out_span);
     Timing unfused;
     std::string check;
@@ -270,8 +295,8 @@ int run_indexer_bench(int argc, char** argv) {
     }
     Timing merge, last_cta;
     if (opt.split_merge) {
-      merge = measure(IndexerVariant::kSplitMerge, out_merge);
-      last_cta = measure(IndexerVariant::kLastCtaMerge, out_last_cta);
+      merge = measure(IndexerVariant::kSplitMerge, out_merge, &merge_timeline);
+      last_cta = measure(IndexerVariant::kLastCtaMerge, out_last_cta, &last_cta_timeline);
       HostTensor a, b, c;
       copy_to_host(out_fused.view(), a);
       copy_to_host(out_merge.view(), b);
@@ -320,6 +345,9 @@ int run_indexer_bench(int argc, char** argv) {
       rec["split_merge_vs_fused"] = merge.median_us / fused.median_us;
       rec["last_cta_merge_us"] = last_cta.median_us;
     }
+    if (!fused_timeline.is_null()) rec["timeline"] = fused_timeline;
+    if (!merge_timeline.is_null()) rec["timeline_split_merge"] = merge_timeline;
+    if (!last_cta_timeline.is_null()) rec["timeline_last_cta_merge"] = last_cta_timeline;
     if (torch_us > 0) {
       rec["torch_us"] = torch_us;
       rec["speedup_vs_torch"] = torch_us / fused.median_us;

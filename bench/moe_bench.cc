@@ -52,6 +52,7 @@
 #include "m3msa/moe.h"
 #include "m3msa/testing/splitmix.h"
 #include "moe_floor.h"
+#include "timeline.h"
 
 namespace m3msa::bench {
 namespace {
@@ -74,6 +75,7 @@ struct Options {
   std::vector<std::string> kernels;
   std::vector<std::string> what;
   bool quick = false;
+  bool timeline = false;
   int reps = 50;
   int x_copies = 16;
   int min_launches = 64;
@@ -205,6 +207,10 @@ int run_moe_bench(int argc, char** argv) {
   app.add_flag("--quick", opt.quick,
                "tokens 1,16 and mma only (unless given), at most 20 reps: every TP, dtype, what");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
+  app.add_flag("--timeline", opt.timeline,
+               "after timing, record one more launch's stage stamps (mma-persistent: every work "
+               "item's start, inputs ready and end, by kind of item) and print when each stage "
+               "ended (bench/timeline.h); also in the JSON");
   app.add_option("--x-copies", opt.x_copies, "distinct token inputs the launches cycle through");
   app.add_option("--min-launches", opt.min_launches,
                  "at least this many launches per graph (a multiple of --x-copies)");
@@ -513,6 +519,14 @@ int run_moe_bench(int argc, char** argv) {
               for (const cuda::MoeParams& p : plist) launch(p);
             });
             const Timing tm = time_graph(graph, stream.get(), launches, 2, opt.reps);
+            nlohmann::json timeline;
+            if (opt.timeline) {  // the layer copy the replay read longest ago
+              graph.launch(stream.get());
+              const cuda::MoeParams p = params(launches % L, 0, kernels);
+              timeline = record_timeline(
+                  fmt::format("{} tp {} {} {} tokens {}", what, tp, dtype, kernels, t),
+                  [&] { launch(p); });
+            }
 
             std::string check = "ok";
             if (chk.bad > 0) check = fmt::format("BAD {}/{} non-finite", chk.bad, out_elems);
@@ -550,6 +564,7 @@ int run_moe_bench(int argc, char** argv) {
             }
             rec.update(measured_fields(tm, bytes));
             if (chk.compared) rec["mma_vs_fma_worst_over_bound"] = chk.worst;
+            if (!timeline.is_null()) rec["timeline"] = timeline;
             table.add({what, std::to_string(tp), dtype, kernels, std::to_string(t),
                        fmt::format("{:.2f}", tm.median_us), fmt::format("{:.2f}", tm.p10_us),
                        fmt::format("{:.2f}", tm.p90_us), fmt::format("{:.1f}%", 100.0 * tm.noise()),

@@ -40,6 +40,7 @@
 #include "m3msa/dtype.h"
 #include "m3msa/error.h"
 #include "m3msa/ops.h"
+#include "timeline.h"
 
 namespace m3msa::bench {
 namespace {
@@ -61,6 +62,7 @@ struct StepOptions {
   std::vector<IndexerVariant> variants;
   std::vector<cuda::AttentionTuning> tunings;
   bool quick = false;
+  bool timeline = false;
   int reps = 30;
   int64_t rotate_bytes = 4 * kL2Bytes;
   int max_copies = 64;
@@ -91,6 +93,10 @@ int run_sparse_step_bench(int argc, char** argv) {
                  "';'-separated attention launcher tunings (attention.h: splitp, cluster, pdl, "
                  "splits, rows; 'default' = the library default)");
   app.add_flag("--quick", opt.quick, "batch 1, 128K, q 1 only (the target point)");
+  app.add_flag("--timeline", opt.timeline,
+               "after timing, record one more step's stage stamps (the indexer's split and merge "
+               "kernels, the attention's CTAs, on one clock) and print when each stage ended "
+               "(bench/timeline.h); also in the JSON");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--json", opt.json_path, "write the results as JSON here");
   app.add_option("--commit", opt.commit, "commit id recorded in the JSON (default $M3MSA_COMMIT)");
@@ -237,25 +243,37 @@ int run_sparse_step_bench(int argc, char** argv) {
                     : variant == IndexerVariant::kLastCtaMerge ? "last-cta"
                                                                : "default";
                 const std::string tuning_name = tuning.name();
+                // One step on input copy c: the indexer, then the attention on its selection.
+                auto step = [&](int c) {
+                  IndexerArgs ia;
+                  ia.index_q = index_q[c].view();
+                  ia.index_cache = IndexCache{index_pool.view()};
+                  ia.batch = batch_of(c);
+                  ia.topk_idx = topk[c].view();
+                  cuda::launch_indexer(plan, config, ia, variant, index_ws.data(), stream.get());
+                  AttentionArgs aa;
+                  aa.q = q[c].view();
+                  aa.kv_cache = KVCache{kv_pool.view(), fp8 ? 0.5f : 1.0f, fp8 ? 0.25f : 1.0f};
+                  aa.batch = batch_of(c);
+                  aa.topk_idx = topk[c].view();
+                  aa.out = out[c].view();
+                  cuda::launch_attention_tuned(config, aa, attn_ws.data(), attn_ws.bytes(),
+                                               stream.get(), tuning);
+                };
                 cuda::Graph graph = cuda::Graph::capture(stream.get(), [&] {
-                  for (int c = 0; c < copies; ++c) {
-                    IndexerArgs ia;
-                    ia.index_q = index_q[c].view();
-                    ia.index_cache = IndexCache{index_pool.view()};
-                    ia.batch = batch_of(c);
-                    ia.topk_idx = topk[c].view();
-                    cuda::launch_indexer(plan, config, ia, variant, index_ws.data(), stream.get());
-                    AttentionArgs aa;
-                    aa.q = q[c].view();
-                    aa.kv_cache = KVCache{kv_pool.view(), fp8 ? 0.5f : 1.0f, fp8 ? 0.25f : 1.0f};
-                    aa.batch = batch_of(c);
-                    aa.topk_idx = topk[c].view();
-                    aa.out = out[c].view();
-                    cuda::launch_attention_tuned(config, aa, attn_ws.data(), attn_ws.bytes(),
-                                                 stream.get(), tuning);
-                  }
+                  for (int c = 0; c < copies; ++c) step(c);
                 });
                 const Timing timing = time_graph(graph, stream.get(), copies, 2, opt.reps);
+                nlohmann::json timeline;
+                if (opt.timeline) {  // copy 0: the one the replay read longest ago
+                  graph.launch(stream.get());
+                  timeline = record_timeline(
+                      fmt::format("sparse-step {} tp {} batch {} context {} q_len {} indexer {} "
+                                  "attention {}",
+                                  dt, tp, batch, context_label(context), q_len, indexer_name,
+                                  tuning_name),
+                      [&] { step(0); });
+                }
                 const uint32_t status =
                     cuda::read_indexer_status(plan, index_ws.data(), stream.get(), true);
 
@@ -306,6 +324,7 @@ int run_sparse_step_bench(int argc, char** argv) {
                                       {"copies", copies},
                                       {"indexer_status", status}};
                 rec.update(measured_fields(timing, static_cast<double>(bytes)));
+                if (!timeline.is_null()) rec["timeline"] = timeline;
                 table.add({std::to_string(tp), std::to_string(batch), context_label(context), dt,
                            std::to_string(q_len), indexer_name, tuning_name,
                            fmt::format("{:.1f}", timing.median_us),

@@ -31,6 +31,7 @@
 #include "cuda/attention_kernel.cuh"
 #include "cuda/attention_params.h"
 #include "cuda/common.cuh"
+#include "cuda/timeline.h"
 #include "m3msa/error.h"
 
 namespace m3msa::cuda {
@@ -424,6 +425,9 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
     p.partial_ml = reinterpret_cast<float*>(base + layout.partial_ml);
     p.counters = reinterpret_cast<uint32_t*>(base + layout.counters);
   }
+
+  p.timeline = timeline::records_for("attention", timeline::names(kAttentionMarks), ctas,
+                                     timeline::names(kAttentionKinds));
 
   const auto grid = static_cast<unsigned>(ctas);
   switch (plan.row_tiles) {

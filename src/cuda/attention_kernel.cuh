@@ -36,6 +36,7 @@
 #include <cstdint>
 
 #include "cuda/attention_params.h"
+#include "cuda/timeline.cuh"
 
 namespace m3msa::cuda::attention {
 
@@ -255,6 +256,10 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   __shared__ uint32_t s_union_rows[kTiles > 1 ? kMaxUnion : 1];
   __shared__ int s_warp_count[kWarps];
   __shared__ int s_last;
+  // Timeline marks (kAttentionMarks; skipped unless a recorder set p.timeline).
+  enum { kStart, kPages, kFirstChunk, kChunksDone, kPublished, kEnd };
+  timeline::mark(p.timeline, kStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kEnd};
 
   // Programmatic dependent launch: everything this kernel reads may come from the previous kernel
   // in the stream, so wait for it before the first load (a no-op without a programmatic edge).
@@ -474,6 +479,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
       s_page[i] = page;
     }
     __syncthreads();
+    if (round == first) timeline::mark(p.timeline, kPages);
 
     const int nchunks = 2 * nblocks;
     // Tokens of chunk `ch` that tile t (at position row_pos) sees: 0 when the chunk lies wholly
@@ -529,6 +535,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     for (int ch = 0; ch < nchunks; ++ch) {
       cp_async_wait<L::kStages - 2>();
       __syncthreads();
+      if (ch == 0 && round == first) timeline::mark(p.timeline, kFirstChunk);
       issue(ch + L::kStages - 1);
 
       const int valid = tile_live ? chunk_valid(ch, tile, pos) : 0;
@@ -682,6 +689,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     __syncthreads();  // the next round rewrites s_page / s_block and the stages
   }
 
+  timeline::mark(p.timeline, kChunksDone);
   // The next kernel in the stream may be scheduled now (it waits for this grid to finish).
   asm volatile("griddepcontrol.launch_dependents;\n" :::);
 
@@ -787,7 +795,9 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
       }
     }
     cluster.sync();
+    timeline::mark(p.timeline, kPublished);
     if (cluster.block_rank() == 0) {
+      timeline::set_kind(p.timeline, 1);
 #pragma unroll 1
       for (int t = 0; t < live_tiles; ++t) {
         const int at = t * kTileHeads + head;
@@ -849,7 +859,9 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     s_last = prev == static_cast<unsigned>(p.num_splits - 1);
   }
   __syncthreads();
+  timeline::mark(p.timeline, kPublished);
   if (!s_last) return;
+  timeline::set_kind(p.timeline, 1);
 
   // Per tile: every (split, head) max and sum in one round of loads; the per-split weights, with
   // the normalization and v_scale folded in, in shared memory; then the partial outputs with

@@ -59,6 +59,13 @@ struct AttentionParams {
   const float* k_scale_ptr = nullptr;  // [1] f32
   const float* v_scale_ptr = nullptr;  // [1] f32
   float softmax_scale = 0.0f;
+  // Stage timeline (timeline.h): [ctas] records, marks kAttentionMarks; null: not recorded.
+  uint64_t* timeline = nullptr;
 };
+
+// The kernel's timeline marks and record kinds (the CTA that merges its unit's splits is kind 1).
+inline constexpr const char* kAttentionMarks[] = {
+    "start", "pages looked up", "first chunk in", "chunks done", "published", "end"};
+inline constexpr const char* kAttentionKinds[] = {"split", "merging split"};
 
 }  // namespace m3msa::cuda

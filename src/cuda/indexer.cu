@@ -11,6 +11,7 @@
 #include "cuda/common.cuh"
 #include "cuda/indexer_kernel.cuh"
 #include "cuda/indexer_params.h"
+#include "cuda/timeline.h"
 #include "m3msa/error.h"
 
 namespace m3msa::cuda {
@@ -95,7 +96,11 @@ __global__ void __launch_bounds__(kThreads)
     indexer_split_merge_kernel(const __grid_constant__ IndexerParams p) {
   __shared__ __align__(16) uint64_t s_scratch[kWarps][kScratch];
   __shared__ uint64_t s_top[kWarps][kMaxTopk];
+  enum { kStart, kSplitDone, kEnd };  // timeline marks (kIndexerMergeMarks)
+  timeline::mark(p.timeline, kStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kEnd};
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  timeline::mark(p.timeline, kSplitDone);
   const int n = static_cast<int>(blockIdx.x);
   const int r = static_cast<int>(blockIdx.y);
   const Unit unit = load_unit(p, r);
@@ -163,10 +168,12 @@ IndexerKernel split_kernel_of(bool fp8, bool q8) {
 
 // The merge of IndexerVariant::kSplitMerge, programmatically dependent on the split kernel just
 // queued on `stream` (its CTAs may start early and wait for the candidates on the device).
-void launch_split_merge(const IndexerParams& p, int num_reqs, cudaStream_t stream) {
-  launch_kernel_ex(indexer::indexer_split_merge_kernel,
-                   dim3(static_cast<unsigned>(p.unit_vectors), static_cast<unsigned>(num_reqs)),
-                   dim3(indexer::kThreads), 0, stream, /*pdl=*/true, p);
+void launch_split_merge(IndexerParams p, int num_reqs, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.unit_vectors), static_cast<unsigned>(num_reqs));
+  p.timeline = timeline::records_for("indexer merge", timeline::names(kIndexerMergeMarks),
+                                     int64_t{grid.x} * grid.y);
+  launch_kernel_ex(indexer::indexer_split_merge_kernel, grid, dim3(indexer::kThreads), 0, stream,
+                   /*pdl=*/true, p);
 }
 
 // Under kFused, whether the split kernel's merge runs as a kernel of its own. The last CTA merges
@@ -471,9 +478,13 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
       p.separate_merge = separate_merge ? 1 : 0;
       p.split_ctas = splits;
       const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(batch.num_reqs));
+      p.timeline =
+          timeline::records_for("indexer split", timeline::names(kIndexerSplitMarks),
+                                int64_t{grid.x} * grid.y, timeline::names(kIndexerSplitKinds));
       split_indexer_kernel(fp8, q8,
                            tiles)<<<grid, indexer::kThreads, indexer::kSplitRingBytes, stream>>>(p);
       CUDA_CHECK_LAUNCH();
+      p.timeline = nullptr;
       if (separate_merge) launch_split_merge(p, batch.num_reqs, stream);
       return;
     }

@@ -31,6 +31,7 @@
 #include <cstdint>
 
 #include "cuda/indexer_params.h"
+#include "cuda/timeline.cuh"
 #include "m3msa/sort_key.h"
 
 namespace m3msa::cuda::indexer {
@@ -1010,6 +1011,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int r = blockIdx.y;
   const int split = blockIdx.x;
   const int splits = gridDim.x;
+  // Timeline marks (kIndexerSplitMarks; skipped unless a recorder set p.timeline).
+  enum { kStart, kFirstPage, kScored, kCandidates, kArrived, kEnd };
+  timeline::mark(p.timeline, kStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kEnd};
   // The merge kernel may be scheduled now: its CTAs wait (griddepcontrol.wait) until this grid
   // has finished and its candidates are visible.
   if (p.separate_merge) asm volatile("griddepcontrol.launch_dependents;\n" :::);
@@ -1021,11 +1026,15 @@ __global__ void __launch_bounds__(kThreads, 2)
   const bool scores_only = p.scores_only != 0;
   if (unit.blocks == 0) {  // padding request or unreadable length: every row -1
     if (split == 0 && !scores_only) write_dead_answers(p, unit.row0, unit.rows, tid, kThreads);
+    timeline::set_kind(p.timeline, 2);
     return;
   }
   const int per = max(p.min_blocks_per_cta, (unit.blocks + splits - 1) / splits);
   const int active = (unit.blocks + per - 1) / per;
-  if (split >= active) return;
+  if (split >= active) {
+    timeline::set_kind(p.timeline, 2);
+    return;
+  }
   const int lb_begin = split * per;
   const int nblk = min(per, unit.blocks - lb_begin);
   const int32_t* table_row =
@@ -1071,6 +1080,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     int next_page = 0;
     if (refill) next_page = table_row[i + kRing];  // in flight while this block is scored
     mbar_wait(&s_full[slot], (i / kRing) & 1);
+    if (i == 0) timeline::mark(p.timeline, kFirstPage);
     TileT tile;
     tile.load_shared(s_ring + slot * kPageBytes, warp, g, t);
     float acc[kNT][4];
@@ -1100,11 +1110,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     cut_full_buffers(&s_keys[warp][0], owner, count, kth, k);
   }
   __syncwarp();
+  timeline::mark(p.timeline, kScored);
   if (scores_only) return;
 
   // ---- This CTA's best keys: the answer itself, or candidates for the request's last CTA ----
   if (active == 1) {
     write_own_answers(p, &s_keys[warp][0], count, unit, nvec);
+    timeline::mark(p.timeline, kCandidates);
     return;
   }
   const int slots = min(k, per);  // keys per CTA and vector (padded with "no candidate")
@@ -1112,8 +1124,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int64_t vec_stride = static_cast<int64_t>(splits) * k;
   uint64_t* region = p.cand + static_cast<int64_t>(r) * p.unit_vectors * vec_stride;
   write_own_candidates(&s_keys[warp][0], count, nvec, slots, region + split * slots, vec_stride);
+  timeline::mark(p.timeline, kCandidates);
   if (p.separate_merge) return;  // indexer_split_merge_kernel selects
-  if (!arrive_last(&p.counters[r], active, s_last)) return;
+  const bool last = arrive_last(&p.counters[r], active, s_last);
+  timeline::mark(p.timeline, kArrived);
+  if (!last) return;
+  timeline::set_kind(p.timeline, 1);
   if (cand_count <= kFewCandidates) {  // a short context: one warp per vector, one round trip
     for (int v = warp; v < nvec; v += kWarps) {
       write_top_of_few(p, region + v * vec_stride, cand_count,

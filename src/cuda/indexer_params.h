@@ -55,6 +55,16 @@ struct IndexerParams {
   int max_units = 0;     // capacity of counters / units (decode: >= num_reqs)
   int is_prefill = 0;
   int min_blocks_per_cta = 1;  // IndexerPlan::min_blocks_per_cta
+  // Stage timeline (timeline.h) of the split kernel or the split merge kernel: [ctas] records,
+  // marks kIndexerSplitMarks / kIndexerMergeMarks; null: not recorded.
+  uint64_t* timeline = nullptr;
 };
+
+// Timeline marks and record kinds of the split kernel (kind 1: the CTA that merged its request,
+// 2: a CTA with no blocks) and of the split merge kernel.
+inline constexpr const char* kIndexerSplitMarks[] = {"start",          "first page in", "scored",
+                                                     "candidates out", "arrived",       "end"};
+inline constexpr const char* kIndexerSplitKinds[] = {"cta", "merging cta", "idle cta"};
+inline constexpr const char* kIndexerMergeMarks[] = {"start", "split kernel done", "end"};
 
 }  // namespace m3msa::cuda

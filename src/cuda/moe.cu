@@ -10,6 +10,7 @@
 #include "cuda/common.cuh"
 #include "cuda/moe.h"
 #include "cuda/moe_kernel.cuh"
+#include "cuda/timeline.h"
 #include "m3msa/error.h"
 
 namespace m3msa::cuda {
@@ -81,7 +82,7 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
 
 // MoeParams::persistent: one wave at most (a CTA past it would only draw an exit ticket), no more
 // CTAs than items. The wave of each device and kernel is queried once, not on every launch.
-void launch_persistent(const MoeParams& p, cudaStream_t stream) {
+void launch_persistent(MoeParams p, cudaStream_t stream) {
   const auto kernel = p.fp8 ? moe::moe_persistent_kernel<true> : moe::moe_persistent_kernel<false>;
   int device = 0;
   CUDA_CHECK(cudaGetDevice(&device));
@@ -101,7 +102,10 @@ void launch_persistent(const MoeParams& p, cudaStream_t stream) {
     }
     wave = known;
   }
-  const int ctas = std::max(1, std::min(moe::persistent_items(p).total, wave));
+  const int items = moe::persistent_items(p).total;
+  const int ctas = std::max(1, std::min(items, wave));
+  p.timeline = timeline::records_for("moe persistent", timeline::names(kMoePersistentMarks), items,
+                                     timeline::names(kMoePersistentKinds));
   launch_kernel(kernel, dim3(static_cast<unsigned>(ctas)), moe::kMmaThreads, p, stream);
 }
 
@@ -207,6 +211,10 @@ MoeParams moe_params(const MoeConfig& c, const MoeArgs& a, void* workspace) {
   return p;
 }
 
+bool moe_runs_persistent(const MoeParams& p) {
+  return p.persistent && use_tensor_cores(p) && p.hidden % moe::kDownGroupCols == 0;
+}
+
 void launch_moe(const MoeParams& p, cudaStream_t stream) {
   M3MSA_CHECK_ARG(p.rows >= 0 && p.rows <= kMoeMaxRows, "moe: rows must be in [0, ", kMoeMaxRows,
                   "], got ", p.rows);
@@ -232,7 +240,7 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                     "moe: the activations and weights must be 16-byte aligned");
   }
   if (p.rows == 0) return;
-  if (p.persistent && use_tensor_cores(p) && p.hidden % moe::kDownGroupCols == 0) {
+  if (moe_runs_persistent(p)) {
     M3MSA_CHECK_ARG(p.sync != nullptr, "moe: persistent without the workspace's sync words");
     launch_persistent(p, stream);
     return;

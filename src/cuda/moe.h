@@ -36,8 +36,11 @@ const uint32_t* moe_status_word(const MoeParams& p);
 // the f32 partial) and a workspace of moe_workspace_bytes. Throws naming the argument.
 MoeParams moe_params(const MoeConfig& config, const MoeArgs& args, void* workspace);
 
-// The five launches on `stream` (MoeParams::persistent: one).
+// The five launches on `stream` (MoeParams::persistent: one, where moe_runs_persistent).
 void launch_moe(const MoeParams& p, cudaStream_t stream);
+// Whether launch_moe runs `p` as the one persistent launch: p.persistent, and shapes the
+// tensor-core kernels take with hidden a multiple of 64 (else it runs the launch sequence).
+bool moe_runs_persistent(const MoeParams& p);
 
 // A dense layer's MLP (docs/spec.md section 8, "Dense MLP") on the same kernels: the shared-expert
 // slot alone (no router, no routed experts), its down projection written straight to args.out

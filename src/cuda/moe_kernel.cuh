@@ -43,6 +43,7 @@
 
 #include "cuda/gemm_kernel.cuh"
 #include "cuda/moe_params.h"
+#include "cuda/timeline.cuh"
 #include "m3msa/dtype.h"
 #include "m3msa/moe.h"
 
@@ -777,6 +778,18 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     if (threadIdx.x == 0) s_item = static_cast<int>(atomicAdd(sync + kSyncTicket, 1u));
     __syncthreads();
     const int item = s_item;
+    // Timeline (kMoePersistentMarks): the item's start, inputs ready, end; its kind in the tag.
+    auto item_mark = [&](int mark) {
+      if (p.timeline == nullptr || threadIdx.x != 0) return;
+      const int kind = item < it.shared_gate_up   ? 0
+                       : item < it.topk           ? 1
+                       : item == it.topk          ? 2
+                       : item < it.routed_gate_up ? 3
+                       : item < it.routed_down    ? 4
+                       : item < it.combine        ? 5
+                                                  : 6;
+      timeline::stamp(p.timeline, item, mark, static_cast<uint32_t>(kind));
+    };
     if (item >= it.total) {
       if (item == it.total + static_cast<int>(gridDim.x) - 1) {
         // The last exit ticket: every item is done. Zero the counters for the next launch.
@@ -787,6 +800,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
       }
       return;
     }
+    item_mark(0);
     if (item < it.shared_gate_up) {
       route_logits(p, item, partial);
       count_done(sync + kSyncRouter);
@@ -798,11 +812,13 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
       count_done(sync + kSyncSharedGateUp);
     } else if (item == it.topk) {
       wait_count(p, sync + kSyncRouter, static_cast<uint32_t>(E));
+      item_mark(1);
       route_topk(p, s_pick, s_used);
       count_done(sync + kSyncTopk);
     } else if (item < it.routed_gate_up) {
       const int group = item - it.shared_down;
       wait_count(p, sync + kSyncSharedGateUp, static_cast<uint32_t>(it.shared_gate_up_tiles));
+      item_mark(1);
       int ex = -1;
       const int ntok = slot_tokens(p, 0, true, tok_row, tok_slot, ex);
       down_tiles<kFp8, kInFlight, kMoeDownTiles, true>(p, ex, ntok, tok_row, tok_slot,
@@ -812,6 +828,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
       const int slot = (item - it.routed_gate_up) / it.gate_up_tiles;
       const int tile = (item - it.routed_gate_up) % it.gate_up_tiles;
       wait_count(p, sync + kSyncTopk, 1u);
+      item_mark(1);
       int ex = -1;
       const int ntok = slot_tokens(p, slot, false, tok_row, tok_slot, ex);
       if (ntok > 0) {
@@ -823,6 +840,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
       const int slot = (item - it.routed_down) / it.groups;
       const int group = (item - it.routed_down) % it.groups;
       wait_count(p, slot_done + slot, static_cast<uint32_t>(it.gate_up_tiles));
+      item_mark(1);
       int ex = -1;
       const int ntok = slot_tokens(p, slot, false, tok_row, tok_slot, ex);
       if (ntok > 0) {
@@ -833,10 +851,12 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     } else {
       const int group = item - it.combine;
       wait_count(p, group_done + group, static_cast<uint32_t>(it.slots + (has_shared ? 1 : 0)));
+      item_mark(1);
       for (int o = threadIdx.x; o < p.rows * kDownGroupCols; o += kMmaThreads) {
         combine_element(p, o / kDownGroupCols, group * kDownGroupCols + o % kDownGroupCols);
       }
     }
+    item_mark(2);  // thread 0's view: its share done (and, but for combine, the counter bumped)
   }
 }
 

@@ -80,6 +80,16 @@ struct MoeParams {
   // The persistent kernel's counters and status word (moe_kernel.cuh, kSync*): zero before the
   // first launch (moe_workspace_bytes' contract); each launch leaves the counters zero.
   uint32_t* sync = nullptr;
+  // Stage timeline (timeline.h) of the persistent kernel: one record per work item (ticket
+  // order), marks kMoePersistentMarks, kinds kMoePersistentKinds; null: not recorded.
+  uint64_t* timeline = nullptr;
 };
+
+// The persistent kernel's timeline: when each work item started, had its inputs (the counters
+// it waits on complete) and ended, by kind of item.
+inline constexpr const char* kMoePersistentMarks[] = {"start", "inputs ready", "end"};
+inline constexpr const char* kMoePersistentKinds[] = {
+    "router logits",  "shared gate/up", "top-k",  "shared down",
+    "routed gate/up", "routed down",    "combine"};
 
 }  // namespace m3msa::cuda

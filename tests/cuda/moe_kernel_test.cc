@@ -29,6 +29,8 @@
 #include "attention_test_util.h"
 #include "cuda/common.cuh"
 #include "cuda/moe.h"
+#include "cuda/moe_params.h"
+#include "cuda/timeline.h"
 #include "m3msa/moe.h"
 #include "m3msa/testing/moe_model.h"
 #include "m3msa/testing/random.h"
@@ -123,6 +125,46 @@ void expect_replay_equals_eager(Launch launch, cudaStream_t stream, const Tensor
   EXPECT_EQ(std::memcmp(again.data(), eager.data(), eager.nbytes()), 0) << "eager run to run";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+}
+
+// The persistent launch under a timeline recorder (cuda/timeline.h): `eager`'s bits, and one
+// record per work item, each started and ended, of the item kinds the launch has (one router
+// item per expert, one top-k item).
+void expect_recorded_persistent_launch(const cuda::MoeParams& p, cudaStream_t stream,
+                                       const TensorView& out, const HostTensor& eager) {
+  cuda::timeline::Recorder rec;
+  CUDA_CHECK(cudaMemsetAsync(out.data, 0xFF, eager.nbytes(), stream));
+  {
+    cuda::timeline::Scope scope(rec);
+    cuda::launch_moe(p, stream);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  HostTensor again(eager.dtype(), eager.shape());
+  CUDA_CHECK(cudaMemcpy(again.data(), out.data, again.nbytes(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(again.data(), eager.data(), eager.nbytes()), 0)
+      << "a recorded launch changed the output";
+  ASSERT_EQ(rec.launches().size(), 1u);
+  const cuda::timeline::Launch& l = rec.launches()[0];
+  EXPECT_EQ(l.kernel, "moe persistent");
+  ASSERT_EQ(l.marks.size(), 3u);
+  const std::vector<uint64_t> words = rec.read();
+  std::vector<int> per_kind(l.kinds.size(), 0);
+  for (int64_t u = 0; u < l.units; ++u) {
+    const uint64_t* r = words.data() + (l.first + u) * cuda::timeline::kWords;
+    ASSERT_NE(r[0], 0u) << "item " << u << " has no start";
+    ASSERT_NE(r[2], 0u) << "item " << u << " has no end";
+    EXPECT_LE(r[0], r[2]) << "item " << u;
+    if (r[1] != 0) {
+      EXPECT_LE(r[0], r[1]) << "item " << u;
+      EXPECT_LE(r[1], r[2]) << "item " << u;
+    }
+    const uint64_t kind = r[cuda::timeline::kMarks] >> 32;
+    ASSERT_LT(kind, l.kinds.size()) << "item " << u;
+    ++per_kind[static_cast<size_t>(kind)];
+  }
+  EXPECT_EQ(per_kind[0], p.num_experts) << "router items";
+  EXPECT_EQ(per_kind[2], 1) << "top-k items";
+  EXPECT_FALSE(cuda::timeline::summarize(rec.launches(), words).empty());
 }
 
 void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) {
@@ -264,6 +306,9 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       CUDA_CHECK(
           cudaMemcpy(&status, cuda::moe_status_word(p), sizeof(status), cudaMemcpyDeviceToHost));
       EXPECT_EQ(status, 0u) << kernels.name << ": a persistent wait gave up";
+      if (cuda::moe_runs_persistent(p)) {
+        expect_recorded_persistent_launch(p, stream.get(), dout.view, got);
+      }
     }
   }
 }

@@ -215,6 +215,11 @@ bool moe_runs_persistent(const MoeParams& p) {
   return p.persistent && use_tensor_cores(p) && p.hidden % moe::kDownGroupCols == 0;
 }
 
+int moe_launches(const MoeParams& p) {
+  if (p.rows == 0) return 0;
+  return moe_runs_persistent(p) ? 1 : 5;
+}
+
 void launch_moe(const MoeParams& p, cudaStream_t stream) {
   M3MSA_CHECK_ARG(p.rows >= 0 && p.rows <= kMoeMaxRows, "moe: rows must be in [0, ", kMoeMaxRows,
                   "], got ", p.rows);

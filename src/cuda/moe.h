@@ -41,6 +41,9 @@ void launch_moe(const MoeParams& p, cudaStream_t stream);
 // Whether launch_moe runs `p` as the one persistent launch: p.persistent, and shapes the
 // tensor-core kernels take with hidden a multiple of 64 (else it runs the launch sequence).
 bool moe_runs_persistent(const MoeParams& p);
+// The kernel launches launch_moe makes for `p`: 0 without rows, 1 persistent, else 5 (router
+// logits with the shared gate/up beside them or not, top-k, gate/up, down, combine).
+int moe_launches(const MoeParams& p);
 
 // A dense layer's MLP (docs/spec.md section 8, "Dense MLP") on the same kernels: the shared-expert
 // slot alone (no router, no routed experts), its down projection written straight to args.out

@@ -581,8 +581,7 @@ class GpuEngineImpl final : public GpuEngine {
       cuda::MoeParams p = cuda::moe_params(m.moe(tp_size_), a, moe_ws_.data());
       apply_moe_schedule(moe_schedule_, p);
       cuda::launch_moe(p, stream_);
-      launches +=
-          (moe_schedule_ == MoeSchedule::kPersistent ? 1 : 4) + ffn_to_hidden(w.layer, h, rows);
+      launches += cuda::moe_launches(p) + ffn_to_hidden(w.layer, h, rows);
     }
 
     // 8''. Or a dense layer's MLP (docs/spec.md section 8, "Dense MLP"): the shared-expert path of

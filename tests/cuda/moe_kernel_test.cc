@@ -106,13 +106,18 @@ struct Device3 {
 // `out`, then run eagerly once more: both give `eager`'s bits.
 template <typename Launch>
 void expect_replay_equals_eager(Launch launch, cudaStream_t stream, const TensorView& out,
-                                const HostTensor& eager) {
+                                const HostTensor& eager, int launches = -1) {
   HostTensor again(eager.dtype(), eager.shape());
   CUDA_CHECK(cudaMemsetAsync(out.data, 0xFF, eager.nbytes(), stream));
   cudaGraph_t graph = nullptr;
   CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
   launch(stream);
   CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  size_t nodes = 0;
+  CUDA_CHECK(cudaGraphGetNodes(graph, nullptr, &nodes));
+  if (launches >= 0) {
+    EXPECT_EQ(nodes, static_cast<size_t>(launches)) << "kernels in the graph of one launch";
+  }
   cudaGraphExec_t exec = nullptr;
   CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
   CUDA_CHECK(cudaGraphLaunch(exec, stream));
@@ -300,7 +305,7 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
 
       // Graph replay == eager, and a second eager run changes no bit.
       expect_replay_equals_eager([&](cudaStream_t s) { cuda::launch_moe(p, s); }, stream.get(),
-                                 dout.view, got);
+                                 dout.view, got, cuda::moe_launches(p));
       // The persistent kernel's waits all ended (none gave up).
       uint32_t status = 0;
       CUDA_CHECK(

@@ -107,11 +107,12 @@ int run_indexer_bench(int argc, char** argv) {
   app.add_option("--min-blocks", opt.min_blocks_text,
                  "comma-separated IndexerPlan::min_blocks_per_cta values to time side by side "
                  "(>= 1)");
-  app.add_flag("--timeline", opt.timeline,
-               "after timing, record one more launch of each timed variant but span and unfused "
-               "with its stage stamps (split kernel per CTA: first page in, scored, candidates "
-               "out, arrived, end; the merge kernel's) and print when each stage ended "
-               "(bench/timeline.h); also in the JSON");
+  app.add_flag(
+      "--timeline", opt.timeline,
+      "after timing, record one more launch of each timed variant but span and unfused "
+      "with its stage stamps (split kernel per CTA: first page in, scored, candidates "
+      "out, arrived, survivors listed, end; the merge kernel's) and print when each stage ended "
+      "(bench/timeline.h); also in the JSON");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--rotate-bytes", opt.rotate_bytes,
                  "bytes of distinct inputs one graph cycles through (default 4 x L2)");

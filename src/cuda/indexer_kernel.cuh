@@ -1012,7 +1012,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int split = blockIdx.x;
   const int splits = gridDim.x;
   // Timeline marks (kIndexerSplitMarks; skipped unless a recorder set p.timeline).
-  enum { kStart, kFirstPage, kScored, kCandidates, kArrived, kEnd };
+  enum { kStart, kFirstPage, kScored, kCandidates, kArrived, kSurvivors, kEnd };
   timeline::mark(p.timeline, kStart);
   const timeline::MarkOnExit end_mark{p.timeline, kEnd};
   // The merge kernel may be scheduled now: its CTAs wait (griddepcontrol.wait) until this grid
@@ -1188,6 +1188,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   }
   __syncthreads();
+  timeline::mark(p.timeline, kSurvivors);
   for (int v = warp; v < nvec; v += kWarps) {
     int32_t* out = answer_row(p, unit.row0 + v / H, v % H);
     const int cnt = s_survivor_count[v];

@@ -61,9 +61,10 @@ struct IndexerParams {
 };
 
 // Timeline marks and record kinds of the split kernel (kind 1: the CTA that merged its request,
-// 2: a CTA with no blocks) and of the split merge kernel.
-inline constexpr const char* kIndexerSplitMarks[] = {"start",          "first page in", "scored",
-                                                     "candidates out", "arrived",       "end"};
+// 2: a CTA with no blocks; "survivors listed": the merging CTA's candidates loaded and cut to
+// the survivor lists, before their ranking) and of the split merge kernel.
+inline constexpr const char* kIndexerSplitMarks[] = {
+    "start", "first page in", "scored", "candidates out", "arrived", "survivors listed", "end"};
 inline constexpr const char* kIndexerSplitKinds[] = {"cta", "merging cta", "idle cta"};
 inline constexpr const char* kIndexerMergeMarks[] = {"start", "split kernel done", "end"};
 

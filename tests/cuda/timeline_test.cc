@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -129,43 +130,56 @@ int mark_index(const Launch& l, const std::string& name) {
   return static_cast<int>(it - l.marks.begin());
 }
 
+// One decode case of `reqs` requests at `context` tokens with a random selection, on the device
+// with a zeroed attention workspace; run() launches the attention (under `recorder` when given)
+// into a poisoned output and returns it.
+struct AttentionCase {
+  SyntheticCase c;
+  HostTensor topk;
+  attntest::DevAttention dev;
+  attntest::DevTensor topk_dev;
+  cuda::DeviceBuffer ws;
+
+  static SyntheticCase make(int reqs, int64_t context, DType kv, uint64_t seed) {
+    SyntheticSpec spec;
+    spec.num_reqs = reqs;
+    spec.min_context = spec.max_context = context;
+    spec.kv_dtype = kv;
+    spec.make_index_cache = false;
+    spec.seed = seed;
+    return make_synthetic_case(spec);
+  }
+  AttentionCase(int reqs, int64_t context, DType kv, uint64_t seed)
+      : c(make(reqs, context, kv, seed)),
+        topk(attntest::random_selection(c, seed + 1)),
+        dev(c),
+        topk_dev(attntest::to_dev(topk)) {
+    PlanLimits limits;
+    limits.max_reqs = reqs;
+    ws = cuda::DeviceBuffer(cuda::attention_workspace_size(c.config, limits));
+    CUDA_CHECK(cudaMemset(ws.data(), 0, ws.bytes()));
+  }
+  HostTensor run(cuda::timeline::Recorder* recorder) const {
+    const SparseConfig& cfg = c.config;
+    attntest::DevTensor out =
+        attntest::poisoned(DType::kBF16, {c.num_rows(), cfg.q_heads, cfg.head_dim});
+    std::optional<cuda::timeline::Scope> scope;
+    if (recorder != nullptr) scope.emplace(*recorder);
+    cuda::launch_attention(cfg, dev.args(topk_dev.view, out.view), ws.data(), ws.bytes(), nullptr);
+    CUDA_CHECK(cudaDeviceSynchronize());
+    return attntest::to_host(out.view);
+  }
+};
+
 TEST(TimelineGpu, AttentionRecordsEveryCtaAndChangesNoBit) {
   M3MSA_REQUIRE_GPU();
   for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
     SCOPED_TRACE(dtype_name(kv));
-    SyntheticSpec spec;
-    spec.num_reqs = 1;
-    spec.q_len = 1;
-    spec.min_context = spec.max_context = 100000;
-    spec.kv_dtype = kv;
-    spec.make_index_cache = false;
-    spec.seed = 11;
-    const SyntheticCase c = make_synthetic_case(spec);
-    const SparseConfig& cfg = c.config;
-    const HostTensor topk = attntest::random_selection(c, 5);
-    attntest::DevAttention dev(c);
-    const attntest::DevTensor topk_dev = attntest::to_dev(topk);
-    PlanLimits limits;
-    limits.max_reqs = 1;
-    const size_t ws_bytes = cuda::attention_workspace_size(cfg, limits);
-    cuda::DeviceBuffer ws(ws_bytes);
-    CUDA_CHECK(cudaMemset(ws.data(), 0, ws_bytes));
-    auto run = [&](cuda::timeline::Recorder* rec) {
-      attntest::DevTensor out = attntest::poisoned(DType::kBF16, {1, cfg.q_heads, cfg.head_dim});
-      if (rec != nullptr) {
-        cuda::timeline::Scope scope(*rec);
-        cuda::launch_attention(cfg, dev.args(topk_dev.view, out.view), ws.data(), ws_bytes,
-                               nullptr);
-      } else {
-        cuda::launch_attention(cfg, dev.args(topk_dev.view, out.view), ws.data(), ws_bytes,
-                               nullptr);
-      }
-      CUDA_CHECK(cudaDeviceSynchronize());
-      return attntest::to_host(out.view);
-    };
-    const HostTensor plain = run(nullptr);
+    const AttentionCase a(1, 100000, kv, 11);
+    const SparseConfig& cfg = a.c.config;
+    const HostTensor plain = a.run(nullptr);
     cuda::timeline::Recorder rec;
-    const HostTensor recorded = run(&rec);
+    const HostTensor recorded = a.run(&rec);
     EXPECT_TRUE(attntest::bitwise_equal(plain, recorded)) << "a recorded launch changed the output";
     ASSERT_EQ(rec.launches().size(), 1u);
     const Launch& l = rec.launches()[0];
@@ -208,36 +222,18 @@ TEST(TimelineGpu, AttentionRecordsEveryCtaAndChangesNoBit) {
 
 TEST(TimelineGpu, LaunchesOutsideAScopeOrBeyondTheCapacityAreNotRecorded) {
   M3MSA_REQUIRE_GPU();
-  SyntheticSpec spec;
-  spec.num_reqs = 2;
-  spec.min_context = spec.max_context = 5000;
-  spec.make_index_cache = false;
-  spec.seed = 12;
-  const SyntheticCase c = make_synthetic_case(spec);
-  const SparseConfig& cfg = c.config;
-  const HostTensor topk = attntest::random_selection(c, 6);
-  attntest::DevAttention dev(c);
-  const attntest::DevTensor topk_dev = attntest::to_dev(topk);
-  PlanLimits limits;
-  limits.max_reqs = 2;
-  const size_t ws_bytes = cuda::attention_workspace_size(cfg, limits);
-  cuda::DeviceBuffer ws(ws_bytes);
-  CUDA_CHECK(cudaMemset(ws.data(), 0, ws_bytes));
-  attntest::DevTensor out = attntest::poisoned(DType::kBF16, {2, cfg.q_heads, cfg.head_dim});
+  const AttentionCase a(2, 5000, DType::kBF16, 12);
+  const SparseConfig& cfg = a.c.config;
   cuda::timeline::Recorder small(1);  // fewer records than the launch has CTAs
-  {
-    cuda::timeline::Scope scope(small);
-    cuda::launch_attention(cfg, dev.args(topk_dev.view, out.view), ws.data(), ws_bytes, nullptr);
-  }
-  cuda::launch_attention(cfg, dev.args(topk_dev.view, out.view), ws.data(), ws_bytes, nullptr);
-  CUDA_CHECK(cudaDeviceSynchronize());
+  const HostTensor recorded = a.run(&small);
+  const HostTensor got = a.run(nullptr);
   EXPECT_TRUE(small.launches().empty());
   EXPECT_EQ(small.dropped(), 1);
   EXPECT_EQ(cuda::timeline::records_for("attention", {"start"}, 4), nullptr)
       << "no recorder is active outside a scope";
-  const HostTensor got = attntest::to_host(out.view);
+  EXPECT_TRUE(attntest::bitwise_equal(recorded, got));
   HostTensor want(DType::kBF16, {2, cfg.q_heads, cfg.head_dim});
-  cpu::sparse_attention(cfg, c.attention_args(topk.view(), want.view()));
+  cpu::sparse_attention(cfg, a.c.attention_args(a.topk.view(), want.view()));
   const attntest::CompareResult cmp = attntest::compare_bf16(got, want);
   EXPECT_TRUE(cmp.ok) << cmp.bad << " elements out of tolerance";
 }

@@ -2,11 +2,12 @@
 # timed configurations and then one more launch with the kernels' stage stamps recorded
 # (`--timeline`, bench/timeline.h): the attention at one request (default tuning and 16 splits),
 # the indexer at one request (both merge placements), the sparse step (indexer then attention on
-# one clock) and the persistent MoE of a TP 4 rank at one token. TIMELINE_RUNS overrides the list:
-# '|'-separated m3msa arguments. Logs to $OUT/timeline_<n>.log, JSON to $OUT/timeline_<n>.json.
+# one clock; the attention also with pdl and with its selection-only wait, early=1) and the
+# persistent MoE of a TP 4 rank at one token. TIMELINE_RUNS overrides the list: '|'-separated m3msa
+# arguments. Logs to $OUT/timeline_<n>.log, JSON to $OUT/timeline_<n>.json.
 tl_start=$SECONDS
 tl_rc=0
-IFS='|' read -ra tl_runs <<<"${TIMELINE_RUNS:-bench attention --batch 1 --q-len 1,4 --context 131072 --kv bf16,fp8 --tunings default;splits=16 --reps 10 --timeline|bench indexer --batches 1 --contexts 4096,131072 --q-lens 1,4 --dtypes bf16 --no-unfused --split-merge --reps 10 --timeline|bench sparse-step --batches 1 --contexts 131072 --q-lens 1 --dtypes bf16,fp8 --reps 10 --timeline|bench moe --tp 4 --tokens 1,4 --dtypes mxfp8 --kernels mma-persistent --what moe --reps 5 --timeline}"
+IFS='|' read -ra tl_runs <<<"${TIMELINE_RUNS:-bench attention --batch 1 --q-len 1,4 --context 131072 --kv bf16,fp8 --tunings default;splits=16 --reps 10 --timeline|bench indexer --batches 1 --contexts 4096,131072 --q-lens 1,4 --dtypes bf16 --no-unfused --split-merge --reps 10 --timeline|bench sparse-step --batches 1 --contexts 131072 --q-lens 1 --dtypes bf16,fp8 --attention-tunings default;pdl=1;pdl=1,early=1 --reps 10 --timeline|bench moe --tp 4 --tokens 1,4 --dtypes mxfp8 --kernels mma-persistent --what moe --reps 5 --timeline}"
 tl_n=0
 for tl_run in "${tl_runs[@]}"; do
   tl_n=$((tl_n + 1))

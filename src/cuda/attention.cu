@@ -22,6 +22,7 @@
 
 #include <algorithm>
 #include <array>
+#include <charconv>
 #include <cmath>
 #include <cstdlib>
 #include <mutex>
@@ -281,7 +282,8 @@ std::string AttentionTuning::name() const {
   return "splitp" + std::to_string(split_p ? 1 : 0) + "-cluster" + std::to_string(max_cluster) +
          "-pdl" + std::to_string(pdl ? 1 : 0) +
          (max_splits > 0 ? "-splits" + std::to_string(max_splits) : std::string()) +
-         (max_row_tiles != 1 ? "-rows" + std::to_string(max_row_tiles) : std::string());
+         (max_row_tiles != 1 ? "-rows" + std::to_string(max_row_tiles) : std::string()) +
+         (early_prologue ? "-early" : "");
 }
 
 AttentionTuning AttentionTuning::parse(const std::string& text) {
@@ -295,13 +297,26 @@ AttentionTuning AttentionTuning::parse(const std::string& text) {
     M3MSA_CHECK_ARG(eq != std::string::npos, "attention tuning '", text, "': item '", item,
                     "' is not key=value");
     const std::string key = item.substr(0, eq);
-    const int value = std::atoi(item.c_str() + eq + 1);
+    const std::string digits = item.substr(eq + 1);
+    int value = 0;
+    const auto [ptr, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), value);
+    M3MSA_CHECK_ARG(!digits.empty() && ec == std::errc() && ptr == digits.data() + digits.size(),
+                    "attention tuning '", text, "': ", key, " takes an integer, got '", digits,
+                    "'");
+    // A switch is 0 or 1.
+    auto flag = [&] {
+      M3MSA_CHECK_ARG(value == 0 || value == 1, "attention tuning '", text, "': ", key,
+                      " must be 0 or 1, got ", value);
+      return value == 1;
+    };
     if (key == "splitp") {
-      t.split_p = value != 0;
+      t.split_p = flag();
     } else if (key == "cluster") {
+      M3MSA_CHECK_ARG(value >= 0, "attention tuning '", text, "': cluster must be >= 0, got ",
+                      value);
       t.max_cluster = value;
     } else if (key == "pdl") {
-      t.pdl = value != 0;
+      t.pdl = flag();
     } else if (key == "splits") {
       M3MSA_CHECK_ARG(value >= 0, "attention tuning '", text, "': splits must be >= 0, got ",
                       value);
@@ -310,9 +325,11 @@ AttentionTuning AttentionTuning::parse(const std::string& text) {
       M3MSA_CHECK_ARG(value == 1 || value == 2 || value == 4, "attention tuning '", text,
                       "': rows must be 1, 2 or 4, got ", value);
       t.max_row_tiles = value;
+    } else if (key == "early") {
+      t.early_prologue = flag();
     } else {
       M3MSA_THROW(ErrorCode::kInvalidArgument, "attention tuning '", text, "': unknown key '", key,
-                  "' (splitp, cluster, pdl, splits, rows)");
+                  "' (splitp, cluster, pdl, splits, rows, early)");
     }
     at = end + 1;
   }
@@ -400,6 +417,7 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
                                     1.4426950408889634);
   p.v_scale = fp8 ? args.kv_cache.v_scale : 1.0f;
   p.softmax_scale = config.softmax_scale();
+  p.early_prologue = tuning.pdl && tuning.early_prologue ? 1 : 0;
   if (fp8) {
     p.k_scale_ptr = static_cast<const float*>(args.kv_cache.k_scale_tensor.data);
     p.v_scale_ptr = static_cast<const float*>(args.kv_cache.v_scale_tensor.data);

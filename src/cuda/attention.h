@@ -54,10 +54,17 @@ struct AttentionTuning {
   // requests (q_len 4: 1.2-1.4x); with each row's own selection (what the indexer produces) or
   // at 1-4 requests one row per CTA is 1.2-4.7x faster (docs/benchmarks.md).
   int max_row_tiles = 1;
+  // With pdl: the programmatic wait guards the selection (topk_idx) only. The query rows, their
+  // lengths and (prefetched into L2) the block table are read before it, while the previous
+  // kernel still runs, so only the selection -> pages -> K/V chain follows that kernel's end.
+  // The caller's promise: the previous kernel in the stream writes nothing the attention reads
+  // but topk_idx (the indexer, launched after whatever wrote q and the cache). Off by default.
+  bool early_prologue = false;
 
-  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows4" off default)
-  // Parses "splitp=1,cluster=2,pdl=0,splits=8,rows=4" (any subset; the rest default); throws
-  // naming the text.
+  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows4", "-early" off
+                             // default)
+  // Parses "splitp=1,cluster=2,pdl=0,splits=8,rows=4,early=1" (any subset; the rest default);
+  // throws naming the text.
   static AttentionTuning parse(const std::string& text);
 };
 

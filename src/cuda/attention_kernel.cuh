@@ -262,8 +262,10 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   const timeline::MarkOnExit end_mark{p.timeline, kEnd};
 
   // Programmatic dependent launch: everything this kernel reads may come from the previous kernel
-  // in the stream, so wait for it before the first load (a no-op without a programmatic edge).
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  // in the stream, so wait for it before the first load (a no-op without a programmatic edge);
+  // with early_prologue only the selection may, and the wait comes right before its first read.
+  const bool early = p.early_prologue != 0 && p.topk_idx != nullptr;
+  if (!early) asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -342,6 +344,18 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
         }
       }
     }
+  }
+
+  if (early) {
+    // The request's block-table row into L2 (up to 64 lines: 2048 blocks), then the wait.
+    if (!p.rows_layout.is_prefill && tid < 64) {
+      const int64_t req0 = row0 / p.rows_layout.q_len;
+      const char* row = reinterpret_cast<const char*>(p.kv_block_table + req0 * p.table_cols);
+      if (128 * int64_t{tid} < p.table_cols * 4) {
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + 128 * tid));
+      }
+    }
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
   }
 
   // ---- the split's share of the row's block list ----

@@ -59,6 +59,9 @@ struct AttentionParams {
   const float* k_scale_ptr = nullptr;  // [1] f32
   const float* v_scale_ptr = nullptr;  // [1] f32
   float softmax_scale = 0.0f;
+  // 1: the programmatic wait comes after the q loads, the row lengths and an L2 prefetch of the
+  // block table, right before the first selection read (AttentionTuning::early_prologue).
+  int early_prologue = 0;
   // Stage timeline (timeline.h): [ctas] records, marks kAttentionMarks; null: not recorded.
   uint64_t* timeline = nullptr;
 };

@@ -99,6 +99,7 @@ __global__ void __launch_bounds__(kThreads)
   enum { kStart, kSplitDone, kEnd };  // timeline marks (kIndexerMergeMarks)
   timeline::mark(p.timeline, kStart);
   const timeline::MarkOnExit end_mark{p.timeline, kEnd};
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);  // as the split kernel does
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   timeline::mark(p.timeline, kSplitDone);
   const int n = static_cast<int>(blockIdx.x);

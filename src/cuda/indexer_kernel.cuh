@@ -1015,9 +1015,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   enum { kStart, kFirstPage, kScored, kCandidates, kArrived, kSurvivors, kEnd };
   timeline::mark(p.timeline, kStart);
   const timeline::MarkOnExit end_mark{p.timeline, kEnd};
-  // The merge kernel may be scheduled now: its CTAs wait (griddepcontrol.wait) until this grid
-  // has finished and its candidates are visible.
-  if (p.separate_merge) asm volatile("griddepcontrol.launch_dependents;\n" :::);
+  // The next kernel, if launched programmatically dependent (the merge kernel, or an attention
+  // with pdl), may be scheduled now: its CTAs wait (griddepcontrol.wait) until this grid has
+  // finished and its writes are visible, and may read what this grid does not write before that.
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
 
   const Unit unit = load_unit(p, r);
   const int nvec = unit.rows * H;

@@ -69,6 +69,45 @@ RunResult start_run(const Spec& spec, const char* backend, int tp, bool record) 
   return out;
 }
 
+void RankOutputs::keep(const Spec& spec, int rank, int tp, const int32_t* topk,
+                       const std::vector<uint16_t>& hidden, const std::vector<uint16_t>& residual,
+                       LayerRecord& rec) {
+  const ModelConfig& m = spec.model;
+  const SparseConfig sc = m.sparse(tp);
+  const int k = sc.topk;
+  const int64_t rows = spec.rows();
+  const int kv0 = rank_layout(m, rank, tp).first_kv_head;
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (int64_t row = 0; row < rows && topk != nullptr; ++row) {
+    for (int h = 0; h < sc.kv_heads; ++h) {  // this rank's heads
+      std::memcpy(&rec.topk[static_cast<std::size_t>((row * m.index_heads + kv0 + h) * k)],
+                  topk + (row * sc.kv_heads + h) * k, sizeof(int32_t) * k);
+    }
+  }
+  auto& mine = outputs_[static_cast<std::size_t>(rank)];
+  mine.push_back(hidden);
+  mine.push_back(residual);
+  if (rank == 0) {
+    rec.out_hidden = hidden;
+    rec.out_residual = residual;
+  }
+}
+
+int64_t RankOutputs::mismatches() const {
+  int64_t count = 0;
+  const auto& zero = outputs_[0];
+  for (std::size_t r = 1; r < outputs_.size(); ++r) {
+    const auto& mine = outputs_[r];
+    for (std::size_t i = 0; i < mine.size() && i < zero.size(); ++i) {
+      for (std::size_t j = 0; j < mine[i].size() && j < zero[i].size(); ++j) {
+        count += mine[i][j] != zero[i][j];
+      }
+    }
+    if (mine.size() != zero.size()) ++count;
+  }
+  return count;
+}
+
 RunResult run_cpu(const Spec& spec, int tp, int threads, bool record,
                   const std::function<void(const std::string&)>& progress) {
   RunResult out = start_run(spec, "cpu", tp, record);
@@ -76,14 +115,9 @@ RunResult run_cpu(const Spec& spec, int tp, int threads, bool record,
   const int layers = spec.run_layers();
   const int64_t rows = spec.rows();
   const int64_t H = m.hidden;
-  const SparseConfig sc = m.sparse(tp);
-  const int k = sc.topk;
-  const int IH = m.index_heads;
   const int rank_threads = std::max(1, threads / tp);
   const std::vector<Step> steps = make_steps(spec);
-  // Every rank's outputs per (step, layer), to compare them with rank 0's.
-  std::vector<std::vector<std::vector<uint16_t>>> rank_out(static_cast<std::size_t>(tp));
-  std::mutex mutex;
+  RankOutputs kept(tp);
   const RuntimeConfig config = spec.runtime_config(rank_threads);
   auto group = ThreadGroup::create(tp, std::chrono::seconds(120));
   const auto errors = run_ranks(group, [&](Communicator& comm) {
@@ -124,24 +158,8 @@ RunResult run_cpu(const Spec& spec, int tp, int threads, bool record,
         rt.forward_layer(spec.first_layer() + l, hv, rv, step.positions.view());
         if (!rec) continue;
         const Runtime::LayerTrace trace = rt.last_layer_trace();
-        const int32_t* topk = trace.topk.ptr<const int32_t>();
-        const int kv0 = rank_layout(m, r, tp).first_kv_head;
-        {
-          std::lock_guard<std::mutex> lock(mutex);
-          for (int64_t row = 0; row < rows && !spec.is_dense(l); ++row) {
-            for (int h = 0; h < sc.kv_heads; ++h) {  // this rank's heads
-              std::memcpy(&rec->topk[static_cast<std::size_t>((row * IH + kv0 + h) * k)],
-                          topk + (row * sc.kv_heads + h) * k, sizeof(int32_t) * k);
-            }
-          }
-          auto& mine = rank_out[static_cast<std::size_t>(r)];
-          mine.push_back(hidden);
-          mine.push_back(residual);
-        }
-        if (r == 0) {
-          rec->out_hidden = hidden;
-          rec->out_residual = residual;
-        }
+        kept.keep(spec, r, tp, spec.is_dense(l) ? nullptr : trace.topk.ptr<const int32_t>(), hidden,
+                  residual, *rec);
       }
       if (r == 0) out.step_ms.push_back(seconds_since(t0) * 1e3);
     }
@@ -153,15 +171,7 @@ RunResult run_cpu(const Spec& spec, int tp, int threads, bool record,
   for (const auto& e : errors) {
     if (e) std::rethrow_exception(e);
   }
-  for (int r = 1; r < tp; ++r) {
-    const auto& mine = rank_out[static_cast<std::size_t>(r)];
-    const auto& zero = rank_out[0];
-    for (std::size_t i = 0; i < mine.size() && i < zero.size(); ++i) {
-      for (std::size_t j = 0; j < mine[i].size(); ++j)
-        out.rank_mismatches += mine[i][j] != zero[i][j];
-    }
-    if (mine.size() != zero.size()) ++out.rank_mismatches;
-  }
+  out.rank_mismatches = kept.mismatches();
   return out;
 }
 

@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -89,6 +90,25 @@ struct RunResult {
 // A run's result before its first step (backend, tp, and when `record`, an empty record per
 // step and layer with its selections at -1): shared by both backends.
 RunResult start_run(const Spec& spec, const char* backend, int tp, bool record);
+
+// What the ranks of a recorded run keep, shared by both backends: each rank's KV heads of every
+// layer's selection go into the layer's record, every rank's outputs are kept to compare them
+// with rank 0's, and rank 0's outputs are the record's.
+class RankOutputs {
+ public:
+  explicit RankOutputs(int tp) : outputs_(static_cast<std::size_t>(tp)) {}
+  // Rank `rank` ran the layer of `rec` into `hidden` / `residual`; `topk` is its selection
+  // [rows, its KV heads, topk] (null for a dense layer). Thread-safe; a rank's layers in order.
+  void keep(const Spec& spec, int rank, int tp, const int32_t* topk,
+            const std::vector<uint16_t>& hidden, const std::vector<uint16_t>& residual,
+            LayerRecord& rec);
+  // Elements where a rank's outputs differ from rank 0's (a missing output counts one).
+  int64_t mismatches() const;
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::vector<std::vector<uint16_t>>> outputs_;  // [rank][layer run] outputs
+};
 
 // Runs the spec through the runtime at TP = `tp`. record: every layer's inputs / outputs /
 // selections are kept (and ranks compared bit for bit).

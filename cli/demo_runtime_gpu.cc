@@ -100,9 +100,6 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record,
   const int layers = spec.run_layers();
   const int64_t rows = spec.rows();
   const int64_t H = m.hidden;
-  const SparseConfig sc = m.sparse(tp);
-  const int k = sc.topk;
-  const int IH = m.index_heads;
   const int rank_threads = std::max(1, threads / tp);
   const std::vector<Step> steps = make_steps(spec);
   std::vector<std::unique_ptr<NcclCommunicator> > nccl;
@@ -115,8 +112,7 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record,
     single = make_single_rank_communicator();
   }
   const RuntimeConfig config = spec.runtime_config(rank_threads);
-  std::vector<std::vector<std::vector<uint16_t> > > rank_out(static_cast<std::size_t>(tp));
-  std::mutex mutex;
+  RankOutputs kept(tp);
   run_threads(tp, [&](int r) {
     cuda_check(cudaSetDevice(r), "cudaSetDevice");
     Communicator& comm = tp > 1 ? *nccl[static_cast<std::size_t>(r)] : *single;
@@ -169,21 +165,7 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record,
         if (!spec.is_dense(l)) download(rt.last_layer_trace().topk, topk);
         download(d_hidden.view(), hidden);
         download(d_residual.view(), residual);
-        const int kv0 = rank_layout(m, r, tp).first_kv_head;
-        std::lock_guard<std::mutex> lock(mutex);
-        for (int64_t row = 0; row < rows && !spec.is_dense(l); ++row) {
-          for (int h = 0; h < sc.kv_heads; ++h) {  // this rank's heads
-            std::memcpy(&rec->topk[static_cast<std::size_t>((row * IH + kv0 + h) * k)],
-                        topk.data() + (row * sc.kv_heads + h) * k, sizeof(int32_t) * k);
-          }
-        }
-        auto& mine = rank_out[static_cast<std::size_t>(r)];
-        mine.push_back(hidden);
-        mine.push_back(residual);
-        if (r == 0) {
-          rec->out_hidden = hidden;
-          rec->out_residual = residual;
-        }
+        kept.keep(spec, r, tp, spec.is_dense(l) ? nullptr : topk.data(), hidden, residual, *rec);
       }
       cuda_check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
       if (r == 0) out.step_ms.push_back(seconds_since(t0) * 1e3);
@@ -193,15 +175,7 @@ RunResult run_cuda(const Spec& spec, int tp, int threads, bool record,
     for (const LayerWeights& w : dev.weights.layers) empty.push_back({w.layer, {}, {}});
     rt.detach(empty);
   });
-  for (int r = 1; r < tp; ++r) {
-    const auto& mine = rank_out[static_cast<std::size_t>(r)];
-    const auto& zero = rank_out[0];
-    for (std::size_t i = 0; i < mine.size() && i < zero.size(); ++i) {
-      for (std::size_t j = 0; j < mine[i].size(); ++j)
-        out.rank_mismatches += mine[i][j] != zero[i][j];
-    }
-    if (mine.size() != zero.size()) ++out.rank_mismatches;
-  }
+  out.rank_mismatches = kept.mismatches();
   return out;
 }
 

@@ -55,7 +55,9 @@ class Recorder {
 };
 
 // Launches of this host thread are recorded into `recorder` while the Scope lives (scopes nest;
-// the innermost wins).
+// the innermost wins). A launch captured into a CUDA graph under a Scope keeps its records: every
+// replay stamps the same ones (the last replay's stamps remain), so the recorder must outlive the
+// graph.
 class Scope {
  public:
   explicit Scope(Recorder& recorder);

@@ -16,8 +16,11 @@
 //
 // Merge: up to AttentionTuning::max_cluster splits (when the device can co-schedule them as one
 // thread-block cluster, checked once per kernel and size with cudaOccupancyMaxActiveClusters)
-// merge through distributed shared memory; otherwise through the workspace with an arrival
-// counter, the last CTA to arrive merging. Optional programmatic dependent launch (PDL).
+// merge through distributed shared memory, each rank merging a share of the output; otherwise
+// through the workspace with an arrival counter, the last CTA to arrive merging. Where few units
+// leave SMs idle and a cluster is usable, the plan takes more splits (up to max_cluster, one
+// block each at 16) as long as the grid keeps one CTA per SM. Optional programmatic dependent
+// launch (PDL).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -351,8 +354,21 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
     info.groups_per_req = static_cast<int>((q_len + info.row_tiles - 1) / info.row_tiles);
     groups = rows / q_len * info.groups_per_req;
   }
-  info.splits = choose_splits(groups * config.kv_heads, config.topk, dense, shape.sm_count,
+  const int64_t units = groups * config.kv_heads;
+  info.splits = choose_splits(units, config.topk, dense, shape.sm_count,
                               resident_slots(shape, id, info.row_tiles), tuning.max_splits);
+  if (!dense && tuning.max_splits == 0) {
+    // Few units: more splits (down to one block each) where all of a unit's splits fit one
+    // cluster and the grid stays within one CTA per SM; the merge then costs one cluster barrier
+    // and a DSMEM read spread over the ranks, not a global fence and a serial merge.
+    for (int c = std::min(kMaxClusterSplits, tuning.max_cluster); c > info.splits; c /= 2) {
+      if (c <= config.topk && units * c <= shape.sm_count &&
+          cluster_usable(shape, id, info.row_tiles, c)) {
+        info.splits = c;
+        break;
+      }
+    }
+  }
   info.cluster =
       info.splits <= tuning.max_cluster && cluster_usable(shape, id, info.row_tiles, info.splits);
   info.ctas = groups * config.kv_heads * info.splits;

@@ -35,10 +35,11 @@ struct AttentionTuning {
   // (FlashAttention's numerics, ~2^-9 relative output error: benchmarks only, not tested).
   bool split_p = true;
   // The largest split count whose CTAs merge through one thread-block cluster (distributed shared
-  // memory); more splits (or 0 / 1 here) merge through the workspace with an arrival counter.
-  // Measured on H200: 2 splits through a cluster beat the workspace merge by 4-6 % (batch 32);
-  // 4-16 split clusters were slower than the workspace merge (cluster placement limits).
-  int max_cluster = 2;
+  // memory, every rank merging a share of the output); more splits (or 0 / 1 here) merge through
+  // the workspace with an arrival counter. Where few (row, kv head) units leave SMs idle, the
+  // plan raises the split count up to this (one block per split at 16), one CTA per SM at most.
+  // 2 reproduces the plan of two-split clusters only.
+  int max_cluster = 16;
   // Programmatic dependent launch: the kernel may be scheduled while the previous kernel in the
   // stream finishes (it waits for it before its first load). Off by default: measured on H200 it
   // saves ~0.5 us for bf16 but costs 2-3 us for fp8 at batch 4-32 (the early CTAs are placed on

@@ -9,8 +9,8 @@
 // XOR-swizzled shared memory; each warp takes 16 tokens of a chunk and keeps its own online
 // softmax (exp2 domain, lazily rescaled) and 16x128 fp32 accumulator, so warps never wait on each
 // other inside a chunk. The epilogue merges the 4 warps in shared memory; when the (row, kv head)
-// is split over several CTAs, the splits merge either through a thread-block cluster (DSMEM, on
-// rank 0) or through (O, max, sum) partials in the workspace that the last CTA to arrive (an
+// is split over several CTAs, the splits merge either through a thread-block cluster (DSMEM, each
+// rank merging a share of the output dims) or through (O, max, sum) partials in the workspace that the last CTA to arrive (an
 // atomic counter it resets) merges. Both merge in split order, so results are deterministic.
 //
 // Several decode rows of one request (speculative tokens, q_len > 1) share a CTA: kTiles rows,
@@ -810,38 +810,49 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     }
     cluster.sync();
     timeline::mark(p.timeline, kPublished);
-    if (cluster.block_rank() == 0) {
-      timeline::set_kind(p.timeline, 1);
+    // Every rank merges a share: rank r the output dims [r * span, (r + 1) * span) of each head,
+    // from every rank's partial (the max over the ranks, then the weighted sums in rank order,
+    // four ranks' loads in flight), so the merge is spread over the cluster's SMs.
+    timeline::set_kind(p.timeline, 1);
+    const int span = kHeadDim / p.num_splits;  // num_splits: a power of two <= 16
+    const int pairs_per_head = span / 2;
+    const int d_first = static_cast<int>(cluster.block_rank()) * span;
 #pragma unroll 1
-      for (int t = 0; t < live_tiles; ++t) {
-        const int at = t * kTileHeads + head;
+    for (int t = 0; t < live_tiles; ++t) {
+#pragma unroll 1
+      for (int e = tid; e < p.group * pairs_per_head; e += kThreads) {
+        const int h = e / pairs_per_head;
+        const int d = d_first + 2 * (e - h * pairs_per_head);
+        const int at = t * kTileHeads + h;
         float m_all = -INFINITY;
+#pragma unroll 4
         for (int r = 0; r < p.num_splits; ++r) {
           m_all = fmaxf(m_all, cluster.map_shared_rank(pub_ml, r)[at * 2]);
         }
-        const float m_all_ref = m_all == -INFINITY ? 0.0f : m_all;
+        const float m_ref = m_all == -INFINITY ? 0.0f : m_all;
         float l_all = 0.0f;
-#pragma unroll
-        for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
+        float a0 = 0.0f;
+        float a1 = 0.0f;
+#pragma unroll 4
         for (int r = 0; r < p.num_splits; ++r) {
-          const float* ml = cluster.map_shared_rank(pub_ml, r) + at * 2;
-          const float wt = fast_exp2(ml[0] - m_all_ref);
-          l_all += ml[1] * wt;
-          const float4* src = reinterpret_cast<const float4*>(cluster.map_shared_rank(pub_o, r) +
-                                                              at * kHeadDim + d0);
-#pragma unroll
-          for (int d = 0; d < 4; ++d) {
-            const float4 v = src[d];
-            acc[4 * d] += v.x * wt;
-            acc[4 * d + 1] += v.y * wt;
-            acc[4 * d + 2] += v.z * wt;
-            acc[4 * d + 3] += v.w * wt;
-          }
+          const float2 ml =
+              *reinterpret_cast<const float2*>(cluster.map_shared_rank(pub_ml, r) + at * 2);
+          const float2 v = *reinterpret_cast<const float2*>(cluster.map_shared_rank(pub_o, r) +
+                                                            at * kHeadDim + d);
+          const float wt = fast_exp2(ml.x - m_ref);
+          l_all += ml.y * wt;
+          a0 += v.x * wt;
+          a1 += v.y * wt;
         }
-        write_out(row0 + t, l_all);
+        const float inv = l_all > 0.0f ? output_v_scale(p) / l_all : 0.0f;
+        uint16_t* out =
+            p.out + ((row0 + t) * p.q_heads + int64_t{kvh} * p.group + h) * kHeadDim + d;
+        *reinterpret_cast<uint32_t*>(out) =
+            static_cast<uint32_t>(f32_to_bf16_bits(a0 * inv)) |
+            (static_cast<uint32_t>(f32_to_bf16_bits(a1 * inv)) << 16);
       }
     }
-    cluster.sync();  // every CTA's shared memory stays alive until rank 0 has read it
+    cluster.sync();  // every CTA's shared memory stays alive until every rank has read it
     return;
   }
 

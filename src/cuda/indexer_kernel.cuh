@@ -292,6 +292,20 @@ __device__ __forceinline__ void order_answer(const IndexerParams& p, int32_t* ou
   __syncwarp();
 }
 
+// Writes one answer row from a warp, lane i holding entry i (descending key, then -1; lanes >= k
+// hold -1): as it stands, or with out_ascending its valid prefix by ascending block id.
+__device__ __forceinline__ void write_answer(const IndexerParams& p, int32_t* out, int32_t block) {
+  const int lane = static_cast<int>(lane_id());
+  int at = lane;
+  if (p.out_ascending) {
+    const uint32_t mine = block >= 0 ? static_cast<uint32_t>(block) : 0xFFFFFFFFu;
+    int rank = 0;
+    for (int j = 0; j < 32; ++j) rank += __shfl_sync(0xFFFFFFFFu, mine, j) < mine ? 1 : 0;
+    if (block >= 0) at = rank;
+  }
+  if (lane < p.topk) out[at] = block;
+}
+
 // The merges' short path: the exact top k of <= 64 candidate keys (unique, or kNoCandidate) at
 // src[0, count) straight into `out`, by one warp. Each lane holds two keys and ranks them by
 // counting the larger ones across the warp; the key of rank r < k is entry r. One L2 round trip
@@ -999,6 +1013,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   __shared__ __align__(16) float s_red[2][kWarps][kNT * 8];
   __shared__ __align__(16) uint64_t s_keys[kWarps][kScratch];
   __shared__ int s_survivor_count[kMaxVectors];
+  __shared__ int s_survivor_first[kMaxVectors + 1];
   __shared__ int s_last;
 
   const int tid = static_cast<int>(threadIdx.x);
@@ -1147,7 +1162,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kSliceLoads = 16;
   constexpr int kSliceKeys = 32 * kSliceLoads;
   constexpr int kSurvivorCap = 128;
-  static_assert(kMaxVectors * kSurvivorCap * 8 <= kRingBytes, "survivor lists fit the ring");
+  static_assert(kMaxVectors * (kSurvivorCap * 8 + kMaxTopk * 4) <= kRingBytes,
+                "survivor lists and answers fit the ring");
   uint64_t* survivors = reinterpret_cast<uint64_t*>(s_ring);  // [nvec][kSurvivorCap]
   if (tid < nvec) s_survivor_count[tid] = 0;
   __syncthreads();
@@ -1176,41 +1192,68 @@ __global__ void __launch_bounds__(kThreads, 2)
     const unsigned at_k = __ballot_sync(0xFFFFFFFFu, rank == k - 1);
     uint64_t floor_key = __shfl_sync(0xFFFFFFFFu, lane_max, __ffs(at_k) - 1);
     if (floor_key == 0) floor_key = 1;  // fewer than k lanes hold keys: keep every key
+    // The slice's survivors appended with one shared atomic for the warp.
+    unsigned keep[kSliceLoads];
+    int kept = 0;
 #pragma unroll
     for (int e = 0; e < kSliceLoads; ++e) {
-      const bool keep = x[e] >= floor_key;
-      const unsigned mask = __ballot_sync(0xFFFFFFFFu, keep);
-      if (mask == 0) continue;
-      int base = 0;
-      if (lane == 0) base = atomicAdd(&s_survivor_count[v], __popc(mask));
-      base = __shfl_sync(0xFFFFFFFFu, base, 0);
-      const int at = base + __popc(mask & ((1u << lane) - 1u));
-      if (keep && at < kSurvivorCap) survivors[v * kSurvivorCap + at] = x[e];
+      keep[e] = __ballot_sync(0xFFFFFFFFu, x[e] >= floor_key);
+      kept += __popc(keep[e]);
+    }
+    int base = 0;
+    if (lane == 0) base = atomicAdd(&s_survivor_count[v], kept);
+    base = __shfl_sync(0xFFFFFFFFu, base, 0);
+    const unsigned below = (1u << lane) - 1u;
+#pragma unroll
+    for (int e = 0; e < kSliceLoads; ++e) {
+      const int at = base + __popc(keep[e] & below);
+      if (((keep[e] >> lane) & 1u) != 0u && at < kSurvivorCap) {
+        survivors[v * kSurvivorCap + at] = x[e];
+      }
+      base += __popc(keep[e]);
     }
   }
   __syncthreads();
   timeline::mark(p.timeline, kSurvivors);
-  for (int v = warp; v < nvec; v += kWarps) {
-    int32_t* out = answer_row(p, unit.row0 + v / H, v % H);
+  // Every vector's survivors ranked by the whole CTA, a thread per survivor (the lists in one
+  // index space through their prefix sums), into answers in shared memory; lists that overflowed
+  // take the streaming path below.
+  int32_t* answers = reinterpret_cast<int32_t*>(survivors + kMaxVectors * kSurvivorCap);
+  if (warp == 0) {
+    const int cnt = lane < nvec ? s_survivor_count[lane] : 0;
+    int first = cnt <= kSurvivorCap ? cnt : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int other = __shfl_up_sync(0xFFFFFFFFu, first, o);
+      if (lane >= o) first += other;
+    }
+    s_survivor_first[lane + 1] = first;  // inclusive: the next list's first index
+    if (lane == 0) s_survivor_first[0] = 0;
+  }
+  for (int j = tid; j < nvec * kMaxTopk; j += kThreads) answers[j] = -1;
+  __syncthreads();
+  const int listed = s_survivor_first[nvec];
+  for (int j = tid; j < listed; j += kThreads) {
+    int v = 0;
+    while (s_survivor_first[v + 1] <= j) ++v;
     const int cnt = s_survivor_count[v];
-    if (cnt > kSurvivorCap) {
+    const uint64_t* list = survivors + v * kSurvivorCap;
+    const uint64_t key = list[j - s_survivor_first[v]];
+    int above = 0;
+#pragma unroll 4
+    for (int i = 0; i < cnt; ++i) above += list[i] > key;
+    if (above < k) answers[v * kMaxTopk + above] = key_block(key);
+  }
+  __syncthreads();
+  for (int v = warp; v < nvec; v += kWarps) {
+    int32_t block = lane < k ? answers[v * kMaxTopk + lane] : -1;
+    if (s_survivor_count[v] > kSurvivorCap) {
       const uint64_t* src = region + v * vec_stride;
       const uint64_t top =
           warp_top_keys([&](int j) { return __ldcg(src + j); }, cand_count, k, &s_keys[warp][0]);
-      write_topk_row(out, top, k);
-      order_answer(p, out);
-      __syncwarp();
-      continue;
+      block = lane < k && top != kNoCandidate ? key_block(top) : -1;
     }
-    const uint64_t* list = survivors + v * kSurvivorCap;
-    for (int i = lane; i < cnt; i += 32) {
-      const uint64_t key = list[i];
-      int above = 0;
-      for (int j = 0; j < cnt; ++j) above += list[j] > key;
-      if (above < k) out[above] = key_block(key);
-    }
-    for (int i = cnt + lane; i < k; i += 32) out[i] = -1;
-    order_answer(p, out);
+    write_answer(p, answer_row(p, unit.row0 + v / H, v % H), block);
   }
 }
 

@@ -125,6 +125,9 @@ __device__ __forceinline__ bool key_before(float ka, int a, float kb, int b) {
 // Warps of a logits CTA: each takes a contiguous 1/kRouteWarps of K.
 inline constexpr int kRouteWarps = 4;
 inline constexpr int kRouteThreads = kRouteWarps * 32;
+// Gate-row float4 loads in flight per lane (M3's hidden 6144: 12 per lane, two round trips; 12 at
+// once raised the persistent kernel's spills).
+inline constexpr int kRouteLoads = 6;
 
 // Expert e's logit for every row (a CTA of kRouteThreads): s and key into the workspace.
 __device__ __forceinline__ void route_logits(const MoeParams& p, int e,
@@ -141,18 +144,28 @@ __device__ __forceinline__ void route_logits(const MoeParams& p, int e,
   float acc[kMoeMaxRows];
 #pragma unroll
   for (int r = 0; r < kMoeMaxRows; ++r) acc[r] = 0.0f;
-#pragma unroll 4
-  for (int i = begin + lane; i < end; i += 32) {
-    const float4 w = __ldg(g + i);
+  // kRouteLoads gate float4s in flight per lane, then consumed in the order of i: the same sums.
+  for (int base = begin + lane; base < end; base += 32 * kRouteLoads) {
+    float4 w[kRouteLoads];
 #pragma unroll
-    for (int r = 0; r < kMoeMaxRows; ++r) {
-      if (r < p.rows) {
-        const uint2 xr =
-            __ldg(reinterpret_cast<const uint2*>(p.x + static_cast<int64_t>(r) * p.hidden) + i);
-        acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.x)), w.x, acc[r]);
-        acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.x >> 16)), w.y, acc[r]);
-        acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.y)), w.z, acc[r]);
-        acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.y >> 16)), w.w, acc[r]);
+    for (int u = 0; u < kRouteLoads; ++u) {
+      const int i = base + 32 * u;
+      w[u] = i < end ? __ldg(g + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int u = 0; u < kRouteLoads; ++u) {
+      const int i = base + 32 * u;
+      if (i >= end) break;
+#pragma unroll
+      for (int r = 0; r < kMoeMaxRows; ++r) {
+        if (r < p.rows) {
+          const uint2 xr =
+              __ldg(reinterpret_cast<const uint2*>(p.x + static_cast<int64_t>(r) * p.hidden) + i);
+          acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.x)), w[u].x, acc[r]);
+          acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.x >> 16)), w[u].y, acc[r]);
+          acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.y)), w[u].z, acc[r]);
+          acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.y >> 16)), w[u].w, acc[r]);
+        }
       }
     }
   }
@@ -184,6 +197,24 @@ __global__ void __launch_bounds__(kRouteThreads)
   route_logits(p, blockIdx.x, partial);
 }
 
+// Experts per lane whose keys the top-k holds in registers (rows of up to 256 experts; M3: 128).
+inline constexpr int kTopkRegisterExperts = 8;
+
+// The warp's best (key, id) of the lanes' candidates (id < 0: none), with its s, on every lane.
+__device__ __forceinline__ void warp_best_expert(int& best, float& best_key, float& best_s) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const int other = __shfl_xor_sync(0xFFFFFFFFu, best, offset);
+    const float other_key = __shfl_xor_sync(0xFFFFFFFFu, best_key, offset);
+    const float other_s = __shfl_xor_sync(0xFFFFFFFFu, best_s, offset);
+    if (other >= 0 && (best < 0 || key_before(other_key, other, best_key, best))) {
+      best = other;
+      best_key = other_key;
+      best_s = other_s;
+    }
+  }
+}
+
 // The top-k picks of every row and the step's expert slots (MoeParams::slot_*), by one CTA of any
 // whole number of warps (the picks are warp-local, the slots one thread per pick, <= 128 picks:
 // the same bits for every CTA size). Reads the router's outputs through L2: the persistent kernel
@@ -202,38 +233,68 @@ __device__ __forceinline__ void route_topk(const MoeParams& p,
     const float* key = p.route_key + static_cast<int64_t>(row) * p.num_experts;
     const float* s = p.route_s + static_cast<int64_t>(row) * p.num_experts;
     int picked[kMoeMaxTopk];
+    float picked_s[kMoeMaxTopk];
     float sum = 0.0f;
-    for (int i = 0; i < p.topk; ++i) {
-      // This lane's best expert not yet picked, then the warp's best of the lanes' bests.
-      int best = -1;
-      float best_key = 0.0f;
-      for (int e = lane; e < p.num_experts; e += 32) {
-        bool used = false;
-        for (int t = 0; t < i; ++t) used = used || picked[t] == e;
-        if (used) continue;
-        const float k = __ldcg(key + e);
-        if (best < 0 || key_before(k, e, best_key, best)) {
-          best = e;
-          best_key = k;
-        }
-      }
+    if (p.num_experts <= 32 * kTopkRegisterExperts) {
+      // The row's keys and s in registers (expert lane + 32 j), all loads in flight at once: one
+      // L2 round trip for the row, then the k rounds on registers.
+      float keys[kTopkRegisterExperts];
+      float svals[kTopkRegisterExperts];
+      uint32_t left = 0u;  // bit j: expert lane + 32 j exists and is not picked yet
 #pragma unroll
-      for (int offset = 16; offset > 0; offset >>= 1) {
-        const int other = __shfl_xor_sync(0xFFFFFFFFu, best, offset);
-        const float other_key = __shfl_xor_sync(0xFFFFFFFFu, best_key, offset);
-        if (other >= 0 && (best < 0 || key_before(other_key, other, best_key, best))) {
-          best = other;
-          best_key = other_key;
-        }
+      for (int j = 0; j < kTopkRegisterExperts; ++j) {
+        const int e = lane + 32 * j;
+        const bool exists = e < p.num_experts;
+        keys[j] = exists ? __ldcg(key + e) : 0.0f;
+        svals[j] = exists ? __ldcg(s + e) : 0.0f;
+        left |= exists ? 1u << j : 0u;
       }
-      picked[i] = best;  // topk <= num_experts: some expert is always left
-      sum = __fadd_rn(sum, __ldcg(s + best));
+      for (int i = 0; i < p.topk; ++i) {
+        int best = -1;
+        float best_key = 0.0f;
+        float best_s = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kTopkRegisterExperts; ++j) {
+          const int e = lane + 32 * j;
+          if (((left >> j) & 1u) != 0u && (best < 0 || key_before(keys[j], e, best_key, best))) {
+            best = e;
+            best_key = keys[j];
+            best_s = svals[j];
+          }
+        }
+        warp_best_expert(best, best_key, best_s);
+        if (best % 32 == lane) left &= ~(1u << (best / 32));
+        picked[i] = best;  // topk <= num_experts: some expert is always left
+        picked_s[i] = best_s;
+        sum = __fadd_rn(sum, best_s);
+      }
+    } else {
+      for (int i = 0; i < p.topk; ++i) {
+        // This lane's best expert not yet picked, then the warp's best of the lanes' bests.
+        int best = -1;
+        float best_key = 0.0f;
+        for (int e = lane; e < p.num_experts; e += 32) {
+          bool used = false;
+          for (int t = 0; t < i; ++t) used = used || picked[t] == e;
+          if (used) continue;
+          const float k = __ldcg(key + e);
+          if (best < 0 || key_before(k, e, best_key, best)) {
+            best = e;
+            best_key = k;
+          }
+        }
+        float unused_s = 0.0f;
+        warp_best_expert(best, best_key, unused_s);
+        picked[i] = best;
+        picked_s[i] = __ldcg(s + best);
+        sum = __fadd_rn(sum, picked_s[i]);
+      }
     }
     if (lane == 0) {
       for (int i = 0; i < p.topk; ++i) {
         p.topk_ids[row * p.topk + i] = picked[i];
         p.topk_weights[row * p.topk + i] =
-            sum == 0.0f ? 0.0f : __fdiv_rn(__fmul_rn(p.routed_scaling, __ldcg(s + picked[i])), sum);
+            sum == 0.0f ? 0.0f : __fdiv_rn(__fmul_rn(p.routed_scaling, picked_s[i]), sum);
         s_pick[row * p.topk + i] = picked[i];
         atomicOr(&s_used[picked[i] / 32], 1u << (picked[i] % 32));
       }

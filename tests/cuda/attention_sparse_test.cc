@@ -187,6 +187,49 @@ TEST(CudaSparseAttention, SmallGroupMatchesCpuReference) {
   }
 }
 
+// The plans of few rows: a unit's splits in one cluster of 2 .. 16 CTAs (each rank merging a
+// share of the output dims) or merged through the workspace, at M3's TP 1 / 4 / 8 per-rank head
+// shapes, with rows whose selection leaves splits empty (a short context) and padding requests.
+TEST(CudaSparseAttention, ClusterPlansMatchCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  struct Heads {
+    int q, kv;
+  };
+  for (const Heads heads : {Heads{64, 4}, Heads{16, 1}, Heads{8, 1}}) {
+    SparseConfig cfg;
+    cfg.q_heads = heads.q;
+    cfg.kv_heads = heads.kv;
+    cfg.index_heads = heads.kv;
+    for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+      for (const DecodeShape& s : {DecodeShape{1, 1, 40000, 40000, 0, kv, 1.0f, 1.0f, 61},
+                                   DecodeShape{3, 1, 100, 1500, 1, kv, 0.75f, 1.5f, 62}}) {
+        const SyntheticCase c = decode_case(s, cfg);
+        const HostTensor topk = random_selection(c, s.seed * 7 + 3);
+        const HostTensor ref = run_ref(c, &topk, false);
+        for (int max_cluster : {0, 2, 4, 8, 16}) {
+          cuda::AttentionTuning tuning;
+          tuning.max_cluster = max_cluster;
+          const cuda::AttentionPlanInfo plan = cuda::attention_plan_info(
+              cfg, c.num_rows(), 1, false, kv == DType::kFP8E4M3, tuning);
+          const std::string what = "heads " + std::to_string(heads.q) + "/" +
+                                   std::to_string(heads.kv) + " " + describe(s) + " cluster " +
+                                   std::to_string(max_cluster) + ": plan " +
+                                   std::to_string(plan.splits) + " splits" +
+                                   (plan.cluster ? " in a cluster" : "");
+          EXPECT_LE(plan.splits, cfg.topk) << what;
+          if (max_cluster < 2) {
+            EXPECT_FALSE(plan.cluster) << what;
+          }
+          if (plan.cluster) {
+            EXPECT_LE(plan.splits, max_cluster) << what;
+          }
+          expect_close(RunOut{run_gpu(c, &topk, tuning), ref}, what);
+        }
+      }
+    }
+  }
+}
+
 // The selection `topk` [rows, kv_heads, k] copied into a head-major device buffer [kv_heads,
 // rows, k] and passed as the permuted view of it (read in place).
 struct HeadMajorSelection {
@@ -229,6 +272,7 @@ TEST(CudaSparseAttention, SpeculativeRowGroupsMatchCpuReference) {
   tunings[1].max_cluster = 0;  // split merge through the workspace
   tunings[2].max_splits = 16;  // the wave plan: many splits
   tunings[3].max_splits = 2;   // two splits, in a cluster where the device allows
+  tunings[3].max_cluster = 2;
   tunings[4].max_splits = 16;  // many splits, in one cluster where the device allows
   tunings[4].max_cluster = 16;
   tunings[5].max_row_tiles = 2;
@@ -298,7 +342,7 @@ TEST(CudaSparseAttention, SpeculativeRowGroupsMatchCpuReference) {
           RunOut r{gpu(topk_dev.view, tuning), ref};
           expect_close(r, what + " " + tuning.name());
           if (tuning.max_row_tiles == 1) one_row = std::move(r.gpu);
-          if (tuning.max_row_tiles == 4 && tuning.max_splits == 0 && tuning.max_cluster == 2) {
+          if (&tuning == &tunings[0]) {
             grouped = std::move(r.gpu);
           }
         }

@@ -90,6 +90,9 @@ struct Case {
   const char* name;
   int hidden, experts, topk, inter_rank, shared_rank;
   bool fp8;
+  // > 0: expert e takes the router row and bias of expert e % router_groups, so experts tie
+  // exactly and the picks follow the tie rule (the lower id first).
+  int router_groups = 0;
 };
 
 struct Device3 {
@@ -181,6 +184,14 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
   m.shared_experts = c.shared_rank > 0 ? 1 : 0;
   const MoeConfig config = m.moe(1);
   testkit::MasterMoe master = testkit::make_master_moe(m, seed, c.fp8);
+  if (c.router_groups > 0) {
+    for (int e = c.router_groups; e < c.experts; ++e) {
+      const auto from = static_cast<std::size_t>(e % c.router_groups);
+      std::copy_n(master.router.begin() + static_cast<std::ptrdiff_t>(from) * c.hidden, c.hidden,
+                  master.router.begin() + static_cast<std::ptrdiff_t>(e) * c.hidden);
+      master.bias[static_cast<std::size_t>(e)] = master.bias[from];
+    }
+  }
   std::vector<HostTensor> storage;
   LayerWeights lw;
   testkit::bind_moe(m, master, 0, 1, storage, lw);
@@ -230,10 +241,14 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
         }
         key[std::size_t(e)] = 1.0 / (1.0 + std::exp(-logit)) + master.bias[std::size_t(e)];
       }
+      // Exact ties (experts sharing a router row) are not near ties: both sides break them by
+      // id. A near tie: a different key within 1e-5 of the k-th.
       std::vector<double> sorted = key;
       std::sort(sorted.rbegin(), sorted.rend());
-      near_tie[std::size_t(r)] =
-          sorted[std::size_t(c.topk - 1)] - sorted[std::size_t(c.topk)] < 1e-5;
+      const double kth = sorted[std::size_t(c.topk - 1)];
+      for (double k : key) {
+        if (k != kth && std::fabs(k - kth) < 1e-5) near_tie[std::size_t(r)] = true;
+      }
     }
 
     // GPU: the tensor-core kernels (where the shapes allow) and the fp32 FMA kernels.
@@ -340,6 +355,25 @@ TEST(MoeKernel, SmallWithoutSharedExpertOnTensorCores) {
     const Case c{"no shared, mma", 128, 8, 2, 64, 0, fp8};
     run_case(c, {1, 5, 16}, fp8 ? 211 : 212);
   }
+}
+
+// Experts sharing router rows and bias tie exactly: the picks take the lower ids first, as the
+// CPU reference does (with 128 experts the top-k holds the keys in registers).
+TEST(MoeKernel, TiedRoutingKeysPickTheLowerExpertIds) {
+  M3MSA_REQUIRE_GPU();
+  for (bool fp8 : {false, true}) {
+    Case c{"tied router rows", 128, 128, 4, 64, 64, fp8};
+    c.router_groups = 3;
+    run_case(c, {1, 4, 16}, fp8 ? 221 : 222);
+  }
+}
+
+// More experts than the top-k holds in registers: the picks read the keys from memory, ties too.
+TEST(MoeKernel, ManyExpertsTakeTheTopKFromMemory) {
+  M3MSA_REQUIRE_GPU();
+  Case c{"300 experts", 128, 300, 4, 64, 64, true};
+  c.router_groups = 150;
+  run_case(c, {1, 5}, 231);
 }
 
 // M3's rank shapes: hidden 6144, 128 experts, top 4, I_r 768 (TP 4) and 384 (TP 8).

@@ -48,7 +48,8 @@ TEST(CudaSelectionOutput, EveryOrderAndMajorHoldsTheDefaultAnswer) {
   std::vector<Case> cases;
   for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
     cases.push_back({idxtest::decode_spec(6, 2, 1, 70000, dtype, 1, 91),
-                     {IndexerVariant::kFused, IndexerVariant::kSpan, IndexerVariant::kUnfused}});
+                     {IndexerVariant::kFused, IndexerVariant::kSpan, IndexerVariant::kUnfused,
+                      IndexerVariant::kLastCtaMerge, IndexerVariant::kSplitMerge}});
   }
   SyntheticSpec prefill;
   prefill.kind = BatchKind::kPrefill;

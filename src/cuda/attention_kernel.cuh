@@ -10,8 +10,9 @@
 // softmax (exp2 domain, lazily rescaled) and 16x128 fp32 accumulator, so warps never wait on each
 // other inside a chunk. The epilogue merges the 4 warps in shared memory; when the (row, kv head)
 // is split over several CTAs, the splits merge either through a thread-block cluster (DSMEM, each
-// rank merging a share of the output dims) or through (O, max, sum) partials in the workspace that the last CTA to arrive (an
-// atomic counter it resets) merges. Both merge in split order, so results are deterministic.
+// rank merging a share of the output dims) or through (O, max, sum) partials in the workspace that
+// the last CTA to arrive (an atomic counter it resets) merges. Both merge in split order, so
+// results are deterministic.
 //
 // Several decode rows of one request (speculative tokens, q_len > 1) share a CTA: kTiles rows,
 // one m16 tile each, 4 / kTiles warps per tile, each warp taking 16 * kTiles tokens of a chunk.

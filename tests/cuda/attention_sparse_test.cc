@@ -209,13 +209,12 @@ TEST(CudaSparseAttention, ClusterPlansMatchCpuReference) {
         for (int max_cluster : {0, 2, 4, 8, 16}) {
           cuda::AttentionTuning tuning;
           tuning.max_cluster = max_cluster;
-          const cuda::AttentionPlanInfo plan = cuda::attention_plan_info(
-              cfg, c.num_rows(), 1, false, kv == DType::kFP8E4M3, tuning);
-          const std::string what = "heads " + std::to_string(heads.q) + "/" +
-                                   std::to_string(heads.kv) + " " + describe(s) + " cluster " +
-                                   std::to_string(max_cluster) + ": plan " +
-                                   std::to_string(plan.splits) + " splits" +
-                                   (plan.cluster ? " in a cluster" : "");
+          const cuda::AttentionPlanInfo plan =
+              cuda::attention_plan_info(cfg, c.num_rows(), 1, false, kv == DType::kFP8E4M3, tuning);
+          const std::string what =
+              "heads " + std::to_string(heads.q) + "/" + std::to_string(heads.kv) + " " +
+              describe(s) + " cluster " + std::to_string(max_cluster) + ": plan " +
+              std::to_string(plan.splits) + " splits" + (plan.cluster ? " in a cluster" : "");
           EXPECT_LE(plan.splits, cfg.topk) << what;
           if (max_cluster < 2) {
             EXPECT_FALSE(plan.cluster) << what;

@@ -3,14 +3,15 @@
 # AB_CLIS (default "m3msa-base m3msa": binaries under $BUILD/cli, e.g. m3msa-base built from the
 # parent commit) run the same benches one after the other, alternating AB_ROUNDS (default 2)
 # times, so drift of the machine shows as a difference between rounds. AB_GEMM_ARGS,
-# AB_LAYER_ARGS, AB_INDEXER_ARGS, AB_ATTENTION_ARGS: the flags of `bench gemm` / `layer` /
-# `indexer` / `attention` (empty: that bench is left out). Logs and JSON under $OUT/ab/.
+# AB_LAYER_ARGS, AB_INDEXER_ARGS, AB_ATTENTION_ARGS, AB_MOE_ARGS: the flags of `bench gemm` /
+# `layer` / `indexer` / `attention` / `moe` (empty: that bench is left out). Logs and JSON under
+# $OUT/ab/.
 ab_start=$SECONDS
 ab_rc=0
 mkdir -p "$OUT/ab"
 for ab_round in $(seq 1 "${AB_ROUNDS:-2}"); do
   for ab_side in ${AB_CLIS:-m3msa-base m3msa}; do
-    for ab_bench in gemm layer indexer attention; do
+    for ab_bench in gemm layer indexer attention moe; do
       ab_var="AB_${ab_bench^^}_ARGS"
       ab_args=${!ab_var:-}
       [[ -z "$ab_args" ]] && continue

@@ -17,10 +17,9 @@
 // Merge: up to AttentionTuning::max_cluster splits (when the device can co-schedule them as one
 // thread-block cluster, checked once per kernel and size with cudaOccupancyMaxActiveClusters)
 // merge through distributed shared memory, each rank merging a share of the output; otherwise
-// through the workspace with an arrival counter, the last CTA to arrive merging. Where few units
-// leave SMs idle and a cluster is usable, the plan takes more splits (up to max_cluster, one
-// block each at 16) as long as the grid keeps one CTA per SM. Optional programmatic dependent
-// launch (PDL).
+// through the workspace with an arrival counter, the last CTA to arrive merging. Clusters of more
+// than two CTAs only where the grid fills at most half the SMs; there the plan also takes more
+// splits (up to max_cluster, one block each at 16). Optional programmatic dependent launch (PDL).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -50,6 +49,7 @@ size_t align_up(size_t bytes) {
 }
 
 constexpr int kMaxClusterSplits = 16;
+static_assert(kMaxClusterSplits <= attention::kMaxClusterRanks, "the cluster merge's ranks");
 constexpr int kMaxSelectionSplits = 8;  // the default plan's (choose_splits)
 constexpr int kClusterSizes = 5;        // 1, 2, 4, 8, 16
 
@@ -357,20 +357,24 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   const int64_t units = groups * config.kv_heads;
   info.splits = choose_splits(units, config.topk, dense, shape.sm_count,
                               resident_slots(shape, id, info.row_tiles), tuning.max_splits);
+  // Clusters of more than two CTAs only where the grid fills at most half the SMs: on an H100,
+  // 8 and 16 CTA clusters beat the workspace merge at 32-64 CTAs (1 request / 128K: 11.1 and
+  // 11.8 vs 12.9 us) and lost at 128 (4 requests: 16.1 vs 15.5 us; 32 requests at TP 4: 21.7 vs
+  // 20.4 us), where the clusters no longer find their SMs free together.
+  const int64_t few_ctas = shape.sm_count / 2;
   if (!dense && tuning.max_splits == 0) {
-    // Few units: more splits (down to one block each) where all of a unit's splits fit one
-    // cluster and the grid stays within one CTA per SM; the merge then costs one cluster barrier
-    // and a DSMEM read spread over the ranks, not a global fence and a serial merge.
+    // Few units: more splits (down to one block each), all of a unit's splits in one cluster.
     for (int c = std::min(kMaxClusterSplits, tuning.max_cluster); c > info.splits; c /= 2) {
-      if (c <= config.topk && units * c <= shape.sm_count &&
+      if (c <= config.topk && units * c <= few_ctas &&
           cluster_usable(shape, id, info.row_tiles, c)) {
         info.splits = c;
         break;
       }
     }
   }
-  info.cluster =
-      info.splits <= tuning.max_cluster && cluster_usable(shape, id, info.row_tiles, info.splits);
+  info.cluster = info.splits <= tuning.max_cluster &&
+                 (info.splits <= 2 || units * info.splits <= few_ctas) &&
+                 cluster_usable(shape, id, info.row_tiles, info.splits);
   info.ctas = groups * config.kv_heads * info.splits;
   return info;
 }

@@ -36,9 +36,9 @@ struct AttentionTuning {
   bool split_p = true;
   // The largest split count whose CTAs merge through one thread-block cluster (distributed shared
   // memory, every rank merging a share of the output); more splits (or 0 / 1 here) merge through
-  // the workspace with an arrival counter. Where few (row, kv head) units leave SMs idle, the
-  // plan raises the split count up to this (one block per split at 16), one CTA per SM at most.
-  // 2 reproduces the plan of two-split clusters only.
+  // the workspace with an arrival counter. Clusters above 2 CTAs are planned only where the grid
+  // fills at most half the SMs (few (row, kv head) units); there the plan raises the split count
+  // up to this (one block per split at 16). 2 reproduces the plan of two-split clusters only.
   int max_cluster = 16;
   // Programmatic dependent launch: the kernel may be scheduled while the previous kernel in the
   // stream finishes (it waits for it before its first load). Off by default: measured on H200 it

@@ -51,6 +51,7 @@ inline constexpr int kMaxRoundBlocks = 64;         // blocks whose pages are loo
 inline constexpr int kMergeStride = kHeadDim + 4;  // padded fp32 row of the warp merge
 inline constexpr float kLazyRescale = 8.0f;        // log2 units; softmax weights stay <= 256
 inline constexpr int kMaxMergeSplits = 64;         // splits a global merge handles
+inline constexpr int kMaxClusterRanks = 16;        // splits a cluster merge handles
 inline constexpr int kMaxRowTiles = 4;             // decode rows of one request per CTA
 inline constexpr int kMaxGroupedTopk = 32;         // topk a CTA of several rows takes
 
@@ -812,8 +813,8 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     cluster.sync();
     timeline::mark(p.timeline, kPublished);
     // Every rank merges a share: rank r the output dims [r * span, (r + 1) * span) of each head,
-    // from every rank's partial (the max over the ranks, then the weighted sums in rank order,
-    // four ranks' loads in flight), so the merge is spread over the cluster's SMs.
+    // from every rank's partial (the max over the ranks, then the weighted sums in rank order),
+    // so the merge is spread over the cluster's SMs.
     timeline::set_kind(p.timeline, 1);
     const int span = kHeadDim / p.num_splits;  // num_splits: a power of two <= 16
     const int pairs_per_head = span / 2;
@@ -825,25 +826,35 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
         const int h = e / pairs_per_head;
         const int d = d_first + 2 * (e - h * pairs_per_head);
         const int at = t * kTileHeads + h;
+        // Every rank's (max, sum) and output pair loaded in one round (a DSMEM load costs a
+        // round trip; a loop over the ranks would wait for each).
+        float2 ml[kMaxClusterRanks];
+        float2 v[kMaxClusterRanks];
+#pragma unroll
+        for (int r = 0; r < kMaxClusterRanks; ++r) {
+          if (r < p.num_splits) {
+            ml[r] = *reinterpret_cast<const float2*>(cluster.map_shared_rank(pub_ml, r) + at * 2);
+            v[r] = *reinterpret_cast<const float2*>(cluster.map_shared_rank(pub_o, r) +
+                                                    at * kHeadDim + d);
+          }
+        }
         float m_all = -INFINITY;
-#pragma unroll 4
-        for (int r = 0; r < p.num_splits; ++r) {
-          m_all = fmaxf(m_all, cluster.map_shared_rank(pub_ml, r)[at * 2]);
+#pragma unroll
+        for (int r = 0; r < kMaxClusterRanks; ++r) {
+          if (r < p.num_splits) m_all = fmaxf(m_all, ml[r].x);
         }
         const float m_ref = m_all == -INFINITY ? 0.0f : m_all;
         float l_all = 0.0f;
         float a0 = 0.0f;
         float a1 = 0.0f;
-#pragma unroll 4
-        for (int r = 0; r < p.num_splits; ++r) {
-          const float2 ml =
-              *reinterpret_cast<const float2*>(cluster.map_shared_rank(pub_ml, r) + at * 2);
-          const float2 v = *reinterpret_cast<const float2*>(cluster.map_shared_rank(pub_o, r) +
-                                                            at * kHeadDim + d);
-          const float wt = fast_exp2(ml.x - m_ref);
-          l_all += ml.y * wt;
-          a0 += v.x * wt;
-          a1 += v.y * wt;
+#pragma unroll
+        for (int r = 0; r < kMaxClusterRanks; ++r) {
+          if (r < p.num_splits) {
+            const float wt = fast_exp2(ml[r].x - m_ref);
+            l_all += ml[r].y * wt;
+            a0 += v[r].x * wt;
+            a1 += v[r].y * wt;
+          }
         }
         const float inv = l_all > 0.0f ? output_v_scale(p) / l_all : 0.0f;
         uint16_t* out =

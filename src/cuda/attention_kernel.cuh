@@ -55,6 +55,17 @@ inline constexpr int kMaxClusterRanks = 16;        // splits a cluster merge han
 inline constexpr int kMaxRowTiles = 4;             // decode rows of one request per CTA
 inline constexpr int kMaxGroupedTopk = 32;         // topk a CTA of several rows takes
 
+// Cluster barrier halves (PTX barrier.cluster): every thread of every rank arrives, then waits.
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_release() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait_acquire() {
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+
 // kTiles: the m16 tiles (decode rows) one CTA takes; each needs its own published partial.
 template <bool kFp8, int kTiles = 1>
 struct KvLayout {
@@ -71,7 +82,14 @@ struct KvLayout {
   // The split's partial, published for the cluster merge (after the warp-merge area).
   static constexpr int kPublishBytes = kTiles * (kTileHeads * kHeadDim + kTileHeads * 2) * 4;
   static constexpr int kEpilogueBytes = kMergeBytes + kPublishBytes;
-  static constexpr int kSmemBytes = kPipeBytes > kEpilogueBytes ? kPipeBytes : kEpilogueBytes;
+  static constexpr int kSharedBytes = kPipeBytes > kEpilogueBytes ? kPipeBytes : kEpilogueBytes;
+  // One row per CTA: where the other ranks of a cluster push their slices of this rank's output
+  // dims ([ranks][16][128 / ranks] partial outputs, then [ranks][16] (max, sum)), apart from
+  // the pipeline, which this rank may still be streaming when a faster rank pushes.
+  static constexpr int kRecvOffset = (kSharedBytes + 15) / 16 * 16;
+  static constexpr int kRecvBytes =
+      kTiles == 1 ? (kTileHeads * kHeadDim + kMaxClusterRanks * kTileHeads * 2) * 4 : 0;
+  static constexpr int kSmemBytes = kRecvOffset + kRecvBytes;
 };
 
 // ---- small device helpers ----
@@ -262,6 +280,9 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   enum { kStart, kPages, kFirstChunk, kChunksDone, kPublished, kEnd };
   timeline::mark(p.timeline, kStart);
   const timeline::MarkOnExit end_mark{p.timeline, kEnd};
+  // One row per CTA in a cluster: a rank may write into another's shared memory only once that
+  // one has started; this arrival (waited for before the first push) says so.
+  if (kTiles == 1 && p.cluster_merge) cluster_arrive_relaxed();
 
   // Programmatic dependent launch: everything this kernel reads may come from the previous kernel
   // in the stream, so wait for it before the first load (a no-op without a programmatic edge);
@@ -792,9 +813,70 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     return;
   }
 
+  if (kTiles == 1 && p.cluster_merge) {
+    // ---- one row, the splits in one cluster: rank r owns the output dims [r span, (r + 1)
+    // span); each rank pushes its partial's slices (and its (max, sum) per head) into the owners'
+    // receive areas, then one barrier, then each owner merges its dims from its own shared
+    // memory in rank order. No rank reads another's memory, so no closing barrier. ----
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+    const int ranks = p.num_splits;            // a power of two <= kMaxClusterRanks
+    const int span = kHeadDim / ranks;         // >= 8: a float4 never straddles two owners
+    const int src = static_cast<int>(cluster.block_rank());
+    float* recv_o = reinterpret_cast<float*>(smem + L::kRecvOffset);  // [ranks][16][span]
+    float* recv_ml = recv_o + kTileHeads * kHeadDim;                  // [ranks][16][2]
+    float m_cta, l_cta;
+    merge_warps(0, m_cta, l_cta);
+    cluster_wait_acquire();  // every rank has started (the arrival at the kernel's start)
+#pragma unroll
+    for (int q = 0; q < 16; q += 4) {
+      const int d = d0 + q;
+      const int owner = d / span;
+      float* dst = cluster.map_shared_rank(recv_o, owner) + (src * kTileHeads + head) * span +
+                   (d - owner * span);
+      *reinterpret_cast<float4*>(dst) = make_float4(acc[q], acc[q + 1], acc[q + 2], acc[q + 3]);
+    }
+    for (int r = tid & 7; r < ranks; r += 8) {
+      float* dst = cluster.map_shared_rank(recv_ml, r) + (src * kTileHeads + head) * 2;
+      *reinterpret_cast<float2*>(dst) = make_float2(m_cta, l_cta);
+    }
+    cluster_arrive_release();
+    cluster_wait_acquire();
+    timeline::mark(p.timeline, kPublished);
+    timeline::set_kind(p.timeline, 1);
+    const int pairs_per_head = span / 2;
+#pragma unroll 1
+    for (int e = tid; e < p.group * pairs_per_head; e += kThreads) {
+      const int h = e / pairs_per_head;
+      const int dd = 2 * (e - h * pairs_per_head);
+      float m_all = -INFINITY;
+      for (int r = 0; r < ranks; ++r) m_all = fmaxf(m_all, recv_ml[(r * kTileHeads + h) * 2]);
+      const float m_ref = m_all == -INFINITY ? 0.0f : m_all;
+      float l_all = 0.0f;
+      float a0 = 0.0f;
+      float a1 = 0.0f;
+      for (int r = 0; r < ranks; ++r) {
+        const float2 ml = *reinterpret_cast<const float2*>(recv_ml + (r * kTileHeads + h) * 2);
+        const float2 v =
+            *reinterpret_cast<const float2*>(recv_o + (r * kTileHeads + h) * span + dd);
+        const float wt = fast_exp2(ml.x - m_ref);
+        l_all += ml.y * wt;
+        a0 += v.x * wt;
+        a1 += v.y * wt;
+      }
+      const float inv = l_all > 0.0f ? output_v_scale(p) / l_all : 0.0f;
+      uint16_t* out =
+          p.out + (row0 * p.q_heads + int64_t{kvh} * p.group + h) * kHeadDim + src * span + dd;
+      *reinterpret_cast<uint32_t*>(out) = static_cast<uint32_t>(f32_to_bf16_bits(a0 * inv)) |
+                                          (static_cast<uint32_t>(f32_to_bf16_bits(a1 * inv)) << 16);
+    }
+    return;
+  }
+
   if (p.cluster_merge) {
-    // ---- the unit's splits form one thread-block cluster: merge through distributed shared
-    // memory, in rank (= split) order, on rank 0 ----
+    // ---- several rows per CTA, the splits in one cluster: each rank publishes its partials in
+    // its own shared memory and, after a barrier, merges a share of the output dims from every
+    // rank's ----
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
     float* pub_o = reinterpret_cast<float*>(smem + L::kMergeBytes);  // [kTiles][16][128]

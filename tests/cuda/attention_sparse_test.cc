@@ -193,16 +193,21 @@ TEST(CudaSparseAttention, SmallGroupMatchesCpuReference) {
 TEST(CudaSparseAttention, ClusterPlansMatchCpuReference) {
   M3MSA_REQUIRE_GPU();
   struct Heads {
-    int q, kv;
+    int q, kv, topk;
   };
-  for (const Heads heads : {Heads{64, 4}, Heads{16, 1}, Heads{8, 1}}) {
+  // M3's ranks at TP 1 / 4 / 8, and a group of 4 heads with a top-4 selection (the runtime tests'
+  // model at TP 1 and TP 2: four one-block splits per cluster).
+  for (const Heads heads :
+       {Heads{64, 4, 16}, Heads{16, 1, 16}, Heads{8, 1, 16}, Heads{8, 2, 4}, Heads{4, 1, 4}}) {
     SparseConfig cfg;
     cfg.q_heads = heads.q;
     cfg.kv_heads = heads.kv;
     cfg.index_heads = heads.kv;
+    cfg.topk = heads.topk;
     for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
       for (const DecodeShape& s : {DecodeShape{1, 1, 40000, 40000, 0, kv, 1.0f, 1.0f, 61},
-                                   DecodeShape{3, 1, 100, 1500, 1, kv, 0.75f, 1.5f, 62}}) {
+                                   DecodeShape{3, 1, 100, 1500, 1, kv, 0.75f, 1.5f, 62},
+                                   DecodeShape{16, 1, 5, 2047, 0, kv, 1.0f, 1.0f, 63}}) {
         const SyntheticCase c = decode_case(s, cfg);
         const HostTensor topk = random_selection(c, s.seed * 7 + 3);
         const HostTensor ref = run_ref(c, &topk, false);

@@ -75,8 +75,6 @@ inline constexpr double kAbsTol = 1.0 / 64;
 inline constexpr double kMlpRowL2Tol = 1.0 / 32;
 inline constexpr double kMlpAbsTol = 0.25;
 inline constexpr double kRelTol = 1.0 / 32;
-inline constexpr double kTpAbsTol = 1.0 / 256;
-inline constexpr double kTpRelTol = 1.0 / 64;
 inline constexpr int64_t kMaxContext = 2048;
 
 // ---- A model the CUDA kernels run: 128-d heads, blocks of 128 tokens ----

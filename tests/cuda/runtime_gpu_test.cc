@@ -652,10 +652,14 @@ void expect_tp2_matches_tp1(const Scenario& s, const std::vector<std::vector<Lay
           << name << ": ranks differ: step " << step << " layer " << l;
       EXPECT_EQ(tp.residual[0][i], tp.residual[1][i]) << name << ": ranks differ: step " << step;
       const std::string where = "step " + std::to_string(step) + " layer " + std::to_string(l);
-      compare_bf16(c, tp.residual[0][i].data(), rec.out_residual.data(), rows, H, kTpAbsTol,
-                   kTpRelTol, {}, where + " residual");
-      compare_bf16(c, tp.hidden[0][i].data(), rec.out_hidden.data(), rows, H, kTpAbsTol, kTpRelTol,
-                   {}, where + " hidden");
+      // A rank has fewer (row, KV head) units than TP = 1, so its attention may take another
+      // split plan (more splits merged in another order) and round differently; a one-ulp change
+      // can grow downstream in an output that cancels (TP = 1 forced onto the rank's plan gives
+      // the same bits). So rows are held to the relative L2 bound, elements to the garbage bound.
+      compare_bf16_rows_l2(c, tp.residual[0][i].data(), rec.out_residual.data(), rows, H, {},
+                           where + " residual");
+      compare_bf16_rows_l2(c, tp.hidden[0][i].data(), rec.out_hidden.data(), rows, H, {},
+                           where + " hidden");
       // Rank r attends KV head r: TP = 1's head r.
       for (int r = 0; r < 2; ++r) {
         const std::vector<int32_t>& topk = tp.topk[static_cast<std::size_t>(r)][i];

@@ -36,7 +36,7 @@ inline nlohmann::json record_timeline(const std::string& title,
     std::printf("  (no recorded kernel: this configuration launches none that stamps)\n");
   }
   Table table({"kernel", "kind", "mark", "reached", "SMs", "first", "median", "last",
-               "median since own start"});
+               "median since own start", "median stage"});
   nlohmann::json out = nlohmann::json::array();
   for (const auto& r : rows) {
     nlohmann::json rec = {{"launch", r.launch},
@@ -49,12 +49,14 @@ inline nlohmann::json record_timeline(const std::string& title,
                           {"first_us", r.first_us},
                           {"median_us", r.median_us},
                           {"last_us", r.last_us},
-                          {"median_since_start_us", r.median_since_start_us}};
-    table.add({r.kernel, r.kind, r.mark, fmt::format("{}/{}", r.reached, r.units),
-               fmt::format("{}", r.sms), fmt::format("{:.2f}", r.first_us),
-               fmt::format("{:.2f}", r.median_us), fmt::format("{:.2f}", r.last_us),
-               fmt::format("{:.2f}", r.median_since_start_us)},
-              rec);
+                          {"median_since_start_us", r.median_since_start_us},
+                          {"median_stage_us", r.median_stage_us}};
+    table.add(
+        {r.kernel, r.kind, r.mark, fmt::format("{}/{}", r.reached, r.units),
+         fmt::format("{}", r.sms), fmt::format("{:.2f}", r.first_us),
+         fmt::format("{:.2f}", r.median_us), fmt::format("{:.2f}", r.last_us),
+         fmt::format("{:.2f}", r.median_since_start_us), fmt::format("{:.2f}", r.median_stage_us)},
+        rec);
     out.push_back(std::move(rec));
   }
   if (!rows.empty()) table.print();

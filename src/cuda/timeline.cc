@@ -118,12 +118,19 @@ std::vector<MarkTimes> summarize(const std::vector<Launch>& launches,
       for (size_t m = 0; m < l.marks.size(); ++m) {
         std::vector<double> at;
         std::vector<double> since_start;
+        std::vector<double> stage;
         std::set<uint32_t> sms;
         for (int64_t u = 0; u < l.units; ++u) {
           const uint64_t* r = record(l, u);
           if ((r[kMarks] >> 32) != kind || r[m] == 0) continue;
           at.push_back(us_after(r[m], t0));
           if (r[0] != 0) since_start.push_back(us_after(r[m], r[0]));
+          for (size_t prev = m; prev-- > 0;) {
+            if (r[prev] != 0) {
+              stage.push_back(us_after(r[m], r[prev]));
+              break;
+            }
+          }
           sms.insert(static_cast<uint32_t>(r[kMarks]));
         }
         if (at.empty()) continue;
@@ -139,6 +146,7 @@ std::vector<MarkTimes> summarize(const std::vector<Launch>& launches,
         t.last_us = *std::max_element(at.begin(), at.end());
         t.median_us = median_of(at);
         t.median_since_start_us = median_of(since_start);
+        t.median_stage_us = stage.empty() ? 0.0 : median_of(stage);
         out.push_back(std::move(t));
       }
     }

@@ -94,6 +94,9 @@ struct MarkTimes {
   double median_us = 0;
   double last_us = 0;
   double median_since_start_us = 0;  // median over records of (this mark - the record's start)
+  // Median over records of (this mark - the record's latest earlier stamped mark): how long the
+  // stage that ends here took within a record (0 for the first mark).
+  double median_stage_us = 0;
 };
 
 // Per launch, per kind present, per mark that some record reached, in that order. `records` as

@@ -68,6 +68,11 @@ TEST(Timeline, SummaryGivesStagesPerKindAfterTheFirstStart) {
   EXPECT_EQ(rows[2].mark, "end");
   EXPECT_DOUBLE_EQ(rows[2].median_us, 4.0);              // (3 + 5) / 2
   EXPECT_DOUBLE_EQ(rows[2].median_since_start_us, 3.5);  // (3 + 4) / 2
+  // Stages within a record: from its latest earlier stamp (the second record skipped "mid").
+  EXPECT_DOUBLE_EQ(rows[0].median_stage_us, 0.0);
+  EXPECT_DOUBLE_EQ(rows[1].median_stage_us, 2.0);
+  EXPECT_DOUBLE_EQ(rows[2].median_stage_us, 2.5);  // (1 + 4) / 2
+  EXPECT_DOUBLE_EQ(rows[5].median_stage_us, 6.5);  // merging cta: 9000 - 2500
   EXPECT_EQ(rows[3].kind, "merging cta");
   EXPECT_EQ(rows[3].units, 1);
   EXPECT_DOUBLE_EQ(rows[5].last_us, 8.0);

@@ -820,8 +820,8 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     // memory in rank order. No rank reads another's memory, so no closing barrier. ----
     namespace cg = cooperative_groups;
     cg::cluster_group cluster = cg::this_cluster();
-    const int ranks = p.num_splits;            // a power of two <= kMaxClusterRanks
-    const int span = kHeadDim / ranks;         // >= 8: a float4 never straddles two owners
+    const int ranks = p.num_splits;     // a power of two <= kMaxClusterRanks
+    const int span = kHeadDim / ranks;  // >= 8: a float4 never straddles two owners
     const int src = static_cast<int>(cluster.block_rank());
     float* recv_o = reinterpret_cast<float*>(smem + L::kRecvOffset);  // [ranks][16][span]
     float* recv_ml = recv_o + kTileHeads * kHeadDim;                  // [ranks][16][2]

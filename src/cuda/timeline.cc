@@ -146,7 +146,7 @@ std::vector<MarkTimes> summarize(const std::vector<Launch>& launches,
         t.last_us = *std::max_element(at.begin(), at.end());
         t.median_us = median_of(at);
         t.median_since_start_us = median_of(since_start);
-        t.median_stage_us = stage.empty() ? 0.0 : median_of(stage);
+        t.median_stage_us = median_of(stage);
         out.push_back(std::move(t));
       }
     }

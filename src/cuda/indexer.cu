@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(1024)
 // write_top_of_few). The keys are unique, so the answer equals the in-kernel merge.
 // Grid: (unit_vectors, num_reqs); 256 threads. Requests the split kernel answered itself (dead,
 // or all blocks on one CTA) are skipped.
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 1)
     indexer_split_merge_kernel(const __grid_constant__ IndexerParams p) {
   __shared__ __align__(16) uint64_t s_scratch[kWarps][kScratch];
   __shared__ uint64_t s_top[kWarps][kMaxTopk];
@@ -123,6 +123,13 @@ __global__ void __launch_bounds__(kThreads)
       write_top_of_few(p, src, count, answer_row(p, unit.row0 + n / p.heads, n % p.heads));
     return;
   }
+  int32_t* out = answer_row(p, unit.row0 + n / p.heads, n % p.heads);
+  static_assert(kHistSmemBytes <= sizeof(s_scratch), "the histogram merge fits the scratch");
+  if (merge_by_histogram(p, 1, src, 0, count, reinterpret_cast<uint8_t*>(&s_scratch[0][0]),
+                         [&](int) { return out; })) {
+    return;
+  }
+  __syncthreads();  // the scratch is the filtered path's again
   const int chunk = (count + kWarps - 1) / kWarps;
   const int lo = min(count, warp * chunk);
   const int hi = min(count, lo + chunk);
@@ -133,7 +140,6 @@ __global__ void __launch_bounds__(kThreads)
   if (warp != 0) return;
   const uint64_t top =
       warp_top_keys([&](int j) { return s_top[j / k][j % k]; }, kWarps * k, k, &s_scratch[0][0]);
-  int32_t* out = answer_row(p, unit.row0 + n / p.heads, n % p.heads);
   write_topk_row(out, top, k);
   order_answer(p, out);
 }

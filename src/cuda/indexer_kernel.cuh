@@ -697,6 +697,169 @@ __device__ __forceinline__ void write_own_candidates(const uint64_t* warp_keys, 
   }
 }
 
+// A merge whose longest warp runs few instructions (a merge's tail is bound by its dependent
+// instruction chain, about 7 cycles per instruction, not by its round trips): the exact top k of
+// each vector's `count` candidate keys (unique, or kNoCandidate) at vec0 + v * vec_stride, by the
+// whole CTA. Each vector gets 256 / nvec_pad threads (nvec_pad: nvec rounded up to a power of two,
+// <= 8), each loading up to kHistKeys keys in one round trip. Per vector: the range of the keys'
+// high words (the score image), a 256-bin histogram over it (bins keep the keys' order), one warp
+// finds the bin where the count from the top reaches k, the keys of that bin and above (k plus the
+// bin's others) are listed and ranked by counting. False, with only `smem` written, when the
+// shape does not fit or a vector's list would exceed kHistList (e.g. all scores equal: one bin
+// holds every key); the caller then takes another merge. `out_of(v)` is vector v's answer row.
+inline constexpr int kHistKeys = 16;  // keys per thread
+inline constexpr int kHistBins = 256;
+inline constexpr int kHistList = 64;  // listed keys per vector
+inline constexpr int kHistVectors = 8;
+inline constexpr int kHistSmemBytes =
+    kHistVectors * (kHistBins * 4 + kHistList * 8 + kMaxTopk * 4) + kHistVectors * 16 + 16;
+template <typename OutOf>
+__device__ bool merge_by_histogram(const IndexerParams& p, int nvec, const uint64_t* vec0,
+                                   int64_t vec_stride, int count, uint8_t* smem, OutOf out_of) {
+  int nvec_pad = 1;
+  while (nvec_pad < nvec) nvec_pad *= 2;
+  const int per_vec = kThreads / max(nvec_pad, 1);
+  if (nvec_pad > kHistVectors || count > per_vec * kHistKeys) return false;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int k = p.topk;
+  const int warps_per_vec = per_vec / 32;
+  const int v = tid / per_vec;  // this thread's vector (>= nvec: a padding group, no keys)
+  const int t = tid - v * per_vec;
+  int* hist = reinterpret_cast<int*>(smem);                                       // [8][256]
+  uint64_t* list = reinterpret_cast<uint64_t*>(hist + kHistVectors * kHistBins);  // [8][64]
+  int32_t* ans = reinterpret_cast<int32_t*>(list + kHistVectors * kHistList);     // [8][32]
+  uint32_t* wmin = reinterpret_cast<uint32_t*>(ans + kHistVectors * kMaxTopk);    // [8 warps]
+  uint32_t* wmax = wmin + kWarps;
+  int* bstar = reinterpret_cast<int*>(wmax + kWarps);  // [8]
+  int* listed = bstar + kHistVectors;                  // [8]
+  int* refused = listed + kHistVectors;                // [1]
+
+  // Keys, all loads in flight; the shared state cleared while they travel.
+  uint64_t x[kHistKeys];
+  const bool live = v < nvec;
+  const uint64_t* src = vec0 + (live ? v : 0) * vec_stride;
+#pragma unroll
+  for (int e = 0; e < kHistKeys; ++e) {
+    const int i = t + per_vec * e;
+    x[e] = live && i < count ? __ldcg(src + i) : kNoCandidate;
+  }
+  for (int j = tid; j < kHistVectors * kHistBins; j += kThreads) hist[j] = 0;
+  for (int j = tid; j < kHistVectors * kMaxTopk; j += kThreads) ans[j] = -1;
+  if (tid < kHistVectors) listed[tid] = 0;
+  if (tid == 0) *refused = 0;
+  // The range of the high words of the real keys (warp reductions, then the vector's warps).
+  uint32_t lo = 0xFFFFFFFFu;
+  uint32_t hi = 0;
+#pragma unroll
+  for (int e = 0; e < kHistKeys; ++e) {
+    if (x[e] != kNoCandidate) {
+      const uint32_t h = static_cast<uint32_t>(x[e] >> 32);
+      lo = min(lo, h);
+      hi = max(hi, h);
+    }
+  }
+  lo = __reduce_min_sync(0xFFFFFFFFu, lo);
+  hi = __reduce_max_sync(0xFFFFFFFFu, hi);
+  if (lane == 0) {
+    wmin[warp] = lo;
+    wmax[warp] = hi;
+  }
+  __syncthreads();
+  for (int w = v * warps_per_vec; w < (v + 1) * warps_per_vec && live; ++w) {
+    lo = min(lo, wmin[w]);
+    hi = max(hi, wmax[w]);
+  }
+  // bin = (h - lo) * 256 / (range + 1), as a high product: order-keeping, always < 256.
+  const uint64_t span = static_cast<uint64_t>(hi >= lo ? hi - lo : 0) + 1;
+  const uint32_t scale = static_cast<uint32_t>(
+      min(static_cast<uint64_t>(0xFFFFFFFFu), (static_cast<uint64_t>(kHistBins) << 32) / span));
+  int* my_hist = hist + (live ? v : 0) * kHistBins;
+#pragma unroll
+  for (int e = 0; e < kHistKeys; ++e) {
+    if (x[e] != kNoCandidate) {
+      const int bin = min(
+          kHistBins - 1, static_cast<int>(__umulhi(static_cast<uint32_t>(x[e] >> 32) - lo, scale)));
+      atomicAdd(&my_hist[bin], 1);
+    }
+  }
+  __syncthreads();
+  // The first warp of each vector: the bin where the count from the top reaches k.
+  if (live && t < 32) {
+    int c[8];
+    int sum = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      c[j] = my_hist[kHistBins - 1 - 8 * lane - j];
+      sum += c[j];
+    }
+    int prefix = sum;  // inclusive, from the top bins down
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int other = __shfl_up_sync(0xFFFFFFFFu, prefix, o);
+      if (lane >= o) prefix += other;
+    }
+    const int total = __shfl_sync(0xFFFFFFFFu, prefix, 31);
+    const unsigned reach = __ballot_sync(0xFFFFFFFFu, prefix >= k);
+    int b = 0;  // fewer than k keys: every bin
+    int list_size = total;
+    if (total > k) {
+      const int at = __ffs(reach) - 1;
+      int before = __shfl_sync(0xFFFFFFFFu, prefix - sum, at);
+      if (lane == at) {
+        bool found = false;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {  // unrolled: c stays in registers
+          if (!found && before + c[j] >= k) {
+            found = true;
+            b = kHistBins - 1 - 8 * lane - j;
+            list_size = before + c[j];
+          }
+          before += c[j];
+        }
+      }
+      b = __shfl_sync(0xFFFFFFFFu, b, at);
+      list_size = __shfl_sync(0xFFFFFFFFu, list_size, at);
+    }
+    if (lane == 0) {
+      bstar[v] = b;
+      if (list_size > kHistList) atomicOr(refused, 1);
+    }
+  }
+  __syncthreads();
+  if (*refused != 0) return false;
+  // The keys of the boundary bin and above, listed.
+  const int b = live ? bstar[v] : kHistBins;
+#pragma unroll
+  for (int e = 0; e < kHistKeys; ++e) {
+    if (x[e] != kNoCandidate &&
+        static_cast<int>(__umulhi(static_cast<uint32_t>(x[e] >> 32) - lo, scale)) >= b) {
+      const int at = atomicAdd(&listed[v], 1);
+      list[v * kHistList + at] = x[e];
+    }
+  }
+  __syncthreads();
+  // Ranked by counting: the key with r larger ones is entry r.
+  for (int j = tid; j < nvec * kHistList; j += kThreads) {
+    const int u = j / kHistList;
+    const int i = j - u * kHistList;
+    const int n = listed[u];
+    if (i >= n) continue;
+    const uint64_t* l = list + u * kHistList;
+    const uint64_t key = l[i];
+    int above = 0;
+#pragma unroll 4
+    for (int m = 0; m < n; ++m) above += l[m] > key;
+    if (above < k) ans[u * kMaxTopk + above] = key_block(key);
+  }
+  __syncthreads();
+  for (int u = warp; u < nvec; u += kWarps) {
+    write_answer(p, out_of(u), lane < k ? ans[u * kMaxTopk + lane] : -1);
+  }
+  return true;
+}
+
 // Publishes this CTA's candidates and counts its arrival on `counter`: true in the CTA that
 // arrives last (of `ctas`), which resets the counter for the next launch or graph replay.
 // Every thread calls it; `last` is CTA-shared scratch.
@@ -1151,6 +1314,10 @@ __global__ void __launch_bounds__(kThreads, 2)
       write_top_of_few(p, region + v * vec_stride, cand_count,
                        answer_row(p, unit.row0 + v / H, v % H));
     }
+    return;
+  }
+  if (merge_by_histogram(p, nvec, region, vec_stride, cand_count, s_ring,
+                         [&](int v) { return answer_row(p, unit.row0 + v / H, v % H); })) {
     return;
   }
   // The request's merge, one L2 round trip deep. Jobs of (vector, slice of <= kSliceKeys keys)

@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "cuda/indexer_params.h"
@@ -107,8 +108,12 @@ TEST(CudaIndexerSplit, BlockEdgesAndShortRequests) {
 // keys order them (lower id first) and every CTA's candidates tie on the score bits.
 TEST(CudaIndexerSplit, AllEqualScoresPreferLowerBlocks) {
   M3MSA_INDEXER_REQUIRE_GPU();
-  for (DType dtype : {DType::kBF16, DType::kFP8E4M3}) {
-    SyntheticSpec spec = decode_spec(3, 2, 0, 0, dtype, 0, 321);
+  // q_len 1 and 2: 4 and 8 query vectors (the histogram merge's shapes: every key in one bin, so
+  // it hands over to the survivor merge, and one it does not take).
+  for (const auto& [dtype, q_len] :
+       {std::pair{DType::kBF16, 2}, std::pair{DType::kFP8E4M3, 2}, std::pair{DType::kBF16, 1}}) {
+    SCOPED_TRACE(testing::Message() << "q_len " << q_len);
+    SyntheticSpec spec = decode_spec(3, q_len, 0, 0, dtype, 0, 321);
     spec.seq_lens = {100000, 3000, 129};
     SyntheticCase c = make_synthetic_case(spec);
     const int64_t row_bytes = c.index_cache.nbytes() / c.index_cache.shape()[0] / 128;
@@ -124,7 +129,8 @@ TEST(CudaIndexerSplit, AllEqualScoresPreferLowerBlocks) {
         << dtype_name(dtype) << ": the separate merge";
     ASSERT_EQ(std::memcmp(split.data(), last_cta.data(), split.nbytes()), 0)
         << dtype_name(dtype) << ": the last CTA's merge";
-    // Row 0 of request 0 (pos 99998, 782 visible blocks): its own block forced, then 0..14.
+    // Row 0 of request 0 (pos 99998 or 99999, 782 visible blocks): its own block forced, then
+    // 0..14.
     const int k = c.config.topk;
     for (int h = 0; h < c.config.index_heads; ++h) {
       const int32_t* sel = split.ptr<int32_t>() + h * k;

@@ -701,8 +701,9 @@ __device__ __forceinline__ void write_own_candidates(const uint64_t* warp_keys, 
 // instruction chain, about 7 cycles per instruction, not by its round trips): the exact top k of
 // each vector's `count` candidate keys (unique, or kNoCandidate) at vec0 + v * vec_stride, by the
 // whole CTA. Each vector gets 256 / nvec_pad threads (nvec_pad: nvec rounded up to a power of two,
-// <= 8), each loading up to kHistKeys keys in one round trip. Per vector: the range of the keys'
-// high words (the score image), a 256-bin histogram over it (bins keep the keys' order), one warp
+// <= 8), each loading up to kHistKeys keys in one round trip. Per vector: the range of the scored
+// keys' high words (the score image), a 256-bin histogram over it (bins keep the keys' order;
+// forced keys in the top bin, NaN keys in the bottom one), one warp
 // finds the bin where the count from the top reaches k, the keys of that bin and above (k plus the
 // bin's others) are listed and ranked by counting. False, with only `smem` written, when the
 // shape does not fit or a vector's list would exceed kHistList (e.g. all scores equal: one bin
@@ -749,13 +750,15 @@ __device__ bool merge_by_histogram(const IndexerParams& p, int nvec, const uint6
   for (int j = tid; j < kHistVectors * kMaxTopk; j += kThreads) ans[j] = -1;
   if (tid < kHistVectors) listed[tid] = 0;
   if (tid == 0) *refused = 0;
-  // The range of the high words of the real keys (warp reductions, then the vector's warps).
+  // The range of the scored keys' high words (not forced, not NaN; warp reductions, then the
+  // vector's warps). Forced keys take the top bin and NaN keys the bottom one, so one forced
+  // block or one NaN does not squeeze every score into a few bins.
   uint32_t lo = 0xFFFFFFFFu;
   uint32_t hi = 0;
 #pragma unroll
   for (int e = 0; e < kHistKeys; ++e) {
-    if (x[e] != kNoCandidate) {
-      const uint32_t h = static_cast<uint32_t>(x[e] >> 32);
+    const uint32_t h = static_cast<uint32_t>(x[e] >> 32);
+    if (h != 0 && h != kForcedImage) {
       lo = min(lo, h);
       hi = max(hi, h);
     }
@@ -771,18 +774,21 @@ __device__ bool merge_by_histogram(const IndexerParams& p, int nvec, const uint6
     lo = min(lo, wmin[w]);
     hi = max(hi, wmax[w]);
   }
-  // bin = (h - lo) * 256 / (range + 1), as a high product: order-keeping, always < 256.
+  // Scored keys: bin 1 + (h - lo) * 254 / (range + 1), as a high product (order-keeping, < 255);
+  // forced keys bin 255, NaN keys bin 0.
   const uint64_t span = static_cast<uint64_t>(hi >= lo ? hi - lo : 0) + 1;
   const uint32_t scale = static_cast<uint32_t>(
-      min(static_cast<uint64_t>(0xFFFFFFFFu), (static_cast<uint64_t>(kHistBins) << 32) / span));
+      min(static_cast<uint64_t>(0xFFFFFFFFu), (static_cast<uint64_t>(kHistBins - 2) << 32) / span));
+  auto bin_of = [&](uint64_t key) {
+    const uint32_t h = static_cast<uint32_t>(key >> 32);
+    if (h == kForcedImage) return kHistBins - 1;
+    if (h == 0) return 0;
+    return 1 + min(kHistBins - 3, static_cast<int>(__umulhi(h - lo, scale)));
+  };
   int* my_hist = hist + (live ? v : 0) * kHistBins;
 #pragma unroll
   for (int e = 0; e < kHistKeys; ++e) {
-    if (x[e] != kNoCandidate) {
-      const int bin = min(
-          kHistBins - 1, static_cast<int>(__umulhi(static_cast<uint32_t>(x[e] >> 32) - lo, scale)));
-      atomicAdd(&my_hist[bin], 1);
-    }
+    if (x[e] != kNoCandidate) atomicAdd(&my_hist[bin_of(x[e])], 1);
   }
   __syncthreads();
   // The first warp of each vector: the bin where the count from the top reaches k.
@@ -833,8 +839,7 @@ __device__ bool merge_by_histogram(const IndexerParams& p, int nvec, const uint6
   const int b = live ? bstar[v] : kHistBins;
 #pragma unroll
   for (int e = 0; e < kHistKeys; ++e) {
-    if (x[e] != kNoCandidate &&
-        static_cast<int>(__umulhi(static_cast<uint32_t>(x[e] >> 32) - lo, scale)) >= b) {
+    if (x[e] != kNoCandidate && bin_of(x[e]) >= b) {
       const int at = atomicAdd(&listed[v], 1);
       list[v * kHistList + at] = x[e];
     }

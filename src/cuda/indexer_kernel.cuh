@@ -707,7 +707,8 @@ __device__ __forceinline__ void write_own_candidates(const uint64_t* warp_keys, 
 // finds the bin where the count from the top reaches k, the keys of that bin and above (k plus the
 // bin's others) are listed and ranked by counting. False, with only `smem` written, when the
 // shape does not fit or a vector's list would exceed kHistList (e.g. all scores equal: one bin
-// holds every key); the caller then takes another merge. `out_of(v)` is vector v's answer row.
+// holds every key); the caller then takes another merge. `out_of(v)` is vector v's answer row;
+// timeline mark `lists_mark` (if >= 0) is stamped once the lists are complete.
 inline constexpr int kHistKeys = 16;  // keys per thread
 inline constexpr int kHistBins = 256;
 inline constexpr int kHistList = 64;  // listed keys per vector
@@ -716,7 +717,8 @@ inline constexpr int kHistSmemBytes =
     kHistVectors * (kHistBins * 4 + kHistList * 8 + kMaxTopk * 4) + kHistVectors * 16 + 16;
 template <typename OutOf>
 __device__ bool merge_by_histogram(const IndexerParams& p, int nvec, const uint64_t* vec0,
-                                   int64_t vec_stride, int count, uint8_t* smem, OutOf out_of) {
+                                   int64_t vec_stride, int count, uint8_t* smem, OutOf out_of,
+                                   int lists_mark = -1) {
   int nvec_pad = 1;
   while (nvec_pad < nvec) nvec_pad *= 2;
   const int per_vec = kThreads / max(nvec_pad, 1);
@@ -845,6 +847,7 @@ __device__ bool merge_by_histogram(const IndexerParams& p, int nvec, const uint6
     }
   }
   __syncthreads();
+  if (lists_mark >= 0) timeline::mark(p.timeline, lists_mark);  // every list complete
   // Ranked by counting: the key with r larger ones is entry r.
   for (int j = tid; j < nvec * kHistList; j += kThreads) {
     const int u = j / kHistList;
@@ -1321,8 +1324,9 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
     return;
   }
-  if (merge_by_histogram(p, nvec, region, vec_stride, cand_count, s_ring,
-                         [&](int v) { return answer_row(p, unit.row0 + v / H, v % H); })) {
+  if (merge_by_histogram(
+          p, nvec, region, vec_stride, cand_count, s_ring,
+          [&](int v) { return answer_row(p, unit.row0 + v / H, v % H); }, kSurvivors)) {
     return;
   }
   // The request's merge, one L2 round trip deep. Jobs of (vector, slice of <= kSliceKeys keys)

@@ -87,12 +87,13 @@ __global__ void __launch_bounds__(1024)
 // on its own CTA instead of the request's last CTA taking them one after another, and no arrival
 // round trip. Launched programmatically dependent on the split kernel (which releases it at its
 // start), so the CTAs are resident and wait in griddepcontrol.wait until the candidates are
-// visible. Each warp takes the top k of an eighth of the vector's candidates (warp_top_keys); warp
-// 0 takes the top k of those 8 x k (at most kFewCandidates candidates: warp 0 alone ranks them,
-// write_top_of_few). The keys are unique, so the answer equals the in-kernel merge.
+// visible. Beyond kFewCandidates candidates the whole CTA merges by histogram
+// (merge_by_histogram); where a bin holds too many keys (ties), each warp takes the top k of an
+// eighth of the vector's candidates (warp_top_keys) and warp 0 the top k of those 8 x k. The keys
+// are unique, so every path gives the in-kernel merge's answer.
 // Grid: (unit_vectors, num_reqs); 256 threads. Requests the split kernel answered itself (dead,
 // or all blocks on one CTA) are skipped.
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(kThreads, 2)
     indexer_split_merge_kernel(const __grid_constant__ IndexerParams p) {
   __shared__ __align__(16) uint64_t s_scratch[kWarps][kScratch];
   __shared__ uint64_t s_top[kWarps][kMaxTopk];
@@ -125,8 +126,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   int32_t* out = answer_row(p, unit.row0 + n / p.heads, n % p.heads);
   static_assert(kHistSmemBytes <= sizeof(s_scratch), "the histogram merge fits the scratch");
-  if (merge_by_histogram(p, 1, src, 0, count, reinterpret_cast<uint8_t*>(&s_scratch[0][0]),
-                         [&](int) { return out; })) {
+  if (merge_by_histogram(p, src, count, reinterpret_cast<uint8_t*>(&s_scratch[0][0]), out)) {
     return;
   }
   __syncthreads();  // the scratch is the filtered path's again
@@ -184,15 +184,13 @@ void launch_split_merge(IndexerParams p, int num_reqs, cudaStream_t stream) {
 }
 
 // Under kFused, whether the split kernel's merge runs as a kernel of its own. The last CTA merges
-// its request's query vectors a few at a time (one per warp), so its time grows with
-// ceil(vectors / 4) x candidates per vector; the merge kernel costs ~1.5-2 us of launch and round
-// trip more but gives every vector a CTA. Thresholds from bench indexer --split-merge on H200
-// (docs/benchmarks.md): at one request the merge kernel wins from 16 vectors on, or from 2048
-// (vectors / 4 x candidates); at 2-4 requests from 4096; at more requests never.
-bool prefer_merge_kernel(int64_t num_reqs, int vectors, int64_t candidates) {
-  const int64_t load = static_cast<int64_t>((vectors + 3) / 4) * candidates;
-  if (num_reqs == 1) return vectors >= 16 || load >= 2048;
-  return num_reqs <= 4 && load >= 4096;
+// its request's query vectors a few at a time; the merge kernel gives every vector a CTA and merges
+// it by histogram, which costs a launch but no arrival round trip. Measured with bench indexer
+// --split-merge on H100 (docs/benchmarks.md): at 1-4 requests the merge kernel is as fast or
+// faster at every context and q_len (1 request / 128K: 18.5 vs 20.3 us bf16, 16.0 vs 17.6 fp8);
+// at 32 requests the two are within noise, so the last CTA keeps them (no second launch).
+bool prefer_merge_kernel(int64_t num_reqs) {
+  return num_reqs <= 4;
 }
 
 }  // namespace
@@ -472,14 +470,9 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
       // the plan only, so a captured graph replays any lengths); the workspace holds
       // splits * num_reqs <= grid + max_units CTAs' candidates.
       const int splits = std::max(1, plan.grid / batch.num_reqs);
-      // Candidates per query vector at most: each CTA keeps <= topk of its blocks, and the table's
-      // width bounds a request's blocks (host shapes only, so a captured graph replays any
-      // lengths).
-      const int64_t candidates =
-          std::min<int64_t>(p.table_cols, static_cast<int64_t>(splits) * config.topk);
       const bool split_merge = variant == IndexerVariant::kSplitMerge ||
                                (variant == IndexerVariant::kFused &&
-                                prefer_merge_kernel(batch.num_reqs, p.unit_vectors, candidates));
+                                prefer_merge_kernel(batch.num_reqs));
       // One CTA per request answers by itself: no merge kernel to launch.
       const bool separate_merge = split_merge && splits > 1;
       p.separate_merge = separate_merge ? 1 : 0;

@@ -697,68 +697,65 @@ __device__ __forceinline__ void write_own_candidates(const uint64_t* warp_keys, 
   }
 }
 
-// A merge whose longest warp runs few instructions (a merge's tail is bound by its dependent
-// instruction chain, about 7 cycles per instruction, not by its round trips): the exact top k of
-// each vector's `count` candidate keys (unique, or kNoCandidate) at vec0 + v * vec_stride, by the
-// whole CTA. Each vector gets 256 / nvec_pad threads (nvec_pad: nvec rounded up to a power of two,
-// <= 8), each loading up to kHistKeys keys in one round trip. Per vector: the range of the scored
-// keys' high words (the score image), a 256-bin histogram over it (bins keep the keys' order;
-// forced keys in the top bin, NaN keys in the bottom one), one warp
-// finds the bin where the count from the top reaches k, the keys of that bin and above (k plus the
-// bin's others) are listed and ranked by counting. False, with only `smem` written, when the
-// shape does not fit or a vector's list would exceed kHistList (e.g. all scores equal: one bin
-// holds every key); the caller then takes another merge. `out_of(v)` is vector v's answer row;
-// timeline mark `lists_mark` (if >= 0) is stamped once the lists are complete.
-inline constexpr int kHistKeys = 16;  // keys per thread
+// The merge kernel's merge of one query vector, with a short dependent chain (a merge's time is its
+// chain of shared-memory, shuffle and barrier steps, ~30-45 cycles each on H100, more than its
+// instruction count): the exact top k of `count` (<= 16 x 256) candidate keys (unique, or
+// kNoCandidate) at src, by the whole CTA. Every thread loads its <= 16 keys in one coalesced
+// round trip; a 256-bin histogram over the range of the scored keys' high words (the score
+// image; bins keep the keys' order, forced keys take the top bin and NaN keys the bottom one, so
+// one forced block or one NaN does not squeeze the scores into a few bins); every warp finds the
+// bin b where the count from the top reaches k by itself; the keys of bin b and above are listed
+// in a fixed order (warp ballots, no atomics) and ranked by counting. False, with only `smem`
+// written, when more than kHistList keys reach bin b (e.g. all scores equal: one bin holds every
+// key); the caller then takes another merge.
 inline constexpr int kHistBins = 256;
-inline constexpr int kHistList = 64;  // listed keys per vector
-inline constexpr int kHistVectors = 8;
-inline constexpr int kHistSmemBytes =
-    kHistVectors * (kHistBins * 4 + kHistList * 8 + kMaxTopk * 4) + kHistVectors * 16 + 16;
-template <typename OutOf>
-__device__ bool merge_by_histogram(const IndexerParams& p, int nvec, const uint64_t* vec0,
-                                   int64_t vec_stride, int count, uint8_t* smem, OutOf out_of,
-                                   int lists_mark = -1) {
-  int nvec_pad = 1;
-  while (nvec_pad < nvec) nvec_pad *= 2;
-  const int per_vec = kThreads / max(nvec_pad, 1);
-  if (nvec_pad > kHistVectors || count > per_vec * kHistKeys) return false;
+inline constexpr int kHistList = 64;
+inline constexpr int kHistSmemBytes = kHistBins * 4 + kHistList * 8 + kMaxTopk * 4 + 3 * kWarps * 4;
+
+// How many of the m (<= kHistList) keys at s are larger than key: unconditional 16-byte broadcast
+// loads (a branch around them would keep them from pipelining), two running counts.
+__device__ __forceinline__ int count_larger(const uint64_t* s, int m, uint64_t key) {
+  int a = 0;
+  int b = 0;
+#pragma unroll
+  for (int j = 0; j < kHistList; j += 4) {
+    const ulonglong2 p0 = *reinterpret_cast<const ulonglong2*>(s + j);
+    const ulonglong2 p1 = *reinterpret_cast<const ulonglong2*>(s + j + 2);
+    a += (j < m && p0.x > key) + (j + 1 < m && p0.y > key);
+    b += (j + 2 < m && p1.x > key) + (j + 3 < m && p1.y > key);
+  }
+  return a + b;
+}
+
+template <int kKeys>
+__device__ bool merge_by_histogram_of(const IndexerParams& p, const uint64_t* src, int count,
+                                      uint8_t* smem, int32_t* out) {
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int k = p.topk;
-  const int warps_per_vec = per_vec / 32;
-  const int v = tid / per_vec;  // this thread's vector (>= nvec: a padding group, no keys)
-  const int t = tid - v * per_vec;
-  int* hist = reinterpret_cast<int*>(smem);                                       // [8][256]
-  uint64_t* list = reinterpret_cast<uint64_t*>(hist + kHistVectors * kHistBins);  // [8][64]
-  int32_t* ans = reinterpret_cast<int32_t*>(list + kHistVectors * kHistList);     // [8][32]
-  uint32_t* wmin = reinterpret_cast<uint32_t*>(ans + kHistVectors * kMaxTopk);    // [8 warps]
-  uint32_t* wmax = wmin + kWarps;
-  int* bstar = reinterpret_cast<int*>(wmax + kWarps);  // [8]
-  int* listed = bstar + kHistVectors;                  // [8]
-  int* refused = listed + kHistVectors;                // [1]
+  int* hist = reinterpret_cast<int*>(smem);                                // [256]
+  uint64_t* list = reinterpret_cast<uint64_t*>(hist + kHistBins);          // [64], 16-byte aligned
+  int32_t* ans = reinterpret_cast<int32_t*>(list + kHistList);             // [32]
+  uint32_t* wmin = reinterpret_cast<uint32_t*>(ans + kMaxTopk);            // [8 warps]
+  uint32_t* wmax = wmin + kWarps;                                          // [8 warps]
+  int* wcount = reinterpret_cast<int*>(wmax + kWarps);                     // [8 warps]
 
   // Keys, all loads in flight; the shared state cleared while they travel.
-  uint64_t x[kHistKeys];
-  const bool live = v < nvec;
-  const uint64_t* src = vec0 + (live ? v : 0) * vec_stride;
+  uint64_t x[kKeys];
 #pragma unroll
-  for (int e = 0; e < kHistKeys; ++e) {
-    const int i = t + per_vec * e;
-    x[e] = live && i < count ? __ldcg(src + i) : kNoCandidate;
+  for (int e = 0; e < kKeys; ++e) {
+    const int i = tid + kThreads * e;
+    x[e] = i < count ? __ldcg(src + i) : kNoCandidate;
   }
-  for (int j = tid; j < kHistVectors * kHistBins; j += kThreads) hist[j] = 0;
-  for (int j = tid; j < kHistVectors * kMaxTopk; j += kThreads) ans[j] = -1;
-  if (tid < kHistVectors) listed[tid] = 0;
-  if (tid == 0) *refused = 0;
-  // The range of the scored keys' high words (not forced, not NaN; warp reductions, then the
-  // vector's warps). Forced keys take the top bin and NaN keys the bottom one, so one forced
-  // block or one NaN does not squeeze every score into a few bins.
+  static_assert(kHistBins == kThreads, "one bin per thread to clear");
+  hist[tid] = 0;
+  if (tid < kMaxTopk) ans[tid] = -1;
+  // The range of the scored keys' high words (not forced, not NaN).
   uint32_t lo = 0xFFFFFFFFu;
   uint32_t hi = 0;
 #pragma unroll
-  for (int e = 0; e < kHistKeys; ++e) {
+  for (int e = 0; e < kKeys; ++e) {
     const uint32_t h = static_cast<uint32_t>(x[e] >> 32);
     if (h != 0 && h != kForcedImage) {
       lo = min(lo, h);
@@ -772,100 +769,98 @@ __device__ bool merge_by_histogram(const IndexerParams& p, int nvec, const uint6
     wmax[warp] = hi;
   }
   __syncthreads();
-  for (int w = v * warps_per_vec; w < (v + 1) * warps_per_vec && live; ++w) {
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
     lo = min(lo, wmin[w]);
     hi = max(hi, wmax[w]);
   }
-  // Scored keys: bin 1 + (h - lo) * 254 / (range + 1), as a high product (order-keeping, < 255);
-  // forced keys bin 255, NaN keys bin 0.
-  const uint64_t span = static_cast<uint64_t>(hi >= lo ? hi - lo : 0) + 1;
-  const uint32_t scale = static_cast<uint32_t>(
-      min(static_cast<uint64_t>(0xFFFFFFFFu), (static_cast<uint64_t>(kHistBins - 2) << 32) / span));
-  auto bin_of = [&](uint64_t key) {
-    const uint32_t h = static_cast<uint32_t>(key >> 32);
-    if (h == kForcedImage) return kHistBins - 1;
-    if (h == 0) return 0;
-    return 1 + min(kHistBins - 3, static_cast<int>(__umulhi(h - lo, scale)));
-  };
-  int* my_hist = hist + (live ? v : 0) * kHistBins;
+  // Scored keys: bin 1 + (h - lo) * 253 / (range + 1) in float (each step rounds monotonically,
+  // so the bins keep the keys' order), clamped to 1..253; forced keys bin 255, NaN keys bin 0.
+  const float scale = static_cast<float>(kHistBins - 3) /
+                      (static_cast<float>(hi >= lo ? hi - lo : 0u) + 1.0f);
+  int bins[kKeys];
 #pragma unroll
-  for (int e = 0; e < kHistKeys; ++e) {
-    if (x[e] != kNoCandidate) atomicAdd(&my_hist[bin_of(x[e])], 1);
+  for (int e = 0; e < kKeys; ++e) {
+    const uint32_t h = static_cast<uint32_t>(x[e] >> 32);
+    bins[e] = x[e] == kNoCandidate ? -1
+              : h == kForcedImage  ? kHistBins - 1
+              : h == 0             ? 0
+                                   : 1 + min(kHistBins - 4,
+                                             static_cast<int>(static_cast<float>(h - lo) * scale));
+    if (bins[e] >= 0) atomicAdd(&hist[bins[e]], 1);
   }
   __syncthreads();
-  // The first warp of each vector: the bin where the count from the top reaches k.
-  if (live && t < 32) {
-    int c[8];
+  // Every warp: the bin b where the count from the top reaches k (lane 0 holds the 8 top bins);
+  // fewer than k keys: every bin.
+  int b = 0;
+  {
+    const int4 c_lo = *reinterpret_cast<const int4*>(hist + kHistBins - 8 - 8 * lane);
+    const int4 c_hi = *reinterpret_cast<const int4*>(hist + kHistBins - 4 - 8 * lane);
+    const int c[8] = {c_hi.w, c_hi.z, c_hi.y, c_hi.x, c_lo.w, c_lo.z, c_lo.y, c_lo.x};
     int sum = 0;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      c[j] = my_hist[kHistBins - 1 - 8 * lane - j];
-      sum += c[j];
-    }
+    for (int j = 0; j < 8; ++j) sum += c[j];
     int prefix = sum;  // inclusive, from the top bins down
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int other = __shfl_up_sync(0xFFFFFFFFu, prefix, o);
       if (lane >= o) prefix += other;
     }
-    const int total = __shfl_sync(0xFFFFFFFFu, prefix, 31);
     const unsigned reach = __ballot_sync(0xFFFFFFFFu, prefix >= k);
-    int b = 0;  // fewer than k keys: every bin
-    int list_size = total;
-    if (total > k) {
-      const int at = __ffs(reach) - 1;
-      int before = __shfl_sync(0xFFFFFFFFu, prefix - sum, at);
-      if (lane == at) {
-        bool found = false;
+    if (reach != 0) {
+      int before = prefix - sum;
+      int mine = -1;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {  // unrolled: c stays in registers
-          if (!found && before + c[j] >= k) {
-            found = true;
-            b = kHistBins - 1 - 8 * lane - j;
-            list_size = before + c[j];
-          }
-          before += c[j];
-        }
+      for (int j = 0; j < 8; ++j) {  // unrolled: c stays in registers
+        if (mine < 0 && before + c[j] >= k) mine = kHistBins - 1 - 8 * lane - j;
+        before += c[j];
       }
-      b = __shfl_sync(0xFFFFFFFFu, b, at);
-      list_size = __shfl_sync(0xFFFFFFFFu, list_size, at);
-    }
-    if (lane == 0) {
-      bstar[v] = b;
-      if (list_size > kHistList) atomicOr(refused, 1);
+      b = __shfl_sync(0xFFFFFFFFu, mine, __ffs(reach) - 1);
     }
   }
-  __syncthreads();
-  if (*refused != 0) return false;
-  // The keys of the boundary bin and above, listed.
-  const int b = live ? bstar[v] : kHistBins;
+  // The keys of bin b and above, listed in (key slot, warp, lane) order.
+  unsigned in[kKeys];
+  int mine = 0;
 #pragma unroll
-  for (int e = 0; e < kHistKeys; ++e) {
-    if (x[e] != kNoCandidate && bin_of(x[e]) >= b) {
-      const int at = atomicAdd(&listed[v], 1);
-      list[v * kHistList + at] = x[e];
-    }
+  for (int e = 0; e < kKeys; ++e) {
+    in[e] = __ballot_sync(0xFFFFFFFFu, bins[e] >= b);
+    mine += __popc(in[e]);
+  }
+  if (lane == 0) wcount[warp] = mine;
+  __syncthreads();
+  int base = 0;
+  int listed = 0;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) {
+    const int c = wcount[w];
+    base += w < warp ? c : 0;
+    listed += c;
+  }
+  if (listed > kHistList) return false;  // every thread reads the same counts
+  const unsigned lower = (1u << lane) - 1u;
+#pragma unroll
+  for (int e = 0; e < kKeys; ++e) {
+    if ((in[e] >> lane) & 1u) list[base + __popc(in[e] & lower)] = x[e];
+    base += __popc(in[e]);
   }
   __syncthreads();
-  if (lists_mark >= 0) timeline::mark(p.timeline, lists_mark);  // every list complete
   // Ranked by counting: the key with r larger ones is entry r.
-  for (int j = tid; j < nvec * kHistList; j += kThreads) {
-    const int u = j / kHistList;
-    const int i = j - u * kHistList;
-    const int n = listed[u];
-    if (i >= n) continue;
-    const uint64_t* l = list + u * kHistList;
-    const uint64_t key = l[i];
-    int above = 0;
-#pragma unroll 4
-    for (int m = 0; m < n; ++m) above += l[m] > key;
-    if (above < k) ans[u * kMaxTopk + above] = key_block(key);
+  if (tid < listed) {
+    const uint64_t key = list[tid];
+    const int above = count_larger(list, listed, key);
+    if (above < k) ans[above] = key_block(key);
   }
   __syncthreads();
-  for (int u = warp; u < nvec; u += kWarps) {
-    write_answer(p, out_of(u), lane < k ? ans[u * kMaxTopk + lane] : -1);
-  }
+  if (warp == 0) write_answer(p, out, lane < k ? ans[lane] : -1);
   return true;
+}
+
+__device__ __forceinline__ bool merge_by_histogram(const IndexerParams& p, const uint64_t* src,
+                                                   int count, uint8_t* smem, int32_t* out) {
+  if (count <= 4 * kThreads) return merge_by_histogram_of<4>(p, src, count, smem, out);
+  if (count <= 8 * kThreads) return merge_by_histogram_of<8>(p, src, count, smem, out);
+  if (count <= 16 * kThreads) return merge_by_histogram_of<16>(p, src, count, smem, out);
+  return false;
 }
 
 // Publishes this CTA's candidates and counts its arrival on `counter`: true in the CTA that
@@ -1322,11 +1317,6 @@ __global__ void __launch_bounds__(kThreads, 2)
       write_top_of_few(p, region + v * vec_stride, cand_count,
                        answer_row(p, unit.row0 + v / H, v % H));
     }
-    return;
-  }
-  if (merge_by_histogram(
-          p, nvec, region, vec_stride, cand_count, s_ring,
-          [&](int v) { return answer_row(p, unit.row0 + v / H, v % H); }, kSurvivors)) {
     return;
   }
   // The request's merge, one L2 round trip deep. Jobs of (vector, slice of <= kSliceKeys keys)

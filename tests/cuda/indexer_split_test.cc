@@ -73,6 +73,9 @@ TEST(CudaIndexerSplit, RandomizedDecodeEqualsSpanAndCpu) {
       {1, 1, 131072, 131072, bf16, 0, 16},  // 1024 blocks over the grid, staged merge
       {1, 4, 131072, 131072, fp8, 0, 16},   // 16 vectors x 1024 candidates: two staging rounds
       {1, 2, 600000, 600000, bf16, 0, 32},  // k 32, long ranges (ring wraps many times)
+      {1, 1, 262144, 262144, fp8, 0, 32},   // k 32 of 2048: the histogram's 8 keys a thread
+      {2, 1, 524288, 524288, bf16, 0, 16},  // ~2040 candidates a vector at 2 requests
+      {1, 1, 524288, 524288, bf16, 0, 16},  // 4080: the histogram's 16 keys a thread
       {4, 1, 1000, 5000, fp8, 1, 16},       // padding request
       {16, 2, 1, 20000, bf16, 3, 16},
       {32, 4, 100, 50000, fp8, 0, 16},
@@ -108,8 +111,8 @@ TEST(CudaIndexerSplit, BlockEdgesAndShortRequests) {
 // keys order them (lower id first) and every CTA's candidates tie on the score bits.
 TEST(CudaIndexerSplit, AllEqualScoresPreferLowerBlocks) {
   M3MSA_INDEXER_REQUIRE_GPU();
-  // q_len 1 and 2: 4 and 8 query vectors (the histogram merge's shapes: every key in one bin, so
-  // it hands over to the survivor merge, and one it does not take).
+  // q_len 1 and 2 (3 requests: the default merges in a kernel of its own, where the histogram
+  // finds every key in one bin and hands over to the warps' merge).
   for (const auto& [dtype, q_len] :
        {std::pair{DType::kBF16, 2}, std::pair{DType::kFP8E4M3, 2}, std::pair{DType::kBF16, 1}}) {
     SCOPED_TRACE(testing::Message() << "q_len " << q_len);

@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <barrier>
 #include <chrono>
 #include <exception>
 #include <memory>
@@ -75,6 +76,7 @@ nantest::SelectFn cp_select(int world_size) {
     std::vector<DeviceCase> cases(P);
     std::vector<DeviceTensor> outs(P);
     std::vector<std::exception_ptr> errors(P);
+    std::barrier set_up(static_cast<std::ptrdiff_t>(world_size));
     std::vector<std::thread> threads;
     for (std::size_t r = 0; r < P; ++r) {
       threads.emplace_back([&, r] {
@@ -83,13 +85,22 @@ nantest::SelectFn cp_select(int world_size) {
           if (cudaSetDevice(0) != cudaSuccess) throw std::runtime_error("cudaSetDevice(0)");
           indexers[r] = std::make_unique<CudaCpIndexer>(*comms[r], 0, c.config, cp);
           cases[r] = upload(c, 0);
-          const std::vector<int>& heads = indexers[r]->merged_heads();
-          const int merged = static_cast<int>(heads.size());
+          const auto merged = static_cast<int64_t>(indexers[r]->merged_heads().size());
           outs[r] = DeviceTensor(DType::kI32, {c.num_rows(), merged, k}, 0);
           fill_device_bytes(outs[r].view(), kPoisonByte);
           if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
             throw std::runtime_error("cudaStreamCreateWithFlags");
           }
+        } catch (...) {
+          errors[r] = std::current_exception();
+        }
+        // No rank launches its exchange before every rank is set up: a peer's allocation or
+        // synchronous copy would wait for the spinning kernel it is meant to feed.
+        set_up.arrive_and_wait();
+        try {
+          if (errors[r]) throw std::runtime_error("set-up failed");
+          const std::vector<int>& heads = indexers[r]->merged_heads();
+          const int merged = static_cast<int>(heads.size());
           indexers[r]->select(0, cases[r].indexer_args(outs[r].view()), stream);
           indexers[r]->check(stream);
           HostTensor part;
@@ -103,7 +114,7 @@ nantest::SelectFn cp_select(int world_size) {
             }
           }
         } catch (...) {
-          errors[r] = std::current_exception();
+          if (!errors[r]) errors[r] = std::current_exception();
         }
         if (stream != nullptr) cudaStreamDestroy(stream);
       });

@@ -471,9 +471,9 @@ void launch_indexer(const IndexerPlan& plan, const SparseConfig& config, const I
       // the plan only, so a captured graph replays any lengths); the workspace holds
       // splits * num_reqs <= grid + max_units CTAs' candidates.
       const int splits = std::max(1, plan.grid / batch.num_reqs);
-      const bool split_merge = variant == IndexerVariant::kSplitMerge ||
-                               (variant == IndexerVariant::kFused &&
-                                prefer_merge_kernel(batch.num_reqs));
+      const bool split_merge =
+          variant == IndexerVariant::kSplitMerge ||
+          (variant == IndexerVariant::kFused && prefer_merge_kernel(batch.num_reqs));
       // One CTA per request answers by itself: no merge kernel to launch.
       const bool separate_merge = split_merge && splits > 1;
       p.separate_merge = separate_merge ? 1 : 0;

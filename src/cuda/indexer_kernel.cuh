@@ -734,12 +734,12 @@ __device__ bool merge_by_histogram_of(const IndexerParams& p, const uint64_t* sr
   const int warp = tid >> 5;
   const int lane = tid & 31;
   const int k = p.topk;
-  int* hist = reinterpret_cast<int*>(smem);                                // [256]
-  uint64_t* list = reinterpret_cast<uint64_t*>(hist + kHistBins);          // [64], 16-byte aligned
-  int32_t* ans = reinterpret_cast<int32_t*>(list + kHistList);             // [32]
-  uint32_t* wmin = reinterpret_cast<uint32_t*>(ans + kMaxTopk);            // [8 warps]
-  uint32_t* wmax = wmin + kWarps;                                          // [8 warps]
-  int* wcount = reinterpret_cast<int*>(wmax + kWarps);                     // [8 warps]
+  int* hist = reinterpret_cast<int*>(smem);                        // [256]
+  uint64_t* list = reinterpret_cast<uint64_t*>(hist + kHistBins);  // [64], 16-byte aligned
+  int32_t* ans = reinterpret_cast<int32_t*>(list + kHistList);     // [32]
+  uint32_t* wmin = reinterpret_cast<uint32_t*>(ans + kMaxTopk);    // [8 warps]
+  uint32_t* wmax = wmin + kWarps;                                  // [8 warps]
+  int* wcount = reinterpret_cast<int*>(wmax + kWarps);             // [8 warps]
 
   // Keys, all loads in flight; the shared state cleared while they travel.
   uint64_t x[kKeys];
@@ -776,17 +776,17 @@ __device__ bool merge_by_histogram_of(const IndexerParams& p, const uint64_t* sr
   }
   // Scored keys: bin 1 + (h - lo) * 253 / (range + 1) in float (each step rounds monotonically,
   // so the bins keep the keys' order), clamped to 1..253; forced keys bin 255, NaN keys bin 0.
-  const float scale = static_cast<float>(kHistBins - 3) /
-                      (static_cast<float>(hi >= lo ? hi - lo : 0u) + 1.0f);
+  const float scale =
+      static_cast<float>(kHistBins - 3) / (static_cast<float>(hi >= lo ? hi - lo : 0u) + 1.0f);
   int bins[kKeys];
 #pragma unroll
   for (int e = 0; e < kKeys; ++e) {
     const uint32_t h = static_cast<uint32_t>(x[e] >> 32);
     bins[e] = x[e] == kNoCandidate ? -1
               : h == kForcedImage  ? kHistBins - 1
-              : h == 0             ? 0
-                                   : 1 + min(kHistBins - 4,
-                                             static_cast<int>(static_cast<float>(h - lo) * scale));
+              : h == 0
+                  ? 0
+                  : 1 + min(kHistBins - 4, static_cast<int>(static_cast<float>(h - lo) * scale));
     if (bins[e] >= 0) atomicAdd(&hist[bins[e]], 1);
   }
   __syncthreads();

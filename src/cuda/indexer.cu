@@ -101,8 +101,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   timeline::mark(p.timeline, kStart);
   const timeline::MarkOnExit end_mark{p.timeline, kEnd};
   asm volatile("griddepcontrol.launch_dependents;\n" :::);  // as the split kernel does
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  timeline::mark(p.timeline, kSplitDone);
+  // The request's shape before the wait: seq_lens are inputs, complete before the split kernel
+  // (an ordinary launch) started, so only the candidates wait for it.
   const int n = static_cast<int>(blockIdx.x);
   const int r = static_cast<int>(blockIdx.y);
   const Unit unit = load_unit(p, r);
@@ -112,6 +112,8 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int per = max(p.min_blocks_per_cta, (unit.blocks + splits - 1) / splits);
   const int active = (unit.blocks + per - 1) / per;
   if (active == 1) return;
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  timeline::mark(p.timeline, kSplitDone);
   const int k = p.topk;
   const int count = active * min(k, per);
   const int64_t vec_stride = static_cast<int64_t>(splits) * k;

@@ -375,7 +375,7 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   info.cluster = info.splits <= tuning.max_cluster &&
                  (info.splits <= 2 || units * info.splits <= few_ctas) &&
                  cluster_usable(shape, id, info.row_tiles, info.splits);
-  info.ctas = groups * config.kv_heads * info.splits;
+  info.ctas = units * info.splits;
   return info;
 }
 

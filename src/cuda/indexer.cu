@@ -42,8 +42,7 @@ __global__ void __launch_bounds__(kThreads)
   };
   const uint64_t top = warp_top_keys(get, blocks, p.topk, &s_scratch[warp][0]);
   int32_t* out = answer_row(p, row, static_cast<int>(item % p.heads));
-  write_topk_row(out, top, p.topk);
-  order_answer(p, out);
+  write_key_answer(p, out, top);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -142,8 +141,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (warp != 0) return;
   const uint64_t top =
       warp_top_keys([&](int j) { return s_top[j / k][j % k]; }, kWarps * k, k, &s_scratch[0][0]);
-  write_topk_row(out, top, k);
-  order_answer(p, out);
+  write_key_answer(p, out, top);
 }
 
 }  // namespace indexer

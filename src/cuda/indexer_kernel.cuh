@@ -265,7 +265,8 @@ __device__ uint64_t warp_top_keys(Get get, int count, int k, uint64_t* scratch) 
   return warp_top64([&](int i) { return scratch[i]; }, kept);
 }
 
-// Writes one (row, head) output row from the keys held by the warp (lane i: i-th largest).
+// Writes one (row, head) output row from the keys held by the warp (lane i: i-th largest), in
+// descending key order (the CP exchange's rows; the indexer's go through write_key_answer).
 __device__ __forceinline__ void write_topk_row(int32_t* out, uint64_t key, int k) {
   const int lane = static_cast<int>(lane_id());
   if (lane < k) out[lane] = key != kNoCandidate ? key_block(key) : -1;
@@ -304,6 +305,13 @@ __device__ __forceinline__ void write_answer(const IndexerParams& p, int32_t* ou
     if (block >= 0) at = rank;
   }
   if (lane < p.topk) out[at] = block;
+}
+
+// write_answer from keys held by the warp (lane i: the i-th largest, or kNoCandidate).
+__device__ __forceinline__ void write_key_answer(const IndexerParams& p, int32_t* out,
+                                                 uint64_t key) {
+  const bool valid = static_cast<int>(lane_id()) < p.topk && key != kNoCandidate;
+  write_answer(p, out, valid ? key_block(key) : -1);
 }
 
 // The merges' short path: the exact top k of <= 64 candidate keys (unique, or kNoCandidate) at
@@ -661,21 +669,18 @@ __device__ __forceinline__ void cut_full_buffers(uint64_t* warp_keys, bool owner
 }
 
 // The warp's owner buffers when this CTA holds a unit's every block: each vector's top k is the
-// answer (write_topk_row).
+// answer.
 __device__ __forceinline__ void write_own_answers(const IndexerParams& p, const uint64_t* warp_keys,
                                                   int count, const Unit& unit, int nvec) {
   const int warp = static_cast<int>(threadIdx.x) >> 5;
   const int H = p.heads;
-  const int k = p.topk;
   for (int slot = 0; slot < kSlotsPerWarp; ++slot) {
     const int n = warp + kWarps * slot;
     if (n >= nvec) break;
     const int cnt = __shfl_sync(0xFFFFFFFFu, count, slot);
     const uint64_t* keys = warp_keys + slot * kCap;
     const uint64_t top = warp_top64([&](int j) { return keys[j]; }, cnt);
-    int32_t* out = answer_row(p, unit.row0 + n / H, n % H);
-    write_topk_row(out, top, k);
-    order_answer(p, out);
+    write_key_answer(p, answer_row(p, unit.row0 + n / H, n % H), top);
   }
 }
 
@@ -1104,8 +1109,7 @@ __global__ void __launch_bounds__(kThreads, 2)
             const uint64_t top = warp_top_keys([&](int j) { return __ldcg(src + j); }, unit_slots,
                                                k, &s_keys[warp][0]);
             int32_t* out = answer_row(p, unit.row0 + n / H, n % H);
-            write_topk_row(out, top, k);
-            order_answer(p, out);
+            write_key_answer(p, out, top);
             __syncwarp();
           }
         }

@@ -1,6 +1,7 @@
 // Device building blocks of the indexer, tested directly: the warp top-k (every path: small sort,
-// threshold filter, repeated filter, streaming fallback) against std::sort, and the exact
-// e4m3 -> bf16 widening on all 256 byte values.
+// threshold filter, repeated filter, streaming fallback) and the merge kernel's histogram merge
+// (every key count it takes, adversarial score images, both output orders) against std::sort, and
+// the exact e4m3 -> bf16 widening on all 256 byte values.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +15,7 @@
 #include "cuda/indexer_kernel.cuh"
 #include "indexer_test_util.h"
 #include "m3msa/dtype.h"
+#include "m3msa/sort_key.h"
 
 namespace m3msa::idxtest {
 namespace {
@@ -23,6 +25,17 @@ __global__ void warp_top_keys_kernel(const uint64_t* keys, int count, int k, uin
   const uint64_t top =
       cuda::indexer::warp_top_keys([&](int i) { return keys[i]; }, count, k, scratch);
   out[threadIdx.x] = top;
+}
+
+// merge_by_histogram on one vector by one CTA; accepted[0] says whether it took the keys.
+__global__ void histogram_merge_kernel(const uint64_t* keys, int count, int k, int ascending,
+                                       int32_t* out, int* accepted) {
+  __shared__ __align__(16) uint8_t smem[cuda::indexer::kHistSmemBytes];
+  cuda::IndexerParams p;
+  p.topk = k;
+  p.out_ascending = ascending;
+  const bool took = cuda::indexer::merge_by_histogram(p, keys, count, smem, out);
+  if (threadIdx.x == 0) accepted[0] = took ? 1 : 0;
 }
 
 __global__ void widen_fp8_kernel(uint32_t* out) {
@@ -100,6 +113,141 @@ TEST(CudaIndexerBlocks, WarpTopKeysMatchesSort) {
       std::vector<uint64_t> flat(n);
       for (int i = 0; i < n; ++i) flat[i] = make_key(0xC0000000u, static_cast<uint32_t>(i));
       check_top("equal scores", flat, k);
+    }
+  }
+}
+
+// The answer rows the histogram merge must write: the blocks of the k largest keys (descending),
+// or with `ascending` the same blocks by ascending id, then -1.
+std::vector<int32_t> reference_blocks(std::vector<uint64_t> keys, int k, bool ascending) {
+  keys.erase(std::remove(keys.begin(), keys.end(), kNoCandidate), keys.end());
+  std::sort(keys.begin(), keys.end(), std::greater<uint64_t>());
+  std::vector<int32_t> blocks;
+  for (std::size_t i = 0; i < keys.size() && static_cast<int>(i) < k; ++i) {
+    blocks.push_back(key_block(keys[i]));
+  }
+  if (ascending) std::sort(blocks.begin(), blocks.end());
+  blocks.resize(static_cast<std::size_t>(k), -1);
+  return blocks;
+}
+
+// Runs the histogram merge on `keys`; false if it handed over (too many keys reach the boundary
+// bin), else the answer must equal the reference in both orders.
+bool histogram_merge_matches(const std::string& name, const std::vector<uint64_t>& keys, int k) {
+  cuda::DeviceBuffer d_keys(keys.size() * 8);
+  cuda::DeviceBuffer d_out(32 * 4);
+  cuda::DeviceBuffer d_accepted(4);
+  CUDA_CHECK(cudaMemcpy(d_keys.data(), keys.data(), keys.size() * 8, cudaMemcpyHostToDevice));
+  bool accepted_any = false;
+  for (int ascending : {0, 1}) {
+    CUDA_CHECK(cudaMemset(d_out.data(), 0x5A, 32 * 4));  // poison: every entry must be written
+    histogram_merge_kernel<<<1, cuda::indexer::kThreads>>>(
+        d_keys.as<uint64_t>(), static_cast<int>(keys.size()), k, ascending, d_out.as<int32_t>(),
+        d_accepted.as<int>());
+    CUDA_CHECK_LAUNCH();
+    int accepted = 0;
+    CUDA_CHECK(cudaMemcpy(&accepted, d_accepted.data(), 4, cudaMemcpyDeviceToHost));
+    if (accepted == 0) continue;
+    accepted_any = true;
+    std::vector<int32_t> got(32);
+    CUDA_CHECK(cudaMemcpy(got.data(), d_out.data(), 32 * 4, cudaMemcpyDeviceToHost));
+    const std::vector<int32_t> want = reference_blocks(keys, k, ascending != 0);
+    for (int i = 0; i < k; ++i) {
+      EXPECT_EQ(got[static_cast<std::size_t>(i)], want[static_cast<std::size_t>(i)])
+          << name << ": count " << keys.size() << " k " << k << " ascending " << ascending
+          << " entry " << i;
+    }
+    if (k < 32) {
+      EXPECT_EQ(got[static_cast<std::size_t>(k)], 0x5A5A5A5A)
+          << name << ": wrote past the answer's k entries";
+    }
+  }
+  return accepted_any;
+}
+
+TEST(CudaIndexerBlocks, HistogramMergeMatchesSort) {
+  M3MSA_INDEXER_REQUIRE_GPU();
+  Rng rng(17);
+  // Keys as the kernels make them: a score image, a unique block id; some slots empty (a CTA
+  // with fewer blocks than slots pads with kNoCandidate).
+  auto keys_of = [&](int n, const std::function<uint32_t(int)>& image, double empty_fraction) {
+    std::vector<uint64_t> keys(static_cast<std::size_t>(n));
+    for (int i = 0; i < n; ++i) {
+      const uint32_t block = static_cast<uint32_t>((i * 7919) % 1000003);
+      keys[static_cast<std::size_t>(i)] =
+          rng.uniform01() < empty_fraction ? kNoCandidate : make_key(image(i), block);
+    }
+    return keys;
+  };
+  auto gauss = [&] {
+    const double u = std::max(rng.uniform01(), 1e-12);
+    return std::sqrt(-2.0 * std::log(u)) * std::cos(6.283185307179586 * rng.uniform01());
+  };
+  for (int k : {1, 16, 32}) {
+    for (int n : {65, 100, 257, 1000, 1020, 1024, 2047, 2048, 3001, 4080, 4096}) {
+      const std::string at = " (n " + std::to_string(n) + ", k " + std::to_string(k) + ")";
+      // Uniform images: the boundary bin holds a few keys, so the histogram takes them.
+      const bool uniform = histogram_merge_matches(
+          "uniform" + at,
+          keys_of(
+              n, [&](int) { return static_cast<uint32_t>(rng.next()); }, 0.0),
+          k);
+      if (k <= 16 && n <= 1024) EXPECT_TRUE(uniform) << "uniform images" << at << " handed over";
+      // Gaussian scores, both signs, with empty slots, a NaN block and forced blocks.
+      histogram_merge_matches("gaussian, NaN, forced" + at,
+                              keys_of(
+                                  n,
+                                  [&](int i) {
+                                    if (i == 3) return 0u;                 // NaN: image 0
+                                    if (i % 97 == 5) return kForcedImage;  // forced blocks
+                                    return ordered_score(static_cast<float>(gauss()));
+                                  },
+                                  0.25),
+                              k);
+      // Lognormal scores (a long upper tail) and scores rising with the block.
+      histogram_merge_matches(
+          "lognormal" + at,
+          keys_of(
+              n, [&](int) { return ordered_score(static_cast<float>(std::exp(3 * gauss()))); },
+              0.0),
+          k);
+      histogram_merge_matches(
+          "rising" + at,
+          keys_of(
+              n, [&](int i) { return ordered_score(0.5f * static_cast<float>(i)); }, 0.0),
+          k);
+      // One outlier far above scores packed into a sliver of the range; -inf and +inf scores.
+      histogram_merge_matches("outlier" + at,
+                              keys_of(
+                                  n,
+                                  [&](int i) {
+                                    if (i == n / 2) return ordered_score(1e30f);
+                                    return ordered_score(1.0f + 1e-3f * static_cast<float>(i % 50));
+                                  },
+                                  0.0),
+                              k);
+      histogram_merge_matches("infinities" + at,
+                              keys_of(
+                                  n,
+                                  [&](int i) {
+                                    if (i % 3 == 0) return ordered_score(-INFINITY);
+                                    if (i % 11 == 0) return ordered_score(INFINITY);
+                                    return ordered_score(static_cast<float>(gauss()));
+                                  },
+                                  0.1),
+                              k);
+      // Ties on the score image across the boundary: blocks order them.
+      histogram_merge_matches(
+          "ties" + at,
+          keys_of(
+              n, [&](int i) { return ordered_score(static_cast<float>(i % 8)); }, 0.0),
+          k);
+      // Every score equal: one bin holds every key, so the merge must hand over.
+      EXPECT_FALSE(histogram_merge_matches("all equal" + at,
+                                           keys_of(
+                                               n, [](int) { return ordered_score(2.0f); }, 0.0),
+                                           k))
+          << "all equal" << at << ": taken with every key in one bin";
     }
   }
 }

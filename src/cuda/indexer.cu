@@ -99,7 +99,6 @@ __global__ void __launch_bounds__(kThreads, 2)
   enum { kStart, kSplitDone, kEnd };  // timeline marks (kIndexerMergeMarks)
   timeline::mark(p.timeline, kStart);
   const timeline::MarkOnExit end_mark{p.timeline, kEnd};
-  asm volatile("griddepcontrol.launch_dependents;\n" :::);  // as the split kernel does
   // The request's shape before the wait: seq_lens are inputs, complete before the split kernel
   // (an ordinary launch) started, so only the candidates wait for it.
   const int n = static_cast<int>(blockIdx.x);
@@ -112,6 +111,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int active = (unit.blocks + per - 1) / per;
   if (active == 1) return;
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  // A dependent (an attention launched with pdl) is released once the split kernel is done, so
+  // its CTAs start their prologue during this merge; released earlier, they would take SMs the
+  // split kernel's CTAs still need. (CTAs that return above release it by exiting.)
+  asm volatile("griddepcontrol.launch_dependents;\n" :::);
   timeline::mark(p.timeline, kSplitDone);
   const int k = p.topk;
   const int count = active * min(k, per);

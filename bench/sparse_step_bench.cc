@@ -8,7 +8,8 @@
 // Each configuration's data is timed under every pair of --indexer variant (default: the split
 // kernel with the merge placement the library picks; split-merge: the merge as a second,
 // programmatically dependent kernel; last-cta: the merge in the request's last CTA)
-// and --attention-tunings entry (attention.h, e.g. "default;pdl=1"); --tp times one rank's shapes
+// and --attention-tunings entry (attention.h, e.g. "default;pdl=1"; "default" is the runtime's
+// pick after the indexer, attention_tuning_after_indexer); --tp times one rank's shapes
 // under tensor parallelism (ModelConfig::sparse(tp): one index and one KV head from TP 4).
 //
 // Bytes (the floor): the indexer's (every visible index-K row once + queries + table + output, as
@@ -24,6 +25,7 @@
 #include <limits>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -60,7 +62,7 @@ struct StepOptions {
   std::vector<int> q_lens;
   std::vector<int> tps;
   std::vector<IndexerVariant> variants;
-  std::vector<cuda::AttentionTuning> tunings;
+  std::vector<std::optional<cuda::AttentionTuning>> tunings;  // none: the library's pick
   bool quick = false;
   bool timeline = false;
   int reps = 30;
@@ -91,7 +93,7 @@ int run_sparse_step_bench(int argc, char** argv) {
                  "kernel), last-cta (the merge in the request's last CTA)");
   app.add_option("--attention-tunings", opt.attention_tunings_text,
                  "';'-separated attention launcher tunings (attention.h: splitp, cluster, pdl, "
-                 "splits, rows; 'default' = the library default)");
+                 "splits, rows, early; 'default' = the runtime's pick after the indexer)");
   app.add_flag("--quick", opt.quick, "batch 1, 128K, q 1 only (the target point)");
   app.add_flag("--timeline", opt.timeline,
                "after timing, record one more step's stage stamps (the indexer's split and merge "
@@ -117,7 +119,7 @@ int run_sparse_step_bench(int argc, char** argv) {
   opt.tunings = parsed_list(
       "--attention-tunings", opt.attention_tunings_text,
       [](const std::string& item) {
-        return item == "default" ? cuda::default_attention_tuning()
+        return item == "default" ? std::optional<cuda::AttentionTuning>{}
                                  : cuda::AttentionTuning::parse(item);
       },
       ';');
@@ -237,7 +239,10 @@ int run_sparse_step_bench(int argc, char** argv) {
             stream.synchronize();
 
             for (IndexerVariant variant : opt.variants) {
-              for (const cuda::AttentionTuning& tuning : opt.tunings) {
+              for (const std::optional<cuda::AttentionTuning>& entry : opt.tunings) {
+                // "default": what the runtime launches after the indexer at these shapes.
+                const cuda::AttentionTuning tuning =
+                    entry ? *entry : cuda::attention_tuning_after_indexer(int64_t{batch} * q_len);
                 const std::string indexer_name =
                     variant == IndexerVariant::kSplitMerge     ? "split-merge"
                     : variant == IndexerVariant::kLastCtaMerge ? "last-cta"

@@ -343,6 +343,15 @@ AttentionTuning default_attention_tuning() {
   return AttentionTuning{};
 }
 
+AttentionTuning attention_tuning_after_indexer(int64_t rows) {
+  AttentionTuning t = default_attention_tuning();
+  if (rows == 1) {
+    t.pdl = true;
+    t.early_prologue = true;
+  }
+  return t;
+}
+
 AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, int64_t q_len,
                                       bool dense, bool fp8_kv, const AttentionTuning& tuning) {
   const DeviceShape& shape = device_shape();

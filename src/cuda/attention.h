@@ -10,7 +10,8 @@
 //    (num_reqs, q_len / num_tokens) and `config`, never on device contents.
 // The tuning knobs and the plan they lead to (AttentionTuning, attention_plan_info,
 // launch_attention_tuned) are for tests and benchmarks; launch_attention uses
-// default_attention_tuning().
+// default_attention_tuning(); a caller that launches the attention right after the indexer (the
+// runtime's sparse layer) uses attention_tuning_after_indexer().
 #pragma once
 
 #include <cuda_runtime.h>
@@ -71,6 +72,13 @@ struct AttentionTuning {
 
 // The tuning launch_attention uses.
 AttentionTuning default_attention_tuning();
+
+// The tuning for an attention launched right after launch_indexer in the same stream, so that the
+// indexer's last kernel is its previous kernel and writes nothing it reads but topk_idx (the
+// promise of early_prologue). One decode row in all (rows = requests x q_len): pdl +
+// early_prologue, the attention's prologue overlapping the indexer's merge (measured faster there,
+// slower from 4 rows: docs/benchmarks.md, sparse-step section); otherwise the default.
+AttentionTuning attention_tuning_after_indexer(int64_t rows);
 
 // The plan launch_attention uses for these host shapes.
 struct AttentionPlanInfo {

@@ -487,6 +487,7 @@ class GpuEngineImpl final : public GpuEngine {
     idx.index_cache = w.index_cache;
     idx.batch = step;
     idx.topk_idx = topk_view(rows);
+    bool attention_follows_indexer = false;  // the indexer is the attention's previous kernel
     const bool overlap = run_indexer && overlap_ &&
                          (config_.indexer_overlap == IndexerOverlap::kOn || step.q_len >= 2);
     if (overlap) {
@@ -522,6 +523,7 @@ class GpuEngineImpl final : public GpuEngine {
         cuda::launch_indexer(indexer_plan_, sc, idx, IndexerVariant::kFused, indexer_ws_.data(),
                              stream_);
         ++launches;
+        attention_follows_indexer = true;
       }
     }
 
@@ -533,7 +535,10 @@ class GpuEngineImpl final : public GpuEngine {
     att.batch = step;
     if (!dense) att.topk_idx = topk_view(rows);
     att.out = attn_view(rows);
-    cuda::launch_attention(sc, att, attention_ws_.data(), attention_ws_.bytes(), stream_);
+    cuda::launch_attention_tuned(sc, att, attention_ws_.data(), attention_ws_.bytes(), stream_,
+                                 attention_follows_indexer
+                                     ? cuda::attention_tuning_after_indexer(rows)
+                                     : cuda::default_attention_tuning());
     ++launches;
 
     const bool reduce = tp_size_ > 1;

@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "cuda/bulk_copy.cuh"
 #include "cuda/gemm_params.h"
 #include "m3msa/dtype.h"
 
@@ -410,6 +411,145 @@ __device__ __forceinline__ void tiles_accumulate(
       }
     }
   }
+  __syncthreads();
+}
+
+// ---- the streamed tile: the weights through a shared-memory ring ----
+// tile_accumulate keeps a warp's weight chunks in flight in registers (a few KB per warp at ~140
+// registers, 3 CTAs per SM: too few bytes in flight for HBM, whose latency then sets the rate).
+// Here the bulk-copy engine streams the tile's 16 weight rows through a ring of up to
+// kStreamSlots stages in dynamic shared memory (one copy per row and stage, issued by thread 0),
+// so a CTA keeps up to kStreamSlots x 16 KB in flight whatever its registers, and the warps read
+// each chunk from shared memory into the registers tile_accumulate loads it into. Warp w still
+// takes the 64-k chunks w, w + kWarps, ... in increasing order (a stage holds a multiple of kWarps
+// chunks), so the sums are tile_accumulate's (kSub 1) bits.
+inline constexpr int kStreamStageBytes = 1024;  // bytes of each weight row per stage
+inline constexpr int kMxBlock = 32;             // MXFP8: one e8m0 scale per 32 k
+// Row pitch in the ring: 16 bytes of padding put the 8 rows a warp reads at once (lanes g, 16-byte
+// reads at t * 16) in distinct 16-byte bank groups, so the reads are conflict-free.
+inline constexpr int kStreamRowPitch = kStreamStageBytes + 16;
+inline constexpr int kStreamSlots = 4;
+inline constexpr int kStreamBarrierBytes = 64;  // the slots' barriers, at the start
+inline constexpr int kStreamSlotBytes = kColsPerCta * kStreamRowPitch;
+
+// One streamed tile's operands: the activations as in TileOperands (this lane's rows g, g + 8),
+// the first of the 8 consecutive weight rows of each n8 tile (null: absent, read as zeros) and,
+// for MXFP8 (kMx), the first of their 8 consecutive scale rows (k / 32 bytes each). Requires
+// k % 64 == 0 and 16-byte aligned weight and scale rows (every row then is: k / 4 scale bytes per
+// 8 rows).
+struct StreamOperands {
+  const uint16_t* x_lo = nullptr;
+  const uint16_t* x_hi = nullptr;
+  const uint8_t* w_first[2] = {nullptr, nullptr};
+  const uint8_t* scale_first[2] = {nullptr, nullptr};
+  int k = 0;
+};
+
+// Stages of k per weight row, and the dynamic shared memory a streamed tile of that k takes: the
+// barriers, min(stages, kStreamSlots) ring slots, then the tile's MXFP8 scales (16 x k / 32).
+__host__ __device__ constexpr int stream_stages(int k, bool fp8) {
+  return (k * (fp8 ? 1 : 2) + kStreamStageBytes - 1) / kStreamStageBytes;
+}
+__host__ __device__ constexpr int stream_slots(int k, bool fp8) {
+  return stream_stages(k, fp8) < kStreamSlots ? stream_stages(k, fp8) : kStreamSlots;
+}
+__host__ __device__ constexpr int stream_smem_bytes(int k, bool fp8, bool mx) {
+  return kStreamBarrierBytes + stream_slots(k, fp8) * kStreamSlotBytes +
+         (mx ? kColsPerCta * (k / kMxBlock) : 0);
+}
+
+// The sums of one 16-column tile streamed through `smem` (stream_smem_bytes(op.k, kFp8, kMx)
+// bytes of dynamic shared memory, 128-byte aligned); every thread of the CTA calls it. Leaves warp
+// w's sums in s_red[w][row][col], the block synchronized; kFresh as for load_x.
+template <bool kFp8, int kWarps, bool kMx = false, bool kFresh = false>
+__device__ __forceinline__ void tile_accumulate_streamed(
+    const StreamOperands& op, uint8_t* smem,
+    float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
+  static_assert(!kMx || kFp8, "block scales are for fp8 weights");
+  constexpr int kElem = kFp8 ? 1 : 2;
+  constexpr int kStageK = kStreamStageBytes / kElem;
+  static_assert((kStageK / kChunk) % kWarps == 0, "a warp's chunks keep their order over stages");
+  const int k = op.k;
+  const int stages = stream_stages(k, kFp8);
+  const int slots = stream_slots(k, kFp8);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint8_t* ring = smem + kStreamBarrierBytes;
+  uint8_t* scales = ring + slots * kStreamSlotBytes;  // [16][k / 32]
+  const int scale_bytes = k / kMxBlock;            // per row
+  const int tid = static_cast<int>(threadIdx.x);
+  const bool col_ok[2] = {op.w_first[0] != nullptr, op.w_first[1] != nullptr};
+  const int tiles_present = (col_ok[0] ? 1 : 0) + (col_ok[1] ? 1 : 0);
+  const int64_t row_bytes = static_cast<int64_t>(k) * kElem;
+
+  // Stage s (thread 0): every present row's k0 .. k0 + stage bytes into slot s % slots; the
+  // first stage also brings the scales.
+  const auto fill = [&](int s) {
+    const int slot = s % slots;
+    const int k0 = s * kStageK;
+    const uint32_t bytes = static_cast<uint32_t>(min(kStageK, k - k0) * kElem);
+    uint32_t tx = tiles_present * 8 * bytes;
+    if (kMx && s == 0) tx += tiles_present * 8 * scale_bytes;
+    mbar_expect_tx(&full[slot], tx);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      if (!col_ok[j]) continue;
+      if (kMx && s == 0) {
+        bulk_copy(scales + j * 8 * scale_bytes, op.scale_first[j], 8 * scale_bytes, &full[slot]);
+      }
+      for (int r = 0; r < 8; ++r) {
+        bulk_copy(ring + slot * kStreamSlotBytes + (j * 8 + r) * kStreamRowPitch,
+                  op.w_first[j] + r * row_bytes + static_cast<int64_t>(k0) * kElem, bytes,
+                  &full[slot]);
+      }
+    }
+  };
+  if (tid == 0) {
+    for (int i = 0; i < slots; ++i) mbar_init(&full[i], 1);
+    mbar_init_fence();
+    if (tiles_present > 0) {
+      for (int s = 0; s < slots; ++s) fill(s);
+    }
+  }
+  __syncthreads();  // the barriers' inits before anyone waits on them
+
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  float acc[2][4] = {};
+  uint32_t nan_bits[2] = {0u, 0u};
+  for (int s = 0; s < stages && tiles_present > 0; ++s) {
+    const int slot = s % slots;
+    mbar_wait(&full[slot], static_cast<uint32_t>(s / slots) & 1u);
+    const int k0 = s * kStageK;
+    const int chunks = min(kStageK, k - k0) / kChunk;
+    const uint8_t* stage = ring + slot * kStreamSlotBytes;
+    for (int c = warp; c < chunks; c += kWarps) {
+      ChunkRegs<kFp8, 1, kMx> regs;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int row = j * 8 + g;
+        const uint8_t* src = stage + row * kStreamRowPitch + c * kChunk * kElem + t * 16;
+        if (col_ok[j]) {
+          regs.w[0][j].v[0] = *reinterpret_cast<const uint4*>(src);
+          if constexpr (!kFp8) regs.w[0][j].v[1] = *reinterpret_cast<const uint4*>(src + 64);
+          if constexpr (kMx) {
+            regs.scale[0][j] =
+                e8m0_to_bf16x2(scales[row * scale_bytes + (k0 + c * kChunk + t * 16) / kMxBlock]);
+          }
+        } else {
+#pragma unroll
+          for (int i = 0; i < (kFp8 ? 1 : 2); ++i) regs.w[0][j].v[i] = make_uint4(0, 0, 0, 0);
+          if constexpr (kMx) regs.scale[0][j] = 0u;
+        }
+      }
+      mma_chunk<kFp8, 1, kMx, kFresh>(op.x_lo, op.x_hi, static_cast<int64_t>(k0) + c * kChunk, t,
+                                      regs, acc, nan_bits);
+    }
+    __syncthreads();  // the slot's readers are done: it may be filled again
+    if (tid == 0 && s + slots < stages) fill(s + slots);
+  }
+  store_warp_sums<kFp8>(acc, nan_bits, s_red[warp]);
   __syncthreads();
 }
 

@@ -30,6 +30,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "cuda/bulk_copy.cuh"
 #include "cuda/indexer_params.h"
 #include "cuda/timeline.cuh"
 #include "m3msa/sort_key.h"
@@ -1140,36 +1141,6 @@ __global__ void __launch_bounds__(kThreads, 2)
 // zero before the launch (left zero after it), 16-byte aligned cache pages.
 inline constexpr int kSplitRingBytes = 64 * 1024;  // 2 CTAs per SM
 
-__device__ __forceinline__ uint32_t smem_u32(const void* ptr) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)),
-               "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n\t.reg .pred done;\n"
-      "wait_%=:\n\t"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n\t"
-      "@!done bra wait_%=;\n\t}" ::"r"(smem_u32(bar)),
-      "r"(parity)
-      : "memory");
-}
-// One page, global -> shared, completion counted in bytes on `bar`.
-__device__ __forceinline__ void bulk_copy_page(void* dst, const void* src, uint32_t bytes,
-                                               uint64_t* bar) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-          "r"(smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar))
-      : "memory");
-}
-
 template <bool kFp8, int kNT, bool kQ8 = false>
 __global__ void __launch_bounds__(kThreads, 2)
     indexer_split_kernel(const __grid_constant__ IndexerParams p) {
@@ -1238,11 +1209,11 @@ __global__ void __launch_bounds__(kThreads, 2)
   if (tid == 0) {
 #pragma unroll
     for (int d = 0; d < kRing; ++d) mbar_init(&s_full[d], 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    mbar_init_fence();
     for (int d = 0; d < kRing && d < nblk; ++d) {
       const int page = checked_page(table_row[d]);
       mbar_expect_tx(&s_full[d], kPageBytes);
-      bulk_copy_page(s_ring + d * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
+      bulk_copy(s_ring + d * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
                      kPageBytes, &s_full[d]);
     }
   }
@@ -1279,7 +1250,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int page = checked_page(next_page);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       mbar_expect_tx(&s_full[slot], kPageBytes);
-      bulk_copy_page(s_ring + slot * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
+      bulk_copy(s_ring + slot * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
                      kPageBytes, &s_full[slot]);
     }
     if (scores_only) {

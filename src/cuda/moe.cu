@@ -28,11 +28,46 @@ bool use_tensor_cores(const MoeParams& p) {
          p.shared.inter % kChunk == 0;
 }
 
+// The streamed kernels (MoeParams::stream) where they apply: bulk copies need 16-byte aligned
+// scale rows (the weights' alignment is checked for every launch), and a K whose ring and scales
+// fit the shared memory.
+bool use_stream(const MoeParams& p) {
+  if (!p.stream || !use_tensor_cores(p)) return false;
+  const int ks[] = {p.hidden, p.experts.inter, p.shared.inter};
+  for (int k : ks) {
+    if (k > kMoeStreamMaxK) return false;
+  }
+  if (!p.fp8) return true;
+  const uint8_t* scales[] = {p.experts.w13_scale, p.experts.w2_scale, p.shared.w13_scale,
+                             p.shared.w2_scale};
+  for (const uint8_t* ptr : scales) {
+    if (ptr != nullptr && !aligned16(ptr)) return false;
+  }
+  return true;
+}
+
+// Dynamic shared memory of a streamed kernel with reduction dimension k; raises the kernel's
+// limit on this device the first time it needs more than the default 48 KB.
+std::size_t stream_smem(void (*kernel)(MoeParams), int k, bool fp8) {
+  const int bytes = gemm::stream_smem_bytes(k, fp8, fp8);
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::pair<int, void (*)(MoeParams)>, int> limits;
+  std::lock_guard<std::mutex> lock(mutex);
+  int& limit = limits[{device, kernel}];
+  if (bytes > limit) {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    limit = bytes;
+  }
+  return static_cast<std::size_t>(bytes);
+}
+
 // One launch of a moe kernel; with p.pdl as a programmatic dependent of the previous kernel in the
 // stream (each kernel waits for it on the device before its first read).
 void launch_kernel(void (*kernel)(MoeParams), dim3 grid, unsigned threads, const MoeParams& p,
-                   cudaStream_t stream) {
-  launch_kernel_ex(kernel, grid, dim3(threads), 0, stream, p.pdl, p);
+                   cudaStream_t stream, std::size_t smem = 0) {
+  launch_kernel_ex(kernel, grid, dim3(threads), smem, stream, p.pdl, p);
 }
 
 // The gate/up and down launches over `routed` expert slots plus the shared expert's (or the dense
@@ -67,9 +102,28 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
             ? (p.fp8 ? moe::moe_down_mma_kernel<true, true> : moe::moe_down_mma_kernel<false, true>)
             : (p.fp8 ? moe::moe_down_mma_kernel<true, false>
                      : moe::moe_down_mma_kernel<false, false>);
-    if (gate_up_sets > 0)
-      launch_kernel(gate_up_kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream);
-    launch_kernel(down_kernel, down_grid, moe::kMmaThreads, down, stream);
+    const bool stream_gate_up = use_stream(p) && !p.deep;
+    const bool stream_down = use_stream(p) && !p.deep && !down_tiled;
+    if (gate_up_sets > 0) {
+      if (stream_gate_up) {
+        const auto kernel = p.fp8 ? moe::moe_gate_up_stream_kernel<true>
+                                  : moe::moe_gate_up_stream_kernel<false>;
+        launch_kernel(kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream,
+                      stream_smem(kernel, p.hidden, p.fp8));
+      } else {
+        launch_kernel(gate_up_kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream);
+      }
+    }
+    if (stream_down) {
+      const auto kernel =
+          p.fp8 ? moe::moe_down_stream_kernel<true> : moe::moe_down_stream_kernel<false>;
+      const int k = std::max(routed > 0 ? p.experts.inter : 0,  // the slots' largest K
+                             down.shared_slot ? p.shared.inter : 0);
+      launch_kernel(kernel, down_grid, moe::kMmaThreads, down, stream,
+                    stream_smem(kernel, k, p.fp8));
+    } else {
+      launch_kernel(down_kernel, down_grid, moe::kMmaThreads, down, stream);
+    }
     return;
   }
   M3MSA_CHECK_INTERNAL(shared_gate_up || !has_shared,
@@ -256,10 +310,16 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
   const bool shared_beside_router = use_tensor_cores(p) && p.shared.inter > 0;
   if (shared_beside_router) {
     const int shared_ctas = (p.shared.inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows;
-    const auto kernel =
-        p.fp8 ? moe::moe_route_and_shared_kernel<true> : moe::moe_route_and_shared_kernel<false>;
-    launch_kernel(kernel, dim3(static_cast<unsigned>(p.num_experts + shared_ctas)),
-                  moe::kMmaThreads, p, stream);
+    const dim3 grid(static_cast<unsigned>(p.num_experts + shared_ctas));
+    if (use_stream(p)) {
+      const auto kernel = p.fp8 ? moe::moe_route_and_shared_kernel<true, true>
+                                : moe::moe_route_and_shared_kernel<false, true>;
+      launch_kernel(kernel, grid, moe::kMmaThreads, p, stream, stream_smem(kernel, p.hidden, p.fp8));
+    } else {
+      const auto kernel = p.fp8 ? moe::moe_route_and_shared_kernel<true, false>
+                                : moe::moe_route_and_shared_kernel<false, false>;
+      launch_kernel(kernel, grid, moe::kMmaThreads, p, stream);
+    }
   } else {
     launch_kernel(moe::moe_route_logits_kernel, dim3(static_cast<unsigned>(p.num_experts)),
                   moe::kRouteThreads, p, stream);

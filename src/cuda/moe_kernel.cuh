@@ -523,6 +523,10 @@ inline constexpr int kMmaDeepMinCtasPerSm = 4;
 // registers without a spill with the ring's bookkeeping; one chunk more spills).
 template <bool kFp8>
 inline constexpr int kMmaTiledChunksInFlight = kFp8 ? 5 : 4;
+// The streamed kernels (MoeParams::stream): at most 128 registers, so the shared memory (a 4-slot
+// ring of 16 weight rows x 1 KB: ~70 KB for K >= 4096) sets how many fit an SM (3 for the gate/up
+// of M3's hidden, more for the short down rows of TP 4 / 8 ranks).
+inline constexpr int kStreamMinCtasPerSm = 4;
 
 // The weight rows of a w13 / w2 matrix in bytes, and their MXFP8 scale rows.
 template <bool kFp8>
@@ -536,30 +540,51 @@ __device__ __forceinline__ const uint8_t* scale_row(const uint8_t* scales, int64
 
 // One gate/up tile (rows j0 .. j0 + 7 of gate and up) of expert e (the shared expert: e = 0 of
 // p.shared) for the ntok listed tokens, with the activation stored.
-template <bool kFp8, int kInFlight>
+// kStream: the weights stream through `stream_smem` (gemm::tile_accumulate_streamed, the same
+// bits; intermediates a multiple of 8, so every tile is whole), else the register ring.
+template <bool kFp8, int kInFlight, bool kStream = false>
 __device__ __forceinline__ void gate_up_tile(
     const MoeParams& p, bool shared, int64_t e, int ntok, const int* tok_row, const int* tok_slot,
-    int j0, float (&s_red)[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1]) {
+    int j0, float (&s_red)[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1],
+    uint8_t* stream_smem = nullptr) {
   const MoeExpertSet& set = shared ? p.shared : p.experts;
   const int I = set.inter;
   if (j0 >= I) return;
   const int H = p.hidden;
   const int g = (threadIdx.x & 31) >> 2;
-  gemm::TileOperands op;
-  op.x_lo = g < ntok ? p.x + static_cast<int64_t>(tok_row[g]) * H : nullptr;
-  op.x_hi = g + 8 < ntok ? p.x + static_cast<int64_t>(tok_row[g + 8]) * H : nullptr;
-  if (j0 + g < I) {
-    const int64_t gate = e * 2 * I + j0 + g;  // column g of the first n8 tile
-    const int64_t up = gate + I;              // column g of the second
-    op.w_row[0] = weight_row<kFp8>(set.w13, gate, H);
-    op.w_row[1] = weight_row<kFp8>(set.w13, up, H);
+  const uint16_t* x_lo = g < ntok ? p.x + static_cast<int64_t>(tok_row[g]) * H : nullptr;
+  const uint16_t* x_hi = g + 8 < ntok ? p.x + static_cast<int64_t>(tok_row[g + 8]) * H : nullptr;
+  if constexpr (kStream) {
+    gemm::StreamOperands op;
+    op.x_lo = x_lo;
+    op.x_hi = x_hi;
+    const int64_t gate = e * 2 * I + j0;  // the first n8 tile's rows: gate rows j0 ..
+    const int64_t up = gate + I;          // the second's: the matching up rows
+    op.w_first[0] = weight_row<kFp8>(set.w13, gate, H);
+    op.w_first[1] = weight_row<kFp8>(set.w13, up, H);
     if constexpr (kFp8) {
-      op.scale_row[0] = scale_row(set.w13_scale, gate, H);
-      op.scale_row[1] = scale_row(set.w13_scale, up, H);
+      op.scale_first[0] = scale_row(set.w13_scale, gate, H);
+      op.scale_first[1] = scale_row(set.w13_scale, up, H);
     }
+    op.k = H;
+    gemm::tile_accumulate_streamed<kFp8, kMmaWarps, kFp8>(op, stream_smem, s_red);
+  } else {
+    gemm::TileOperands op;
+    op.x_lo = x_lo;
+    op.x_hi = x_hi;
+    if (j0 + g < I) {
+      const int64_t gate = e * 2 * I + j0 + g;  // column g of the first n8 tile
+      const int64_t up = gate + I;              // column g of the second
+      op.w_row[0] = weight_row<kFp8>(set.w13, gate, H);
+      op.w_row[1] = weight_row<kFp8>(set.w13, up, H);
+      if constexpr (kFp8) {
+        op.scale_row[0] = scale_row(set.w13_scale, gate, H);
+        op.scale_row[1] = scale_row(set.w13_scale, up, H);
+      }
+    }
+    op.chunks = H / gemm::kChunk;
+    gemm::tile_accumulate<kFp8, kInFlight, false, kMmaWarps, 1, kFp8>(op, s_red);
   }
-  op.chunks = H / gemm::kChunk;
-  gemm::tile_accumulate<kFp8, kInFlight, false, kMmaWarps, 1, kFp8>(op, s_red);
   // s_red[w][token][jj]: warp w's gate sum of row j0 + jj, at jj + 8 its up sum.
   for (int o = threadIdx.x; o < kSkinnyMaxRows * kMmaGateUpRows; o += kMmaThreads) {
     const int r = o / kMmaGateUpRows;
@@ -597,13 +622,33 @@ __global__ void __launch_bounds__(kMmaThreads, kDeep ? kMmaDeepMinCtasPerSm : 1)
                                                       tok_slot, blockIdx.x * kMmaGateUpRows, s_red);
 }
 
+// The same grid with the weights streamed through shared memory (MoeParams::stream; dynamic
+// shared memory gemm::stream_smem_bytes(hidden, ...)); the same bits.
+template <bool kFp8>
+__global__ void __launch_bounds__(kMmaThreads, kStreamMinCtasPerSm)
+    moe_gate_up_stream_kernel(const __grid_constant__ MoeParams p) {
+  extern __shared__ __align__(128) uint8_t s_stream[];
+  __shared__ int tok_row[kMoeMaxRows];
+  __shared__ int tok_slot[kMoeMaxRows];
+  __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  int ex = -1;
+  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
+  const bool shared = ex == p.num_experts;
+  gate_up_tile<kFp8, 0, true>(p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot,
+                              blockIdx.x * kMmaGateUpRows, s_red, s_stream);
+}
+
 // The router's logits (CTAs 0 .. E - 1, one expert each) beside the shared expert's gate/up tiles
 // (the CTAs after them), which need no routing: one launch, so the shared expert's weights stream
 // while the router reads its gate.
-template <bool kFp8>
+// kStream: the shared expert's tiles stream their weights (dynamic shared memory
+// gemm::stream_smem_bytes(hidden, ...)).
+template <bool kFp8, bool kStream>
 __global__ void __launch_bounds__(kMmaThreads)
     moe_route_and_shared_kernel(const __grid_constant__ MoeParams p) {
   static_assert(kMmaThreads == kRouteThreads, "one CTA size for both halves");
+  extern __shared__ __align__(128) uint8_t s_stream[];
   __shared__ float partial[kRouteWarps][kMoeMaxRows];
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
@@ -617,8 +662,9 @@ __global__ void __launch_bounds__(kMmaThreads)
   }
   list_every_row(p, tok_row, tok_slot);
   __syncthreads();
-  gate_up_tile<kFp8, kMmaChunksInFlight<kFp8, false>>(
-      p, true, 0, p.rows, tok_row, tok_slot, (cta - p.num_experts) * kMmaGateUpRows, s_red);
+  gate_up_tile<kFp8, kMmaChunksInFlight<kFp8, false>, kStream>(
+      p, true, 0, p.rows, tok_row, tok_slot, (cta - p.num_experts) * kMmaGateUpRows, s_red,
+      s_stream);
 }
 
 // kTiles x 16 hidden rows n0.. of the down projection of expert `ex` (the shared expert: E) for
@@ -626,10 +672,14 @@ __global__ void __launch_bounds__(kMmaThreads)
 // (gemm::tiles_accumulate; each tile's bits as with kTiles 1); the caller takes them only where
 // every tile is present (hidden a multiple of kTiles x 16). kFresh: the activations were written
 // earlier in the same launch (the persistent kernel).
-template <bool kFp8, int kInFlight, int kTiles, bool kFresh = false>
+// kStream (kTiles 1): the weights stream through `stream_smem` (gemm::tile_accumulate_streamed,
+// the same bits; hidden a multiple of 16, so every tile is whole).
+template <bool kFp8, int kInFlight, int kTiles, bool kFresh = false, bool kStream = false>
 __device__ __forceinline__ void down_tiles(
     const MoeParams& p, int ex, int ntok, const int* tok_row, const int* tok_slot, int n0,
-    float (&s_red)[kTiles][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1]) {
+    float (&s_red)[kTiles][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1],
+    uint8_t* stream_smem = nullptr) {
+  static_assert(!kStream || (kTiles == 1 && !kFresh), "the streamed tile is one tile");
   constexpr int kCols = kTiles * gemm::kColsPerCta;
   const bool shared = ex == p.num_experts;
   const MoeExpertSet& set = shared ? p.shared : p.experts;
@@ -654,7 +704,19 @@ __device__ __forceinline__ void down_tiles(
     }
   }
   op.chunks = I / gemm::kChunk;
-  if constexpr (kTiles == 1 && !kFresh) {
+  if constexpr (kStream) {
+    gemm::StreamOperands so;
+    so.x_lo = op.x_lo;
+    so.x_hi = op.x_hi;
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int n = n0 + j * 8;  // the n8 tile's first row
+      so.w_first[j] = weight_row<kFp8>(set.w2, e * H + n, I);
+      if constexpr (kFp8) so.scale_first[j] = scale_row(set.w2_scale, e * H + n, I);
+    }
+    so.k = I;
+    gemm::tile_accumulate_streamed<kFp8, kMmaWarps, kFp8>(so, stream_smem, s_red[0]);
+  } else if constexpr (kTiles == 1 && !kFresh) {
     gemm::tile_accumulate<kFp8, kInFlight, false, kMmaWarps, 1, kFp8>(op, s_red[0]);
   } else {
     const int64_t tile_rows = gemm::kColsPerCta;
@@ -694,6 +756,23 @@ __global__ void __launch_bounds__(kMmaThreads, (kDeep || kTiles > 1) ? kMmaDeepM
   const int n0 = blockIdx.x * kTiles * gemm::kColsPerCta;
   if (n0 >= p.hidden) return;
   down_tiles<kFp8, kInFlight, kTiles>(p, ex, ntok, tok_row, tok_slot, n0, s_red);
+}
+
+// The down projection's grid with the weights streamed through shared memory (MoeParams::stream;
+// dynamic shared memory gemm::stream_smem_bytes(inter, ...)); the same bits.
+template <bool kFp8>
+__global__ void __launch_bounds__(kMmaThreads, kStreamMinCtasPerSm)
+    moe_down_stream_kernel(const __grid_constant__ MoeParams p) {
+  extern __shared__ __align__(128) uint8_t s_stream[];
+  __shared__ int tok_row[kMoeMaxRows];
+  __shared__ int tok_slot[kMoeMaxRows];
+  __shared__ float s_red[1][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  int ex = -1;
+  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
+  const int n0 = blockIdx.x * gemm::kColsPerCta;
+  if (n0 >= p.hidden) return;
+  down_tiles<kFp8, 0, 1, false, true>(p, ex, ntok, tok_row, tok_slot, n0, s_red, s_stream);
 }
 
 // out[r, n] = sum_i w_i y[r, i, n] + y[r, k, n] in pick order with unfused fp32 operations (the

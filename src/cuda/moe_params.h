@@ -13,6 +13,7 @@ inline constexpr int kMoeMaxExperts = 4096;  // routed experts the kernels take
 inline constexpr int kMoeWarps = 8;          // warps per CTA of every moe kernel
 inline constexpr int kMoeRowsPerWarp = 2;    // output rows (j or n) per warp and pass
 inline constexpr int kMoeDownTiles = 4;      // MoeParams::down_tiles above 1
+inline constexpr int kMoeStreamMaxK = 65536;  // MoeParams::stream: the largest hidden / intermediate
 // Sticky bits of the persistent kernel's status word (moe_status_word in moe.h).
 inline constexpr uint32_t kMoeStatusTimeout = 1u;  // a wait for other items gave up: wrong output
 
@@ -36,6 +37,12 @@ struct MoeParams {
   // The expert projections on tensor cores (moe_*_mma_kernel) where hidden and the intermediates
   // are multiples of 64; false, or other shapes: the fp32 FMA kernels.
   bool tensor_cores = true;
+  // The tensor-core launches of the expert projections that keep one tile per CTA (not deep, one
+  // down tile) stream the weights through a ring in shared memory with the bulk-copy engine
+  // (moe_*_stream_kernel: tens of KB in flight per CTA; the same bits as the register ring).
+  // Taken where the MXFP8 scale tensors are 16-byte aligned and K <= kMoeStreamMaxK; else, or
+  // false, the register ring (moe_*_mma_kernel).
+  bool stream = true;
   // Each kernel launched as a programmatic dependent of the previous one in the stream (PDL): the
   // next kernel is scheduled while this one finishes and waits on the device. Off by default
   // until measured (bench moe --kernels mma,mma+pdl).

@@ -47,12 +47,13 @@ HostTensor host_of(const TensorView& v) {
   return t;
 }
 
-// The kernel choices every case runs: tensor cores (where the shapes allow), the fp32 FMA
+// The kernel choices every case runs: tensor cores (where the shapes allow; the weights streamed
+// through shared memory), the same with the register ring (MoeParams::stream off), the fp32 FMA
 // kernels, tensor cores with programmatic dependent launches, tensor cores with more chunks in
 // flight (MoeParams::deep), the down projection's tiles sharing one load ring
 // (MoeParams::down_tiles), and the whole MoE in one persistent launch (MoeParams::persistent,
-// twice, so a launch after one that ran finds the counters reset); the last ones must give mma's
-// bits (the first choice).
+// twice, so a launch after one that ran finds the counters reset); the register ring and the last
+// ones must give mma's bits (the first choice).
 struct KernelChoice {
   bool tensor_cores;
   bool pdl;
@@ -60,10 +61,12 @@ struct KernelChoice {
   int down_tiles;
   bool persistent;
   const char* name;
-  bool same_bits_as_mma() const { return deep || down_tiles > 1 || persistent; }
+  bool stream = true;  // MoeParams::stream (false: the register ring)
+  bool same_bits_as_mma() const { return deep || down_tiles > 1 || persistent || !stream; }
 };
 constexpr KernelChoice kKernelChoices[] = {
     {true, false, false, 1, false, "mma"},
+    {true, false, false, 1, false, "mma-ring", false},
     {false, false, false, 1, false, "fma"},
     {true, true, false, 1, false, "mma+pdl"},
     {true, false, true, 1, false, "mma-deep"},
@@ -272,6 +275,7 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       p.deep = kernels.deep;
       p.down_tiles = kernels.down_tiles;
       p.persistent = kernels.persistent;
+      p.stream = kernels.stream;
       cuda::Stream stream;
       cuda::launch_moe(p, stream.get());
       if (kernels.persistent) {  // again, on counters the first launch reset
@@ -429,6 +433,7 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
       p.pdl = kernels.pdl;
       p.deep = kernels.deep;
       p.down_tiles = kernels.down_tiles;
+      p.stream = kernels.stream;
       cuda::Stream stream;
       cuda::launch_dense_mlp(p, stream.get());
       stream.synchronize();

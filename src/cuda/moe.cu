@@ -28,16 +28,17 @@ bool use_tensor_cores(const MoeParams& p) {
          p.shared.inter % kChunk == 0;
 }
 
-// The streamed kernels (MoeParams::stream) where they apply: bulk copies need 16-byte aligned
-// scale rows (the weights' alignment is checked for every launch), and a K whose ring and scales
-// fit the shared memory.
+// The streamed kernels (MoeParams::stream) where they are taken: MXFP8 weights of the MoE (with
+// bf16 weights or in the dense MLP they measured slower than the register ring: the bf16 loop
+// issues fewer instructions per byte, and the dense MLP's few long down rows wait on the short
+// ring); bulk copies need 16-byte aligned scale rows (the weights' alignment is checked for every
+// launch), and a K whose ring and scales fit the shared memory.
 bool use_stream(const MoeParams& p) {
-  if (!p.stream || !use_tensor_cores(p)) return false;
+  if (!p.stream || !p.fp8 || p.num_experts == 0 || !use_tensor_cores(p)) return false;
   const int ks[] = {p.hidden, p.experts.inter, p.shared.inter};
   for (int k : ks) {
     if (k > kMoeStreamMaxK) return false;
   }
-  if (!p.fp8) return true;
   const uint8_t* scales[] = {p.experts.w13_scale, p.experts.w2_scale, p.shared.w13_scale,
                              p.shared.w2_scale};
   for (const uint8_t* ptr : scales) {
@@ -106,8 +107,7 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
     const bool stream_down = use_stream(p) && !p.deep && !down_tiled;
     if (gate_up_sets > 0) {
       if (stream_gate_up) {
-        const auto kernel = p.fp8 ? moe::moe_gate_up_stream_kernel<true>
-                                  : moe::moe_gate_up_stream_kernel<false>;
+        const auto kernel = moe::moe_gate_up_stream_kernel<true>;  // MXFP8 only (use_stream)
         launch_kernel(kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream,
                       stream_smem(kernel, p.hidden, p.fp8));
       } else {
@@ -115,8 +115,7 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
       }
     }
     if (stream_down) {
-      const auto kernel =
-          p.fp8 ? moe::moe_down_stream_kernel<true> : moe::moe_down_stream_kernel<false>;
+      const auto kernel = moe::moe_down_stream_kernel<true>;
       const int k = std::max(routed > 0 ? p.experts.inter : 0,  // the slots' largest K
                              down.shared_slot ? p.shared.inter : 0);
       launch_kernel(kernel, down_grid, moe::kMmaThreads, down, stream,
@@ -312,8 +311,7 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
     const int shared_ctas = (p.shared.inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows;
     const dim3 grid(static_cast<unsigned>(p.num_experts + shared_ctas));
     if (use_stream(p)) {
-      const auto kernel = p.fp8 ? moe::moe_route_and_shared_kernel<true, true>
-                                : moe::moe_route_and_shared_kernel<false, true>;
+      const auto kernel = moe::moe_route_and_shared_kernel<true, true>;
       launch_kernel(kernel, grid, moe::kMmaThreads, p, stream, stream_smem(kernel, p.hidden, p.fp8));
     } else {
       const auto kernel = p.fp8 ? moe::moe_route_and_shared_kernel<true, false>

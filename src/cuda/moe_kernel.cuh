@@ -523,9 +523,10 @@ inline constexpr int kMmaDeepMinCtasPerSm = 4;
 // registers without a spill with the ring's bookkeeping; one chunk more spills).
 template <bool kFp8>
 inline constexpr int kMmaTiledChunksInFlight = kFp8 ? 5 : 4;
-// The streamed kernels (MoeParams::stream): at most 128 registers, so the shared memory (a 4-slot
-// ring of 16 weight rows x 1 KB: ~70 KB for K >= 4096) sets how many fit an SM (3 for the gate/up
-// of M3's hidden, more for the short down rows of TP 4 / 8 ranks).
+// The streamed kernels (MoeParams::stream): at most 128 registers (ptxas: ~70), so the shared
+// memory (a 2-slot ring of 16 weight rows x 1 KB, the tile's scales, the warps' sums: ~41 KB for
+// M3's hidden) sets how many fit an SM (5 for the gate/up, more for TP 4 / 8 ranks' short down
+// rows).
 inline constexpr int kStreamMinCtasPerSm = 4;
 
 // The weight rows of a w13 / w2 matrix in bytes, and their MXFP8 scale rows.

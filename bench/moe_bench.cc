@@ -23,8 +23,8 @@
 // (copy 0, input 0): every output finite, a guard row after it still poisoned; with both kernel
 // kinds requested, mma against fma within |a - b| <= max|fma row| / 128 + 1e-6 (the bound of
 // tests/cuda/moe_kernel_test.cc against the CPU oracle); mma-ring, mma-deep, mma-down4 and
-// mma-persistent give mma's bits; one launch captured in a graph and replayed over the poisoned output gives the
-// eager bits. A failure exits 1 after the run.
+// mma-persistent give mma's bits; one launch captured in a graph and replayed over the poisoned
+// output gives the eager bits. A failure exits 1 after the run.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -197,7 +197,8 @@ int run_moe_bench(int argc, char** argv) {
   app.add_option("--kernels", opt.kernels_text,
                  "comma-separated expert projections: mma (tensor cores, the weights streamed "
                  "through shared memory), mma-ring (tensor cores, the weights in a register "
-                 "ring: MoeParams::stream off), fma (fp32 FMA kernels), mma+pdl (tensor cores, programmatic dependent launches), mma-deep (tensor cores "
+                 "ring: MoeParams::stream off), fma (fp32 FMA kernels), mma+pdl (tensor cores, "
+                 "programmatic dependent launches), mma-deep (tensor cores "
                  "at 4 CTAs per SM with more weight chunks in flight: MoeParams::deep), mma-down4 "
                  "(four down tiles per CTA over one load ring: MoeParams::down_tiles), "
                  "mma-persistent (the whole MoE in one launch: MoeParams::persistent; the dense "
@@ -227,9 +228,9 @@ int run_moe_bench(int argc, char** argv) {
   for (int tp : opt.tp) require_ffn_split("--tp", tp);
   opt.tokens = int_list("--tokens", opt.tokens_text, 1, cuda::kMoeMaxRows);
   opt.dtypes = choice_list("--dtypes", opt.dtypes_text, {"bf16", "mxfp8"});
-  opt.kernels = choice_list("--kernels", opt.kernels_text,
-                            {"mma", "mma-ring", "fma", "mma+pdl", "mma-deep", "mma-down4",
-                             "mma-persistent"});
+  opt.kernels =
+      choice_list("--kernels", opt.kernels_text,
+                  {"mma", "mma-ring", "fma", "mma+pdl", "mma-deep", "mma-down4", "mma-persistent"});
   opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
   require_range("--reps", opt.reps, 1);
   require_range("--min-launches", opt.min_launches, 1);

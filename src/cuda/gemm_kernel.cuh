@@ -479,7 +479,7 @@ __device__ __forceinline__ void tile_accumulate_streamed(
   uint64_t* full = reinterpret_cast<uint64_t*>(smem);
   uint8_t* ring = smem + kStreamBarrierBytes;
   uint8_t* scales = ring + slots * kStreamSlotBytes;  // [16][k / 32]
-  const int scale_bytes = k / kMxBlock;            // per row
+  const int scale_bytes = k / kMxBlock;               // per row
   const int tid = static_cast<int>(threadIdx.x);
   const bool col_ok[2] = {op.w_first[0] != nullptr, op.w_first[1] != nullptr};
   const int tiles_present = (col_ok[0] ? 1 : 0) + (col_ok[1] ? 1 : 0);

@@ -1214,7 +1214,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int page = checked_page(table_row[d]);
       mbar_expect_tx(&s_full[d], kPageBytes);
       bulk_copy(s_ring + d * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
-                     kPageBytes, &s_full[d]);
+                kPageBytes, &s_full[d]);
     }
   }
   // Query vectors -> B fragments (staged through s_keys, free until the first block).
@@ -1251,7 +1251,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       mbar_expect_tx(&s_full[slot], kPageBytes);
       bulk_copy(s_ring + slot * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
-                     kPageBytes, &s_full[slot]);
+                kPageBytes, &s_full[slot]);
     }
     if (scores_only) {
       if (owner && lb < own_blocks) {

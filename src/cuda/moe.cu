@@ -312,7 +312,8 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>(p.num_experts + shared_ctas));
     if (use_stream(p)) {
       const auto kernel = moe::moe_route_and_shared_kernel<true, true>;
-      launch_kernel(kernel, grid, moe::kMmaThreads, p, stream, stream_smem(kernel, p.hidden, p.fp8));
+      launch_kernel(kernel, grid, moe::kMmaThreads, p, stream,
+                    stream_smem(kernel, p.hidden, p.fp8));
     } else {
       const auto kernel = p.fp8 ? moe::moe_route_and_shared_kernel<true, false>
                                 : moe::moe_route_and_shared_kernel<false, false>;

@@ -13,7 +13,8 @@ inline constexpr int kMoeMaxExperts = 4096;  // routed experts the kernels take
 inline constexpr int kMoeWarps = 8;          // warps per CTA of every moe kernel
 inline constexpr int kMoeRowsPerWarp = 2;    // output rows (j or n) per warp and pass
 inline constexpr int kMoeDownTiles = 4;      // MoeParams::down_tiles above 1
-inline constexpr int kMoeStreamMaxK = 65536;  // MoeParams::stream: the largest hidden / intermediate
+// MoeParams::stream: the largest hidden / intermediate the streamed kernels take.
+inline constexpr int kMoeStreamMaxK = 65536;
 // Sticky bits of the persistent kernel's status word (moe_status_word in moe.h).
 inline constexpr uint32_t kMoeStatusTimeout = 1u;  // a wait for other items gave up: wrong output
 

@@ -49,8 +49,8 @@ HostTensor host_of(const TensorView& v) {
 
 // The kernel choices every case runs: tensor cores (where the shapes allow; MXFP8 experts' weights
 // streamed through shared memory), the same with the register ring only (MoeParams::stream off),
-// the fp32 FMA kernels, tensor cores with programmatic dependent launches, tensor cores with more chunks in
-// flight (MoeParams::deep), the down projection's tiles sharing one load ring
+// the fp32 FMA kernels, tensor cores with programmatic dependent launches, tensor cores with more
+// chunks in flight (MoeParams::deep), the down projection's tiles sharing one load ring
 // (MoeParams::down_tiles), and the whole MoE in one persistent launch (MoeParams::persistent,
 // twice, so a launch after one that ran finds the counters reset); the register ring and the last
 // ones must give mma's bits (the first choice).

@@ -718,6 +718,32 @@ inline constexpr int kHistBins = 256;
 inline constexpr int kHistList = 64;
 inline constexpr int kHistSmemBytes = kHistBins * 4 + kHistList * 8 + kMaxTopk * 4 + 3 * kWarps * 4;
 
+// A warp's keys that pass a test, listed without returning atomics: ballot_kept sets masks[e] to
+// the lanes whose key slot e passes keep(e) and returns how many keys passed in the warp;
+// scatter_kept then hands each of this lane's passing slots its place from `base` in (slot, lane)
+// order, store(place, e). The histogram merge and the last CTA's survivors list keys this way.
+template <int kN, typename Keep>
+__device__ __forceinline__ int ballot_kept(unsigned (&masks)[kN], Keep keep) {
+  int kept = 0;
+#pragma unroll
+  for (int e = 0; e < kN; ++e) {
+    masks[e] = __ballot_sync(0xFFFFFFFFu, keep(e));
+    kept += __popc(masks[e]);
+  }
+  return kept;
+}
+
+template <int kN, typename Store>
+__device__ __forceinline__ void scatter_kept(const unsigned (&masks)[kN], int base, Store store) {
+  const int lane = static_cast<int>(threadIdx.x) & 31;
+  const unsigned lower = (1u << lane) - 1u;
+#pragma unroll
+  for (int e = 0; e < kN; ++e) {
+    if ((masks[e] >> lane) & 1u) store(base + __popc(masks[e] & lower), e);
+    base += __popc(masks[e]);
+  }
+}
+
 // How many of the m (<= kHistList) keys at s are larger than key: unconditional 16-byte broadcast
 // loads (a branch around them would keep them from pipelining), two running counts.
 __device__ __forceinline__ int count_larger(const uint64_t* s, int m, uint64_t key) {
@@ -826,12 +852,7 @@ __device__ bool merge_by_histogram_of(const IndexerParams& p, const uint64_t* sr
   }
   // The keys of bin b and above, listed in (key slot, warp, lane) order.
   unsigned in[kKeys];
-  int mine = 0;
-#pragma unroll
-  for (int e = 0; e < kKeys; ++e) {
-    in[e] = __ballot_sync(0xFFFFFFFFu, bins[e] >= b);
-    mine += __popc(in[e]);
-  }
+  const int mine = ballot_kept(in, [&](int e) { return bins[e] >= b; });
   if (lane == 0) wcount[warp] = mine;
   __syncthreads();
   int base = 0;
@@ -843,12 +864,7 @@ __device__ bool merge_by_histogram_of(const IndexerParams& p, const uint64_t* sr
     listed += c;
   }
   if (listed > kHistList) return false;  // every thread reads the same counts
-  const unsigned lower = (1u << lane) - 1u;
-#pragma unroll
-  for (int e = 0; e < kKeys; ++e) {
-    if ((in[e] >> lane) & 1u) list[base + __popc(in[e] & lower)] = x[e];
-    base += __popc(in[e]);
-  }
+  scatter_kept(in, base, [&](int at, int e) { list[at] = x[e]; });
   __syncthreads();
   // Ranked by counting: the key with r larger ones is entry r.
   if (tid < listed) {
@@ -1335,24 +1351,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (floor_key == 0) floor_key = 1;  // fewer than k lanes hold keys: keep every key
     // The slice's survivors appended with one shared atomic for the warp.
     unsigned keep[kSliceLoads];
-    int kept = 0;
-#pragma unroll
-    for (int e = 0; e < kSliceLoads; ++e) {
-      keep[e] = __ballot_sync(0xFFFFFFFFu, x[e] >= floor_key);
-      kept += __popc(keep[e]);
-    }
+    const int kept = ballot_kept(keep, [&](int e) { return x[e] >= floor_key; });
     int base = 0;
     if (lane == 0) base = atomicAdd(&s_survivor_count[v], kept);
     base = __shfl_sync(0xFFFFFFFFu, base, 0);
-    const unsigned below = (1u << lane) - 1u;
-#pragma unroll
-    for (int e = 0; e < kSliceLoads; ++e) {
-      const int at = base + __popc(keep[e] & below);
-      if (((keep[e] >> lane) & 1u) != 0u && at < kSurvivorCap) {
-        survivors[v * kSurvivorCap + at] = x[e];
-      }
-      base += __popc(keep[e]);
-    }
+    scatter_kept(keep, base, [&](int at, int e) {
+      if (at < kSurvivorCap) survivors[v * kSurvivorCap + at] = x[e];
+    });
   }
   __syncthreads();
   timeline::mark(p.timeline, kSurvivors);

@@ -96,6 +96,9 @@ struct Case {
   // > 0: expert e takes the router row and bias of expert e % router_groups, so experts tie
   // exactly and the picks follow the tie rule (the lower id first).
   int router_groups = 0;
+  // The MXFP8 scale tensors one byte into their allocations (not 16-byte aligned): the streamed
+  // kernels' bulk copies cannot take them, so the launch must keep the register ring (mma's bits).
+  bool unaligned_scales = false;
 };
 
 struct Device3 {
@@ -103,6 +106,18 @@ struct Device3 {
   TensorView up(const TensorView& v) {
     if (!v.defined()) return {};
     keep.push_back(to_dev(host_of(v)));
+    return keep.back().view;
+  }
+  // A copy `offset` bytes into its allocation.
+  TensorView up_at(const TensorView& v, std::size_t offset) {
+    if (!v.defined()) return {};
+    DevTensor d;
+    d.buffer = cuda::DeviceBuffer(v.nbytes() + offset);
+    d.view = v;
+    d.view.data = static_cast<char*>(d.buffer.data()) + offset;
+    d.view.device = Device::cuda(0);
+    CUDA_CHECK(cudaMemcpy(d.view.data, v.data, v.nbytes(), cudaMemcpyHostToDevice));
+    keep.push_back(std::move(d));
     return keep.back().view;
   }
 };
@@ -207,10 +222,12 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
   MoeArgs weights_on_gpu;
   weights_on_gpu.router_weight = dev.up(lw.router_weight);
   weights_on_gpu.router_bias = dev.up(lw.router_bias);
-  weights_on_gpu.experts = {dev.up(lw.experts.w13), dev.up(lw.experts.w13_scale),
-                            dev.up(lw.experts.w2), dev.up(lw.experts.w2_scale)};
-  weights_on_gpu.shared = {dev.up(lw.shared_expert.w13), dev.up(lw.shared_expert.w13_scale),
-                           dev.up(lw.shared_expert.w2), dev.up(lw.shared_expert.w2_scale)};
+  const std::size_t scale_offset = c.unaligned_scales ? 1 : 0;
+  weights_on_gpu.experts = {dev.up(lw.experts.w13), dev.up_at(lw.experts.w13_scale, scale_offset),
+                            dev.up(lw.experts.w2), dev.up_at(lw.experts.w2_scale, scale_offset)};
+  weights_on_gpu.shared = {
+      dev.up(lw.shared_expert.w13), dev.up_at(lw.shared_expert.w13_scale, scale_offset),
+      dev.up(lw.shared_expert.w2), dev.up_at(lw.shared_expert.w2_scale, scale_offset)};
   for (int rows : row_counts) {
     SCOPED_TRACE(std::string(c.name) + " rows " + std::to_string(rows) +
                  (c.fp8 ? " mxfp8" : " bf16"));
@@ -359,6 +376,15 @@ TEST(MoeKernel, SmallWithoutSharedExpertOnTensorCores) {
     const Case c{"no shared, mma", 128, 8, 2, 64, 0, fp8};
     run_case(c, {1, 5, 16}, fp8 ? 211 : 212);
   }
+}
+
+// MXFP8 scales that are not 16-byte aligned: the launch keeps the register ring (the streamed
+// kernels' bulk copies need aligned rows) and gives the same answers and bits.
+TEST(MoeKernel, UnalignedMxfp8ScalesKeepTheRegisterRing) {
+  M3MSA_REQUIRE_GPU();
+  Case c{"unaligned scales", 256, 16, 4, 64, 64, true};
+  c.unaligned_scales = true;
+  run_case(c, {1, 16}, 241);
 }
 
 // Experts sharing router rows and bias tie exactly: the picks take the lower ids first, as the

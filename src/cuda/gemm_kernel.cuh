@@ -415,15 +415,15 @@ __device__ __forceinline__ void tiles_accumulate(
 }
 
 // ---- the streamed tile: the weights through a shared-memory ring ----
-// tile_accumulate keeps a warp's weight chunks in flight in registers (a few KB per warp at ~140
-// registers, 3 CTAs per SM: too few bytes in flight for HBM, whose latency then sets the rate).
-// Here the bulk-copy engine streams the tile's 16 weight rows through a ring of up to
-// kStreamSlots stages in dynamic shared memory (one copy per row and stage, issued by thread 0),
-// so a CTA keeps up to kStreamSlots x 16 KB in flight with half the registers (more CTAs per SM),
-// and the warps read each chunk from shared memory into the registers tile_accumulate loads it
-// into. Warp w still
-// takes the 64-k chunks w, w + kWarps, ... in increasing order (a stage holds a multiple of kWarps
-// chunks), so the sums are tile_accumulate's (kSub 1) bits.
+// tile_accumulate keeps a warp's weight chunks in flight in registers: ~140 registers, so 3 CTAs
+// of 4 warps per SM, too few warps for the MXFP8 loop's issue rate (ncu: 0.4-0.5 instructions
+// issued per scheduler cycle, the warps waiting on their loads). Here the bulk-copy engine streams
+// the tile's 16 weight rows through a ring of up to kStreamSlots stages in dynamic shared memory
+// (one copy per row and stage, issued by thread 0): ~70 registers, up to kStreamSlots x 16 KB in
+// flight per CTA, and the CTAs per SM that shared memory allows; the warps read each chunk from
+// shared memory into the registers tile_accumulate loads it into. Warp w still takes the 64-k
+// chunks w, w + kWarps, ... in increasing order (a stage holds a multiple of kWarps chunks), so
+// the sums are tile_accumulate's (kSub 1) bits.
 inline constexpr int kStreamStageBytes = 1024;  // bytes of each weight row per stage
 inline constexpr int kMxBlock = 32;             // MXFP8: one e8m0 scale per 32 k
 // Row pitch in the ring: 16 bytes of padding put the 8 rows a warp reads at once (lanes g, 16-byte

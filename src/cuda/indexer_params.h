@@ -43,7 +43,7 @@ struct IndexerParams {
   int out_ascending = 0;        // 1: each answer's blocks in ascending id (SelectionOrder)
   int separate_merge = 0;       // split kernel: candidates only, indexer_split_merge_kernel merges
   int scores_only = 0;          // split kernel: block scores to `scores` only (CP shard scoring)
-  int split_ctas = 0;           // the split kernel's grid.x (the merge recomputes its deal)
+  int split_ctas = 0;           // the split kernel's grid.x (the merge recomputes its ranges)
   int64_t score_cols = 0;       // unfused: blocks per score row (>= every row's visible blocks)
   int num_reqs = 0;
   int q_len = 1;  // decode rows per request

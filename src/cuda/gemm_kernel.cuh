@@ -49,21 +49,20 @@ __device__ __forceinline__ uint4 load_stream(const void* ptr) {
 // which reads as the value x 2^-120 (normal, subnormal and zero alike), and one bf16x2 multiply by
 // 2^120 restores it exactly. The two NaN codes (magnitude 0x7F) would read as +-480: their bytes
 // are flagged in `nan_bits` (bit 7 of the byte) and gemm_tile makes those columns NaN.
+// `mult` (bf16x2, both halves): 2^120, or 2^120 times an MXFP8 block scale (mx_fold_multiplier),
+// which restores and scales in the one multiply, rounded once as the two in turn would round.
+inline constexpr uint32_t kTwoPow120x2 = 0x7B807B80u;  // bf16x2
 __device__ __forceinline__ void fp8x4_to_bf16x4(uint32_t four, uint32_t& lo, uint32_t& hi,
-                                                uint32_t& nan_bits) {
+                                                uint32_t& nan_bits, uint32_t mult = kTwoPow120x2) {
   const uint32_t mag = four & 0x7F7F7F7Fu;
   nan_bits |= mag + 0x01010101u;  // only a 0x7F magnitude carries into bit 7 (masked later)
   // byte << 8 per 16-bit half, and the magnitude per half: 16 m + s << 15 = (b << 8) - 240 m.
   const uint32_t b_lo = __byte_perm(four, 0, 0x1404), b_hi = __byte_perm(four, 0, 0x3424);
   const uint32_t m_lo = __byte_perm(mag, 0, 0x4140), m_hi = __byte_perm(mag, 0, 0x4342);
   const uint32_t scaled_lo = b_lo - 240u * m_lo, scaled_hi = b_hi - 240u * m_hi;
-  constexpr uint32_t kTwoPow120 = 0x7B807B80u, kMinusZero = 0x80008000u;  // bf16x2
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;"
-      : "=r"(lo)
-      : "r"(scaled_lo), "r"(kTwoPow120), "r"(kMinusZero));
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;"
-      : "=r"(hi)
-      : "r"(scaled_hi), "r"(kTwoPow120), "r"(kMinusZero));
+  constexpr uint32_t kMinusZero = 0x80008000u;  // bf16x2
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(lo) : "r"(scaled_lo), "r"(mult), "r"(kMinusZero));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(hi) : "r"(scaled_hi), "r"(mult), "r"(kMinusZero));
 }
 
 __device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], uint32_t a0, uint32_t a1,
@@ -109,13 +108,16 @@ __device__ __forceinline__ void load_w(const uint8_t* row_chunk, int t, WeightRe
 }
 
 // `nan_bits` (fp8 only): bit 7 of a byte is set where a weight was an e4m3 NaN.
+// `mult`: fp8x4_to_bf16x4's multiplier.
 template <bool kFp8>
 __device__ __forceinline__ void weight_words(const WeightRegs<kFp8>& w, uint32_t (&b)[8],
-                                             uint32_t& nan_bits) {
+                                             uint32_t& nan_bits, uint32_t mult = kTwoPow120x2) {
   if constexpr (kFp8) {
     const uint32_t bytes[4] = {w.v[0].x, w.v[0].y, w.v[0].z, w.v[0].w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) fp8x4_to_bf16x4(bytes[i], b[2 * i], b[2 * i + 1], nan_bits);
+    for (int i = 0; i < 4; ++i) {
+      fp8x4_to_bf16x4(bytes[i], b[2 * i], b[2 * i + 1], nan_bits, mult);
+    }
   } else {
     b[0] = w.v[0].x, b[1] = w.v[0].y, b[2] = w.v[0].z, b[3] = w.v[0].w;
     b[4] = w.v[1].x, b[5] = w.v[1].y, b[6] = w.v[1].z, b[7] = w.v[1].w;
@@ -129,6 +131,14 @@ __device__ __forceinline__ uint32_t e8m0_to_bf16x2(uint32_t code) {
   return half | (half << 16);
 }
 
+// Codes whose 2^120 x 2^(code - 127) = 2^(code - 7) is a normal bf16: their scale folds into the
+// widening's multiply (fp8x4_to_bf16x4). Larger codes (and 255, NaN) take the multiply apart.
+inline constexpr uint32_t kMxFoldMaxCode = 134;
+__device__ __forceinline__ uint32_t mx_fold_multiplier(uint32_t code) {
+  const uint32_t half = (code + 120u) << 7;  // exponent field code - 7 + 127
+  return half | (half << 16);
+}
+
 // w * scale for a bf16x2 pair of weights: exact (a power of two), except where the product leaves
 // the bf16 normal range.
 __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t w, uint32_t scale) {
@@ -139,7 +149,8 @@ __device__ __forceinline__ uint32_t scale_bf16x2(uint32_t w, uint32_t scale) {
 }
 
 // kSub consecutive 64-k sub-chunks of the tile's two weight rows: one slot of tile_accumulate's
-// loops; kMx: each row's MXFP8 block-scale multiplier for this lane's 16 k of each sub-chunk.
+// loops; kMx: each row's MXFP8 block-scale multiplier for this lane's 16 k of each sub-chunk
+// (mma_chunk's kFoldScale: its e8m0 code).
 template <bool kFp8, int kSub, bool kMx = false>
 struct ChunkRegs {
   WeightRegs<kFp8> w[kSub][2];
@@ -173,8 +184,7 @@ __device__ __forceinline__ void load_chunk_rows(const uint8_t* const (&w_row)[2]
       const int64_t k = k0 + u * kChunk;
       if (ok[j]) {
         load_w<kFp8>(w_row[j] + k * kElem, t, slot.w[u][j]);
-        if constexpr (kMx)
-          slot.scale[u][j] = e8m0_to_bf16x2(__ldg(scale_row[j] + (k + t * 16) / 32));
+        if constexpr (kMx) slot.scale[u][j] = __ldg(scale_row[j] + (k + t * 16) / 32);
       } else {
 #pragma unroll
         for (int i = 0; i < (kFp8 ? 1 : 2); ++i) slot.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
@@ -185,8 +195,11 @@ __device__ __forceinline__ void load_chunk_rows(const uint8_t* const (&w_row)[2]
 }
 
 // The MMAs of one loaded chunk (k0 as it was loaded) into the two n8 tiles' accumulators; kFresh
-// as for load_x.
-template <bool kFp8, int kSub, bool kMx, bool kFresh = false>
+// as for load_x. kFoldScale (kMx): slot.scale holds e8m0 codes, and each block scale is folded
+// into the widening's multiply (one rounding either way, so the same bits) instead of a multiply
+// per weight pair; for the streamed tile, whose registers allow the code it takes (the register
+// rings' kernels measured 140 -> 170-180 registers with it).
+template <bool kFp8, int kSub, bool kMx, bool kFresh = false, bool kFoldScale = false>
 __device__ __forceinline__ void mma_chunk(const uint16_t* x_lo, const uint16_t* x_hi, int64_t k0,
                                           int t, const ChunkRegs<kFp8, kSub, kMx>& slot,
                                           float (&acc)[2][4], uint32_t (&nan_bits)[2]) {
@@ -199,10 +212,23 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* x_lo, const uint16_t* 
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       uint32_t b[8];
-      weight_words<kFp8>(slot.w[u][j], b, nan_bits[j]);
-      if constexpr (kMx) {
+      if constexpr (kMx && kFoldScale) {
+        // A warp with a code above kMxFoldMaxCode (never in practice) multiplies apart.
+        const uint32_t code = slot.scale[u][j];
+        if (!__any_sync(0xFFFFFFFFu, code > kMxFoldMaxCode)) {
+          weight_words<kFp8>(slot.w[u][j], b, nan_bits[j], mx_fold_multiplier(code));
+        } else {
+          weight_words<kFp8>(slot.w[u][j], b, nan_bits[j]);
+          const uint32_t scale = e8m0_to_bf16x2(code);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) b[i] = scale_bf16x2(b[i], slot.scale[u][j]);
+          for (int i = 0; i < 8; ++i) b[i] = scale_bf16x2(b[i], scale);
+        }
+      } else {
+        weight_words<kFp8>(slot.w[u][j], b, nan_bits[j]);
+        if constexpr (kMx) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) b[i] = scale_bf16x2(b[i], slot.scale[u][j]);
+        }
       }
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
@@ -538,8 +564,7 @@ __device__ __forceinline__ void tile_accumulate_streamed(
           regs.w[0][j].v[0] = *reinterpret_cast<const uint4*>(src);
           if constexpr (!kFp8) regs.w[0][j].v[1] = *reinterpret_cast<const uint4*>(src + 64);
           if constexpr (kMx) {
-            regs.scale[0][j] =
-                e8m0_to_bf16x2(scales[row * scale_bytes + (k0 + c * kChunk + t * 16) / kMxBlock]);
+            regs.scale[0][j] = scales[row * scale_bytes + (k0 + c * kChunk + t * 16) / kMxBlock];
           }
         } else {
 #pragma unroll
@@ -547,8 +572,8 @@ __device__ __forceinline__ void tile_accumulate_streamed(
           if constexpr (kMx) regs.scale[0][j] = 0u;
         }
       }
-      mma_chunk<kFp8, 1, kMx, kFresh>(op.x_lo, op.x_hi, static_cast<int64_t>(k0) + c * kChunk, t,
-                                      regs, acc, nan_bits);
+      mma_chunk<kFp8, 1, kMx, kFresh, kMx>(op.x_lo, op.x_hi, static_cast<int64_t>(k0) + c * kChunk,
+                                           t, regs, acc, nan_bits);
     }
     __syncthreads();  // the slot's readers are done: it may be filled again
     if (tid == 0 && s + slots < stages) fill(s + slots);

@@ -22,9 +22,9 @@
 // Check (per configuration, before timing): the output poisoned (NaN bits), one eager launch on
 // (copy 0, input 0): every output finite, a guard row after it still poisoned; with both kernel
 // kinds requested, mma against fma within |a - b| <= max|fma row| / 128 + 1e-6 (the bound of
-// tests/cuda/moe_kernel_test.cc against the CPU oracle); mma-ring, mma-deep, mma-down4 and
-// mma-persistent give mma's bits; one launch captured in a graph and replayed over the poisoned
-// output gives the eager bits. A failure exits 1 after the run.
+// tests/cuda/moe_kernel_test.cc against the CPU oracle); mma-ring, mma-shared-late, mma-deep,
+// mma-down4 and mma-persistent give mma's bits; one launch captured in a graph and replayed over
+// the poisoned output gives the eager bits. A failure exits 1 after the run.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -197,7 +197,9 @@ int run_moe_bench(int argc, char** argv) {
   app.add_option("--kernels", opt.kernels_text,
                  "comma-separated expert projections: mma (tensor cores, the weights streamed "
                  "through shared memory), mma-ring (tensor cores, the weights in a register "
-                 "ring: MoeParams::stream off), fma (fp32 FMA kernels), mma+pdl (tensor cores, "
+                 "ring: MoeParams::stream off), mma-shared-late (tensor cores, the shared expert's "
+                 "gate/up in the gate/up launch: MoeParams::shared_with_router off), fma (fp32 "
+                 "FMA kernels), mma+pdl (tensor cores, "
                  "programmatic dependent launches), mma-deep (tensor cores "
                  "at 4 CTAs per SM with more weight chunks in flight: MoeParams::deep), mma-down4 "
                  "(four down tiles per CTA over one load ring: MoeParams::down_tiles), "
@@ -228,9 +230,9 @@ int run_moe_bench(int argc, char** argv) {
   for (int tp : opt.tp) require_ffn_split("--tp", tp);
   opt.tokens = int_list("--tokens", opt.tokens_text, 1, cuda::kMoeMaxRows);
   opt.dtypes = choice_list("--dtypes", opt.dtypes_text, {"bf16", "mxfp8"});
-  opt.kernels =
-      choice_list("--kernels", opt.kernels_text,
-                  {"mma", "mma-ring", "fma", "mma+pdl", "mma-deep", "mma-down4", "mma-persistent"});
+  opt.kernels = choice_list("--kernels", opt.kernels_text,
+                            {"mma", "mma-ring", "mma-shared-late", "fma", "mma+pdl", "mma-deep",
+                             "mma-down4", "mma-persistent"});
   opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
   require_range("--reps", opt.reps, 1);
   require_range("--min-launches", opt.min_launches, 1);
@@ -391,6 +393,7 @@ int run_moe_bench(int argc, char** argv) {
             p.down_tiles = kernels == "mma-down4" ? cuda::kMoeDownTiles : 1;
             p.persistent = kernels == "mma-persistent";
             p.stream = kernels != "mma-ring";
+            p.shared_with_router = kernels != "mma-shared-late";
             return p;
           };
           auto launch = [&](const cuda::MoeParams& p) {
@@ -473,13 +476,14 @@ int run_moe_bench(int argc, char** argv) {
               c->worst = worst;
             }
           }
-          // mma-ring, mma-deep, mma-down4 and mma-persistent change only how the mma kernels'
-          // work is scheduled: the same bits as mma.
+          // mma-ring, mma-shared-late, mma-deep, mma-down4 and mma-persistent change only how
+          // the mma kernels' work is scheduled: the same bits as mma.
           if (mma_it != opt.kernels.end()) {
             const KernelCheck& mma = checks[static_cast<std::size_t>(mma_it - opt.kernels.begin())];
             for (std::size_t ki = 0; ki < opt.kernels.size(); ++ki) {
               const std::string& k = opt.kernels[ki];
-              if (k != "mma-ring" && k != "mma-deep" && k != "mma-down4" && k != "mma-persistent")
+              if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-deep" &&
+                  k != "mma-down4" && k != "mma-persistent")
                 continue;
               checks[ki].same_as_mma =
                   std::memcmp(checks[ki].eager.data(), mma.eager.data(), mma.eager.size() * 4) == 0;

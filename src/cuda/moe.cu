@@ -270,7 +270,7 @@ bool moe_runs_persistent(const MoeParams& p) {
 
 int moe_launches(const MoeParams& p) {
   if (p.rows == 0) return 0;
-  return moe_runs_persistent(p) ? 1 : 5;
+  return moe_runs_persistent(p) ? 1 : 4;
 }
 
 void launch_moe(const MoeParams& p, cudaStream_t stream) {
@@ -287,7 +287,7 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                   p.shared.inter);
   M3MSA_CHECK_ARG(p.x && p.router_weight && p.experts.w13 && p.experts.w2 && p.out && p.y &&
                       p.act && p.topk_ids && p.topk_weights && p.route_s && p.route_key &&
-                      p.slot_expert && p.slot_count && p.slot_picks,
+                      p.slot_expert && p.slot_count && p.slot_picks && p.sync,
                   "moe: null pointer");
   M3MSA_CHECK_ARG(!p.fp8 || (p.experts.w13_scale && p.experts.w2_scale),
                   "moe: MXFP8 weights without scales");
@@ -299,14 +299,15 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
   }
   if (p.rows == 0) return;
   if (moe_runs_persistent(p)) {
-    M3MSA_CHECK_ARG(p.sync != nullptr, "moe: persistent without the workspace's sync words");
     launch_persistent(p, stream);
     return;
   }
   // One slot per distinct expert the step can pick.
   const int routed = std::min(p.num_experts, p.rows * p.topk);
-  // On tensor cores the shared expert's gate/up tiles run in the router's launch.
-  const bool shared_beside_router = use_tensor_cores(p) && p.shared.inter > 0;
+  // On tensor cores the shared expert's gate/up tiles run in the router's launch
+  // (MoeParams::shared_with_router), else in the gate/up launch.
+  const bool shared_beside_router =
+      use_tensor_cores(p) && p.shared.inter > 0 && p.shared_with_router;
   if (shared_beside_router) {
     const int shared_ctas = (p.shared.inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows;
     const dim3 grid(static_cast<unsigned>(p.num_experts + shared_ctas));
@@ -323,7 +324,6 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
     launch_kernel(moe::moe_route_logits_kernel, dim3(static_cast<unsigned>(p.num_experts)),
                   moe::kRouteThreads, p, stream);
   }
-  launch_kernel(moe::moe_route_topk_kernel, dim3(1), moe::kThreads, p, stream);
   launch_expert_projections(p, routed, !shared_beside_router, stream);
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);

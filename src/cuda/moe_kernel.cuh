@@ -6,13 +6,14 @@
 //    of CTAs would leave one SM to stream the whole [E, hidden] fp32 gate); warp w takes 1/4 of K,
 //    each gate float4 loaded once for every row, lanes then a butterfly sum, the 4 warps' partials
 //    added in warp order; s = sigmoid(logit), key = s + bias, per (row, expert).
-//  - moe_route_topk_kernel: one CTA, a warp per row: the top-k keys (NaN last, the lower id on
-//    ties) by k warp-wide arg-max rounds; ids and weights routed_scaling * s_i / sum s; then the
-//    step's expert slots (MoeParams::slot_*), made once for every expert CTA.
+//    The last of those CTAs to finish (an arrival count in MoeParams::sync) then takes the top-k
+//    (route_topk), a warp per row: the top-k keys (NaN last, the lower id on ties) by k warp-wide
+//    arg-max rounds; ids and weights routed_scaling * s_i / sum s; then the step's expert slots
+//    (MoeParams::slot_*), made once for every expert CTA.
 //  - moe_gate_up_kernel: one CTA per (tile of 16 intermediate rows j, expert slot); slot y is the
 //    y-th smallest distinct expert the step picked (min(E, rows * k) slots: a slot past the count
 //    returns at once), the last slot the shared expert. The CTA reads the slot's rows (made by the
-//    top-k kernel; all rows for the shared one); each warp takes
+//    router's top-k; all rows for the shared one); each warp takes
 //    rows j of the tile and reads the gate row j and the up row I + j once, for every listed token
 //    (x from global memory, L1/L2 resident), accumulating in fp32; then g and u are rounded to
 //    bf16 and the SwiGLU-OAI activation is stored as bf16.
@@ -189,14 +190,6 @@ __device__ __forceinline__ void route_logits(const MoeParams& p, int e,
   }
 }
 
-__global__ void __launch_bounds__(kRouteThreads)
-    moe_route_logits_kernel(const __grid_constant__ MoeParams p) {
-  __shared__ float partial[kRouteWarps][kMoeMaxRows];
-  wait_previous_kernel();
-  release_next_kernel();
-  route_logits(p, blockIdx.x, partial);
-}
-
 // Experts per lane whose keys the top-k holds in registers (rows of up to 256 experts; M3: 128).
 inline constexpr int kTopkRegisterExperts = 8;
 
@@ -331,14 +324,40 @@ __device__ __forceinline__ void route_topk(const MoeParams& p,
   }
 }
 
-__global__ void __launch_bounds__(kThreads)
-    moe_route_topk_kernel(const __grid_constant__ MoeParams p) {
-  static_assert(kMoeMaxRows * kMoeMaxTopk <= kThreads, "one thread per pick");
+// The router launch's CTAs count their arrivals in this word of MoeParams::sync (the persistent
+// kernel's block, which that kernel leaves zero as well); the last to arrive takes the top-k.
+inline constexpr int kSyncRouteArrivals = 5;
+
+// Expert e's logits (route_logits), then, in the last of the launch's E logits CTAs to finish,
+// the top-k picks and the expert slots (route_topk) from every CTA's logits, so the picks need no
+// launch of their own: at one token they run beside the shared expert's gate/up tiles. The last
+// CTA resets the count for the next launch. A CTA of kRouteThreads (one thread per pick).
+__device__ __forceinline__ void route_and_pick(const MoeParams& p, int e,
+                                               float (&partial)[kRouteWarps][kMoeMaxRows]) {
+  static_assert(kMoeMaxRows * kMoeMaxTopk <= kRouteThreads, "one thread per pick");
   __shared__ int s_pick[kMoeMaxRows * kMoeMaxTopk];
   __shared__ uint32_t s_used[kMoeMaxExperts / 32];
+  __shared__ bool last;
+  route_logits(p, e, partial);
+  __threadfence();  // this CTA's logits, before its arrival
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t before = atomicAdd(p.sync + kSyncRouteArrivals, 1u);
+    last = before == static_cast<uint32_t>(p.num_experts - 1);
+    if (last) p.sync[kSyncRouteArrivals] = 0u;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other CTAs' logits, read through L2 by route_topk
+  route_topk(p, s_pick, s_used);
+}
+
+__global__ void __launch_bounds__(kRouteThreads)
+    moe_route_logits_kernel(const __grid_constant__ MoeParams p) {
+  __shared__ float partial[kRouteWarps][kMoeMaxRows];
   wait_previous_kernel();
   release_next_kernel();
-  route_topk(p, s_pick, s_used);
+  route_and_pick(p, blockIdx.x, partial);
 }
 
 // The shared expert's token list: every row, at pick slot k (its place in y).
@@ -658,7 +677,7 @@ __global__ void __launch_bounds__(kMmaThreads)
   release_next_kernel();
   const int cta = blockIdx.x;
   if (cta < p.num_experts) {
-    route_logits(p, cta, partial);
+    route_and_pick(p, cta, partial);
     return;
   }
   list_every_row(p, tok_row, tok_slot);
@@ -809,10 +828,10 @@ __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
 // items before it (counters in MoeParams::sync: the router, the shared gate/up, the top-k, each
 // slot's gate/up, each column group's downs), and a CTA draws its next ticket only when its item
 // is done, so the smallest unfinished item can always run: no deadlock, whatever the residency.
-// What it removes: the five launches' boundaries, where every kernel's last wave drains before the
-// next one's first loads (TP 4 / 8 ranks' short rows make each of them a few microseconds). Each
-// item computes exactly what the matching CTA of the launch sequence computes (the same code), so
-// the output has the mma kernels' bits. The CTA that draws the last exit ticket (every other CTA
+// What it removes: the launch sequence's boundaries, where every kernel's last wave drains before
+// the next one's first loads (TP 4 / 8 ranks' short rows make each of them a few microseconds).
+// Each item computes exactly what the matching CTA of the launch sequence computes (the same code),
+// so the output has the mma kernels' bits. The CTA that draws the last exit ticket (every other CTA
 // has drawn one, so every item is done) zeroes the counters for the next launch. A wait that never
 // ends (a bug) flags kMoeStatusTimeout in the sync words and goes on: a wrong result, not a hang.
 inline constexpr int kDownGroupCols = kMoeDownTiles * gemm::kColsPerCta;  // a down item's columns
@@ -850,8 +869,9 @@ inline constexpr int kSyncRouter = 1;        // router items done
 inline constexpr int kSyncSharedGateUp = 2;  // shared gate/up items done
 inline constexpr int kSyncTopk = 3;          // 1 once the top-k item is done
 inline constexpr int kSyncStatus = 4;        // kMoeStatus* bits, sticky until the host clears them
-inline constexpr int kSyncSlots = 8;         // [E] gate/up items done per slot, then
-                                             // [groups] down items done per column group
+static_assert(kSyncRouteArrivals > kSyncStatus, "the launch sequence's word is its own");
+inline constexpr int kSyncSlots = 8;  // [E] gate/up items done per slot, then
+                                      // [groups] down items done per column group
 // Fixed by the config, not the rows: one workspace serves launches of any row count.
 __host__ __device__ inline int persistent_sync_words(int num_experts, int hidden) {
   return kSyncSlots + num_experts + hidden / kDownGroupCols;

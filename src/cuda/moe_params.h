@@ -45,6 +45,11 @@ struct MoeParams {
   // Taken where the scale tensors are 16-byte aligned and K <= kMoeStreamMaxK; bf16 weights and
   // the dense MLP keep the register ring (measured slower streamed); false: never streamed.
   bool stream = true;
+  // On tensor cores, the shared expert's gate/up tiles run beside the router's logits in its
+  // launch (true), or in the routed experts' gate/up launch as its last slot (false; the same
+  // bits): the first keeps them off the gate/up launch, the second keeps the router's launch
+  // short. Measured in bench moe --kernels mma,mma-shared-late.
+  bool shared_with_router = true;
   // Each kernel launched as a programmatic dependent of the previous one in the stream (PDL): the
   // next kernel is scheduled while this one finishes and waits on the device. Off by default
   // until measured (bench moe --kernels mma,mma+pdl).
@@ -86,8 +91,9 @@ struct MoeParams {
   uint16_t* act_shared = nullptr;  // [rows, S] bf16
   float* y = nullptr;              // [rows, topk + 1, hidden] f32: each expert's output
   float* out = nullptr;            // [rows, hidden] f32: this rank's partial
-  // The persistent kernel's counters and status word (moe_kernel.cuh, kSync*): zero before the
-  // first launch (moe_workspace_bytes' contract); each launch leaves the counters zero.
+  // The arrival counters (the router launch's; the persistent kernel's) and the persistent
+  // kernel's status word (moe_kernel.cuh, kSync*): zero before the first launch
+  // (moe_workspace_bytes' contract); each launch leaves the counters zero.
   uint32_t* sync = nullptr;
   // Stage timeline (timeline.h) of the persistent kernel: one record per work item (ticket
   // order), marks kMoePersistentMarks, kinds kMoePersistentKinds; null: not recorded.

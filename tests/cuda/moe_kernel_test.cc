@@ -49,7 +49,8 @@ HostTensor host_of(const TensorView& v) {
 
 // The kernel choices every case runs: tensor cores (where the shapes allow; MXFP8 experts' weights
 // streamed through shared memory), the same with the register ring only (MoeParams::stream off),
-// the fp32 FMA kernels, tensor cores with programmatic dependent launches, tensor cores with more
+// the shared expert's gate/up in the gate/up launch (MoeParams::shared_with_router off), the fp32
+// FMA kernels, tensor cores with programmatic dependent launches, tensor cores with more
 // chunks in flight (MoeParams::deep), the down projection's tiles sharing one load ring
 // (MoeParams::down_tiles), and the whole MoE in one persistent launch (MoeParams::persistent,
 // twice, so a launch after one that ran finds the counters reset); the register ring and the last
@@ -61,12 +62,16 @@ struct KernelChoice {
   int down_tiles;
   bool persistent;
   const char* name;
-  bool stream = true;  // MoeParams::stream (false: the register ring)
-  bool same_bits_as_mma() const { return deep || down_tiles > 1 || persistent || !stream; }
+  bool stream = true;              // MoeParams::stream (false: the register ring)
+  bool shared_with_router = true;  // MoeParams::shared_with_router
+  bool same_bits_as_mma() const {
+    return deep || down_tiles > 1 || persistent || !stream || !shared_with_router;
+  }
 };
 constexpr KernelChoice kKernelChoices[] = {
     {true, false, false, 1, false, "mma"},
     {true, false, false, 1, false, "mma-ring", false},
+    {true, false, false, 1, false, "mma-shared-late", true, false},
     {false, false, false, 1, false, "fma"},
     {true, true, false, 1, false, "mma+pdl"},
     {true, false, true, 1, false, "mma-deep"},
@@ -293,6 +298,7 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       p.down_tiles = kernels.down_tiles;
       p.persistent = kernels.persistent;
       p.stream = kernels.stream;
+      p.shared_with_router = kernels.shared_with_router;
       cuda::Stream stream;
       cuda::launch_moe(p, stream.get());
       if (kernels.persistent) {  // again, on counters the first launch reset

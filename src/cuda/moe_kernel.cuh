@@ -324,6 +324,14 @@ __device__ __forceinline__ void route_topk(const MoeParams& p,
   }
 }
 
+// route_topk out of line: inlined into the router's kernels it took the registers of the shared
+// expert's gate/up tiles beside it (ptxas: 168 -> 128 registers and spills).
+__device__ __noinline__ void route_topk_apart(const MoeParams& p,
+                                              int (&s_pick)[kMoeMaxRows * kMoeMaxTopk],
+                                              uint32_t (&s_used)[kMoeMaxExperts / 32]) {
+  route_topk(p, s_pick, s_used);
+}
+
 // The router launch's CTAs count their arrivals in this word of MoeParams::sync (the persistent
 // kernel's block, which that kernel leaves zero as well); the last to arrive takes the top-k.
 inline constexpr int kSyncRouteArrivals = 5;
@@ -349,7 +357,7 @@ __device__ __forceinline__ void route_and_pick(const MoeParams& p, int e,
   __syncthreads();
   if (!last) return;
   __threadfence();  // the other CTAs' logits, read through L2 by route_topk
-  route_topk(p, s_pick, s_used);
+  route_topk_apart(p, s_pick, s_used);
 }
 
 __global__ void __launch_bounds__(kRouteThreads)

@@ -71,10 +71,18 @@ void launch_kernel(void (*kernel)(MoeParams), dim3 grid, unsigned threads, const
   launch_kernel_ex(kernel, grid, dim3(threads), smem, stream, p.pdl, p);
 }
 
+// Whether the MoE's down launch combines the experts' outputs itself (MoeParams::combine_in_down):
+// the tensor-core down kernels of one tile per CTA do.
+bool down_combines(const MoeParams& p) {
+  const bool down_tiled = p.down_tiles == kMoeDownTiles && p.hidden % moe::kDownGroupCols == 0;
+  return use_tensor_cores(p) && !down_tiled;
+}
+
 // The gate/up and down launches over `routed` expert slots plus the shared expert's (or the dense
 // MLP's) slot. shared_gate_up: the shared expert's gate/up tiles are in this gate/up launch (the
-// last row of its grid); else they ran beside the router.
-void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_up,
+// last row of its grid); else they ran beside the router. combine: the down launch combines
+// (down_combines; the MoE only).
+void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_up, bool combine,
                                cudaStream_t stream) {
   M3MSA_CHECK_ARG(p.down_tiles == 1 || p.down_tiles == kMoeDownTiles,
                   "moe: down_tiles must be 1 or ", kMoeDownTiles, ", got ", p.down_tiles);
@@ -83,6 +91,7 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
   gate_up.shared_slot = has_shared && shared_gate_up ? 1 : 0;
   MoeParams down = p;
   down.shared_slot = has_shared ? 1 : 0;
+  down.combine_in_down = combine ? 1 : 0;
   const int gate_up_sets = routed + gate_up.shared_slot;
   const int down_sets = routed + down.shared_slot;
   const int inter = std::max(p.experts.inter, gate_up.shared_slot ? p.shared.inter : 0);
@@ -270,7 +279,7 @@ bool moe_runs_persistent(const MoeParams& p) {
 
 int moe_launches(const MoeParams& p) {
   if (p.rows == 0) return 0;
-  return moe_runs_persistent(p) ? 1 : 4;
+  return moe_runs_persistent(p) ? 1 : down_combines(p) ? 3 : 4;
 }
 
 void launch_moe(const MoeParams& p, cudaStream_t stream) {
@@ -324,7 +333,9 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
     launch_kernel(moe::moe_route_logits_kernel, dim3(static_cast<unsigned>(p.num_experts)),
                   moe::kRouteThreads, p, stream);
   }
-  launch_expert_projections(p, routed, !shared_beside_router, stream);
+  const bool combine = down_combines(p);
+  launch_expert_projections(p, routed, !shared_beside_router, combine, stream);
+  if (combine) return;
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);
   launch_kernel(moe::moe_combine_kernel, dim3(static_cast<unsigned>(blocks)), 256, p, stream);
@@ -384,7 +395,7 @@ void launch_dense_mlp(const MoeParams& p, cudaStream_t stream) {
                     "dense mlp: the activations and weights must be 16-byte aligned");
   }
   if (p.rows == 0) return;
-  launch_expert_projections(p, 0, true, stream);
+  launch_expert_projections(p, 0, true, /*combine=*/false, stream);
 }
 
 }  // namespace m3msa::cuda

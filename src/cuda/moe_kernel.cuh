@@ -20,7 +20,8 @@
 //  - moe_down_kernel: the same grid over (tile of 32 hidden rows n, expert slot): y[row, slot, n] =
 //    act[row, slot] . w2[e, n] in fp32.
 //  - moe_combine_kernel: out[row, n] = sum_i w_i y[row, i, n] + y[row, k, n] in pick order with
-//    unfused fp32 operations, the CPU reference's order.
+//    unfused fp32 operations, the CPU reference's order; with MoeParams::combine_in_down the last
+//    down CTA of each column tile does it for its columns instead (combine_columns_if_last).
 // MXFP8 weights are decoded in registers: code -> fp32 (exact) times 2^(scale - 127) (exact).
 // Requirements (checked by the launcher): hidden and I multiples of 8 (16-byte rows), 16-byte
 // aligned tensors, rows <= kMoeMaxRows, topk <= kMoeMaxTopk, num_experts <= kMoeMaxExperts.
@@ -331,6 +332,10 @@ __device__ __noinline__ void route_topk_apart(const MoeParams& p,
                                               uint32_t (&s_used)[kMoeMaxExperts / 32]) {
   route_topk(p, s_pick, s_used);
 }
+
+inline constexpr int kDownGroupCols = kMoeDownTiles * gemm::kColsPerCta;  // a down item's columns
+inline constexpr int kSyncSlots = 8;  // [E] gate/up items done per slot, then
+                                      // [groups] down items done per column group
 
 // The router launch's CTAs count their arrivals in this word of MoeParams::sync (the persistent
 // kernel's block, which that kernel leaves zero as well); the last to arrive takes the top-k.
@@ -695,6 +700,51 @@ __global__ void __launch_bounds__(kMmaThreads)
       s_stream);
 }
 
+// out[r, n] = sum_i w_i y[r, i, n] + y[r, k, n] in pick order with unfused fp32 operations (the
+// CPU reference's order); y and the weights read through L2 (the persistent kernel writes them
+// earlier in the same launch).
+__device__ __forceinline__ void combine_element(const MoeParams& p, int64_t r, int64_t n) {
+  const float* y = p.y + r * (p.topk + 1) * p.hidden + n;
+  float acc = 0.0f;
+  for (int k = 0; k < p.topk; ++k) {
+    acc = __fadd_rn(acc, __fmul_rn(__ldcg(p.topk_weights + r * p.topk + k),
+                                   __ldcg(y + static_cast<int64_t>(k) * p.hidden)));
+  }
+  if (p.shared.inter > 0) acc = __fadd_rn(acc, __ldcg(y + static_cast<int64_t>(p.topk) * p.hidden));
+  p.out[r * p.hidden + n] = acc;
+}
+
+// The launch sequence's down CTAs count their arrivals per column tile in these words of
+// MoeParams::sync (after the persistent kernel's, fixed by the config); the last CTA of a tile's
+// column (every expert slot's down of those columns written) combines them
+// (MoeParams::combine_in_down), so the combine needs no launch of its own.
+__host__ __device__ inline int down_arrival_words(int num_experts, int hidden) {
+  return kSyncSlots + num_experts + hidden / kDownGroupCols;
+}
+
+// Every CTA of a down launch with MoeParams::combine_in_down calls it once its down tile (if any)
+// is written: the last of the column's gridDim.y CTAs combines out[:, n0 .. n0 + cols) for every
+// row (combine_element) and resets the count for the next launch.
+__device__ __forceinline__ void combine_columns_if_last(const MoeParams& p, int n0, int cols) {
+  __shared__ bool last;
+  __threadfence();  // this CTA's y, before its arrival
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    uint32_t* count = p.sync + down_arrival_words(p.num_experts, p.hidden) + blockIdx.x;
+    const uint32_t before = atomicAdd(count, 1u);
+    last = before == gridDim.y - 1;
+    if (last) *count = 0u;
+  }
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // the other slots' y, read through L2 by combine_element
+  for (int o = static_cast<int>(threadIdx.x); o < p.rows * cols;
+       o += static_cast<int>(blockDim.x)) {
+    const int n = n0 + o % cols;
+    if (n < p.hidden) combine_element(p, o / cols, n);
+  }
+}
+
 // kTiles x 16 hidden rows n0.. of the down projection of expert `ex` (the shared expert: E) for
 // its ntok listed tokens into p.y. kTiles > 1: the tiles share one ring of weight loads
 // (gemm::tiles_accumulate; each tile's bits as with kTiles 1); the caller takes them only where
@@ -780,10 +830,11 @@ __global__ void __launch_bounds__(kMmaThreads, (kDeep || kTiles > 1) ? kMmaDeepM
   __shared__ float s_red[kTiles][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
-  if (ntok == 0) return;
   const int n0 = blockIdx.x * kTiles * gemm::kColsPerCta;
-  if (n0 >= p.hidden) return;
-  down_tiles<kFp8, kInFlight, kTiles>(p, ex, ntok, tok_row, tok_slot, n0, s_red);
+  if (ntok > 0 && n0 < p.hidden) {
+    down_tiles<kFp8, kInFlight, kTiles>(p, ex, ntok, tok_row, tok_slot, n0, s_red);
+  }
+  if (p.combine_in_down) combine_columns_if_last(p, n0, kTiles * gemm::kColsPerCta);
 }
 
 // The down projection's grid with the weights streamed through shared memory (MoeParams::stream;
@@ -797,24 +848,11 @@ __global__ void __launch_bounds__(kMmaThreads, kStreamMinCtasPerSm)
   __shared__ float s_red[1][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
-  if (ntok == 0) return;
   const int n0 = blockIdx.x * gemm::kColsPerCta;
-  if (n0 >= p.hidden) return;
-  down_tiles<kFp8, 0, 1, false, true>(p, ex, ntok, tok_row, tok_slot, n0, s_red, s_stream);
-}
-
-// out[r, n] = sum_i w_i y[r, i, n] + y[r, k, n] in pick order with unfused fp32 operations (the
-// CPU reference's order); y and the weights read through L2 (the persistent kernel writes them
-// earlier in the same launch).
-__device__ __forceinline__ void combine_element(const MoeParams& p, int64_t r, int64_t n) {
-  const float* y = p.y + r * (p.topk + 1) * p.hidden + n;
-  float acc = 0.0f;
-  for (int k = 0; k < p.topk; ++k) {
-    acc = __fadd_rn(acc, __fmul_rn(__ldcg(p.topk_weights + r * p.topk + k),
-                                   __ldcg(y + static_cast<int64_t>(k) * p.hidden)));
+  if (ntok > 0 && n0 < p.hidden) {
+    down_tiles<kFp8, 0, 1, false, true>(p, ex, ntok, tok_row, tok_slot, n0, s_red, s_stream);
   }
-  if (p.shared.inter > 0) acc = __fadd_rn(acc, __ldcg(y + static_cast<int64_t>(p.topk) * p.hidden));
-  p.out[r * p.hidden + n] = acc;
+  if (p.combine_in_down) combine_columns_if_last(p, n0, gemm::kColsPerCta);
 }
 
 __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
@@ -842,7 +880,6 @@ __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
 // so the output has the mma kernels' bits. The CTA that draws the last exit ticket (every other CTA
 // has drawn one, so every item is done) zeroes the counters for the next launch. A wait that never
 // ends (a bug) flags kMoeStatusTimeout in the sync words and goes on: a wrong result, not a hang.
-inline constexpr int kDownGroupCols = kMoeDownTiles * gemm::kColsPerCta;  // a down item's columns
 inline constexpr uint32_t kSpinLimit = 1u << 24;  // polls of one wait (~4 s) before giving up
 
 // First item of each kind, in ticket order (host and device: the host sizes the grid).
@@ -878,11 +915,10 @@ inline constexpr int kSyncSharedGateUp = 2;  // shared gate/up items done
 inline constexpr int kSyncTopk = 3;          // 1 once the top-k item is done
 inline constexpr int kSyncStatus = 4;        // kMoeStatus* bits, sticky until the host clears them
 static_assert(kSyncRouteArrivals > kSyncStatus, "the launch sequence's word is its own");
-inline constexpr int kSyncSlots = 8;  // [E] gate/up items done per slot, then
-                                      // [groups] down items done per column group
 // Fixed by the config, not the rows: one workspace serves launches of any row count.
 __host__ __device__ inline int persistent_sync_words(int num_experts, int hidden) {
-  return kSyncSlots + num_experts + hidden / kDownGroupCols;
+  return kSyncSlots + num_experts + hidden / kDownGroupCols +
+         (hidden + gemm::kColsPerCta - 1) / gemm::kColsPerCta;  // then the down arrivals
 }
 
 __device__ __forceinline__ uint32_t load_acquire(const uint32_t* ptr) {

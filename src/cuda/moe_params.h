@@ -71,6 +71,9 @@ struct MoeParams {
   bool persistent = false;
   // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
   int shared_slot = 0;
+  // Set by the launcher per launch: 1 when the down launch's last CTA of each column tile combines
+  // the tile's columns (the tensor-core down kernels of one tile per CTA; no combine launch).
+  int combine_in_down = 0;
   int rows = 0;
   int hidden = 0;
   int num_experts = 0;

@@ -70,6 +70,7 @@ struct Options {
   std::string rows = "1,2,4,8,16";
   std::string dtypes = "bf16,fp8";
   bool quick = false;
+  bool stream = false;  // GemmSkinnyParams::stream for every launch
   int reps = 50;
   int64_t rotate_bytes = 4 * kL2Bytes;
   int max_copies = 256;
@@ -119,6 +120,9 @@ int run_gemm_bench(int argc, char** argv) {
   app.add_option("--dtypes", opt.dtypes,
                  "comma-separated weight dtypes: bf16, fp8 (per-channel scales)");
   app.add_flag("--quick", opt.quick, "rows 1,16 only (every shape and dtype), at most 20 reps");
+  app.add_flag("--stream", opt.stream,
+               "the weights streamed through shared memory (GemmSkinnyParams::stream) where the "
+               "launch takes it");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--rotate-bytes", opt.rotate_bytes,
                  "weight bytes one graph cycles through (more than this; default 4 x L2)");
@@ -243,6 +247,7 @@ int run_gemm_bench(int argc, char** argv) {
           p.w_fp8 = fp8 ? 1 : 0;
           p.out_f32 = 0;
           p.split_k8 = split_k8 ? 1 : 0;
+          p.stream = opt.stream ? 1 : 0;
           return p;
         };
 
@@ -340,6 +345,7 @@ int run_gemm_bench(int argc, char** argv) {
                               {"floor_us", floor_us},
                               {"ctas", cuda::gemm_skinny_ctas(static_cast<int>(n))},
                               {"split_k8", split_k8},
+                              {"stream", opt.stream},
                               {"copies", copies},
                               {"launches", launches},
                               {"reps", t.reps},

@@ -8,6 +8,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <utility>
 
 #include "m3msa/error.h"
@@ -38,6 +40,22 @@ inline int narrow_int(int64_t value, const char* what) {
 // Whether `ptr` is 16-byte aligned (the kernels' vector loads need it).
 inline bool aligned16(const void* ptr) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0;
+}
+
+// Raises `kernel`'s dynamic shared memory limit on the current device to `bytes` the first time a
+// launch needs more than the limit set so far (the kernels that stream through a ring sized by
+// their shapes).
+inline void raise_dynamic_smem_limit(const void* kernel, int bytes) {
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::pair<int, const void*>, int> limits;
+  std::lock_guard<std::mutex> lock(mutex);
+  int& limit = limits[{device, kernel}];
+  if (bytes > limit) {
+    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    limit = bytes;
+  }
 }
 
 // Launches kernel(params) on `stream`; pdl: as a programmatic dependent of the previous kernel in

@@ -490,15 +490,18 @@ __host__ __device__ constexpr int stream_smem_bytes(int k, bool fp8, bool mx) {
 
 // The sums of one 16-column tile streamed through `smem` (stream_smem_bytes(op.k, kFp8, kMx)
 // bytes of dynamic shared memory, 128-byte aligned); every thread of the CTA calls it. Leaves warp
-// w's sums in s_red[w][row][col], the block synchronized; kFresh as for load_x.
-template <bool kFp8, int kWarps, bool kMx = false, bool kFresh = false>
+// w's sums in s_red[w][row][col], the block synchronized; kFresh as for load_x. kSub: a warp's
+// step is kSub consecutive 64-k sub-chunks, as tile_accumulate's (its bits for the same kSub;
+// op.k a multiple of 64 x kSub).
+template <bool kFp8, int kWarps, bool kMx = false, bool kFresh = false, int kSub = 1>
 __device__ __forceinline__ void tile_accumulate_streamed(
     const StreamOperands& op, uint8_t* smem,
     float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
   static_assert(!kMx || kFp8, "block scales are for fp8 weights");
   constexpr int kElem = kFp8 ? 1 : 2;
   constexpr int kStageK = kStreamStageBytes / kElem;
-  static_assert((kStageK / kChunk) % kWarps == 0, "a warp's chunks keep their order over stages");
+  constexpr int kStepK = kChunk * kSub;
+  static_assert((kStageK / kStepK) % kWarps == 0, "a warp's steps keep their order over stages");
   const int k = op.k;
   const int stages = stream_stages(k, kFp8);
   const int slots = stream_slots(k, kFp8);
@@ -552,28 +555,32 @@ __device__ __forceinline__ void tile_accumulate_streamed(
     const int slot = s % slots;
     mbar_wait(&full[slot], static_cast<uint32_t>(s / slots) & 1u);
     const int k0 = s * kStageK;
-    const int chunks = min(kStageK, k - k0) / kChunk;
+    const int steps = min(kStageK, k - k0) / kStepK;
     const uint8_t* stage = ring + slot * kStreamSlotBytes;
-    for (int c = warp; c < chunks; c += kWarps) {
-      ChunkRegs<kFp8, 1, kMx> regs;
+    for (int c = warp; c < steps; c += kWarps) {
+      ChunkRegs<kFp8, kSub, kMx> regs;
 #pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int row = j * 8 + g;
-        const uint8_t* src = stage + row * kStreamRowPitch + c * kChunk * kElem + t * 16;
-        if (col_ok[j]) {
-          regs.w[0][j].v[0] = *reinterpret_cast<const uint4*>(src);
-          if constexpr (!kFp8) regs.w[0][j].v[1] = *reinterpret_cast<const uint4*>(src + 64);
-          if constexpr (kMx) {
-            regs.scale[0][j] = scales[row * scale_bytes + (k0 + c * kChunk + t * 16) / kMxBlock];
+      for (int u = 0; u < kSub; ++u) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int row = j * 8 + g;
+          const int kk = c * kStepK + u * kChunk;  // within the stage
+          const uint8_t* src = stage + row * kStreamRowPitch + kk * kElem + t * 16;
+          if (col_ok[j]) {
+            regs.w[u][j].v[0] = *reinterpret_cast<const uint4*>(src);
+            if constexpr (!kFp8) regs.w[u][j].v[1] = *reinterpret_cast<const uint4*>(src + 64);
+            if constexpr (kMx) {
+              regs.scale[u][j] = scales[row * scale_bytes + (k0 + kk + t * 16) / kMxBlock];
+            }
+          } else {
+#pragma unroll
+            for (int i = 0; i < (kFp8 ? 1 : 2); ++i) regs.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
+            if constexpr (kMx) regs.scale[u][j] = 0u;
           }
-        } else {
-#pragma unroll
-          for (int i = 0; i < (kFp8 ? 1 : 2); ++i) regs.w[0][j].v[i] = make_uint4(0, 0, 0, 0);
-          if constexpr (kMx) regs.scale[0][j] = 0u;
         }
       }
-      mma_chunk<kFp8, 1, kMx, kFresh, kMx>(op.x_lo, op.x_hi, static_cast<int64_t>(k0) + c * kChunk,
-                                           t, regs, acc, nan_bits);
+      mma_chunk<kFp8, kSub, kMx, kFresh, kMx>(
+          op.x_lo, op.x_hi, static_cast<int64_t>(k0) + c * kStepK, t, regs, acc, nan_bits);
     }
     __syncthreads();  // the slot's readers are done: it may be filled again
     if (tid == 0 && s + slots < stages) fill(s + slots);
@@ -616,6 +623,51 @@ __device__ __forceinline__ void gemm_tile(const GemmSkinnyParams& p, int n0,
           float_to_bf16(sum);
     }
   }
+}
+
+// gemm_tile with the weights streamed through shared memory (GemmSkinnyParams::stream; n a
+// multiple of 16, so every tile's 16 rows exist): the same k order as gemm_tile of the same kSub,
+// so the same bits.
+template <bool kFp8, int kSub>
+__device__ __forceinline__ void gemm_tile_streamed(
+    const GemmSkinnyParams& p, int n0, uint8_t* smem,
+    float (&s_red)[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
+  constexpr int kElem = kFp8 ? 1 : 2;
+  const int g = (threadIdx.x & 31) >> 2;
+  StreamOperands op;
+  op.x_lo = g < p.rows ? p.x + static_cast<int64_t>(g) * p.x_stride : nullptr;
+  op.x_hi = g + 8 < p.rows ? p.x + static_cast<int64_t>(g + 8) * p.x_stride : nullptr;
+  const uint8_t* w_base = static_cast<const uint8_t*>(p.w);
+#pragma unroll
+  for (int j = 0; j < 2; ++j)
+    op.w_first[j] = w_base + static_cast<int64_t>(n0 + j * 8) * p.k * kElem;
+  op.k = p.k;
+  tile_accumulate_streamed<kFp8, kGemmWarps, false, false, kSub>(op, smem, s_red);
+  for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kGemmThreads) {
+    const int row = o / kColsPerCta;
+    const int col = n0 + o % kColsPerCta;
+    if (row >= p.rows) continue;
+    float sum = s_red[0][row][o % kColsPerCta];
+#pragma unroll
+    for (int w = 1; w < kGemmWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
+    if (p.scale != nullptr) sum = __fmul_rn(sum, p.scale[col]);
+    if (p.out_f32) {
+      static_cast<float*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] = sum;
+    } else {
+      static_cast<uint16_t*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] =
+          float_to_bf16(sum);
+    }
+  }
+}
+
+// GemmSkinnyParams::stream: gemm_skinny_kernel's grid with the weights streamed through shared
+// memory (dynamic shared memory stream_smem_bytes(k, ...)); ~70 registers.
+template <bool kFp8, int kSub>
+__global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
+    gemm_skinny_stream_kernel(const __grid_constant__ GemmSkinnyParams p) {
+  extern __shared__ __align__(128) uint8_t s_stream[];
+  __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
+  gemm_tile_streamed<kFp8, kSub>(p, blockIdx.x * kColsPerCta, s_stream, s_red);
 }
 
 // Grid: ceil(n / 16) CTAs of 4 warps, one tile each. kRing: gemm_tile's ring loop (128-byte

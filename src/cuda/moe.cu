@@ -47,20 +47,10 @@ bool use_stream(const MoeParams& p) {
   return true;
 }
 
-// Dynamic shared memory of a streamed kernel with reduction dimension k; raises the kernel's
-// limit on this device the first time it needs more than the default 48 KB.
+// Dynamic shared memory of a streamed kernel with reduction dimension k (its limit raised once).
 std::size_t stream_smem(void (*kernel)(MoeParams), int k, bool fp8) {
   const int bytes = gemm::stream_smem_bytes(k, fp8, fp8);
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  static std::mutex mutex;
-  static std::map<std::pair<int, void (*)(MoeParams)>, int> limits;
-  std::lock_guard<std::mutex> lock(mutex);
-  int& limit = limits[{device, kernel}];
-  if (bytes > limit) {
-    CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    limit = bytes;
-  }
+  raise_dynamic_smem_limit(reinterpret_cast<const void*>(kernel), bytes);
   return static_cast<std::size_t>(bytes);
 }
 

@@ -121,8 +121,8 @@ int run_gemm_bench(int argc, char** argv) {
                  "comma-separated weight dtypes: bf16, fp8 (per-channel scales)");
   app.add_flag("--quick", opt.quick, "rows 1,16 only (every shape and dtype), at most 20 reps");
   app.add_flag("--stream", opt.stream,
-               "the weights streamed through shared memory (GemmSkinnyParams::stream) where the "
-               "launch takes it");
+               "the weights streamed through shared memory (GemmSkinnyParams::stream), 4 warps "
+               "per tile also where the runtime splits K over 8 (another k order)");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--rotate-bytes", opt.rotate_bytes,
                  "weight bytes one graph cycles through (more than this; default 4 x L2)");
@@ -246,7 +246,7 @@ int run_gemm_bench(int argc, char** argv) {
           p.k = static_cast<int>(k);
           p.w_fp8 = fp8 ? 1 : 0;
           p.out_f32 = 0;
-          p.split_k8 = split_k8 ? 1 : 0;
+          p.split_k8 = split_k8 && !opt.stream ? 1 : 0;
           p.stream = opt.stream ? 1 : 0;
           return p;
         };
@@ -344,7 +344,7 @@ int run_gemm_bench(int argc, char** argv) {
                               {"pct_roof", roof},
                               {"floor_us", floor_us},
                               {"ctas", cuda::gemm_skinny_ctas(static_cast<int>(n))},
-                              {"split_k8", split_k8},
+                              {"split_k8", split_k8 && !opt.stream},
                               {"stream", opt.stream},
                               {"copies", copies},
                               {"launches", launches},

@@ -106,7 +106,7 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
     const bool stream_down = use_stream(p) && !p.deep && !down_tiled;
     if (gate_up_sets > 0) {
       if (stream_gate_up) {
-        const auto kernel = moe::moe_gate_up_stream_kernel<true>;  // MXFP8 only (use_stream)
+        const auto kernel = moe::moe_gate_up_mma_kernel<true, false, true>;  // MXFP8 (use_stream)
         launch_kernel(kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream,
                       stream_smem(kernel, p.hidden, p.fp8));
       } else {
@@ -114,7 +114,7 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
       }
     }
     if (stream_down) {
-      const auto kernel = moe::moe_down_stream_kernel<true>;
+      const auto kernel = moe::moe_down_mma_kernel<true, false, 1, true>;
       const int k = std::max(routed > 0 ? p.experts.inter : 0,  // the slots' largest K
                              down.shared_slot ? p.shared.inter : 0);
       launch_kernel(kernel, down_grid, moe::kMmaThreads, down, stream,

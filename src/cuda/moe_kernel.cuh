@@ -555,11 +555,6 @@ inline constexpr int kMmaDeepMinCtasPerSm = 4;
 // registers without a spill with the ring's bookkeeping; one chunk more spills).
 template <bool kFp8>
 inline constexpr int kMmaTiledChunksInFlight = kFp8 ? 5 : 4;
-// The streamed kernels (MoeParams::stream): at most 128 registers (ptxas: ~70), so the shared
-// memory (a 2-slot ring of 16 weight rows x 1 KB, the tile's scales, the warps' sums: ~41 KB for
-// M3's hidden) sets how many fit an SM (5 for the gate/up, more for TP 4 / 8 ranks' short down
-// rows).
-inline constexpr int kStreamMinCtasPerSm = 4;
 
 // The weight rows of a w13 / w2 matrix in bytes, and their MXFP8 scale rows.
 template <bool kFp8>
@@ -641,25 +636,13 @@ __device__ __forceinline__ void gate_up_tile(
   }
 }
 
-template <bool kFp8, bool kDeep>
-__global__ void __launch_bounds__(kMmaThreads, kDeep ? kMmaDeepMinCtasPerSm : 1)
+// kStream (MoeParams::stream): the weights streamed through shared memory (dynamic shared memory
+// gemm::stream_smem_bytes(hidden, ...)), the same bits; at most 128 registers (ptxas: ~70), so the
+// shared memory (a 2-slot ring of 16 weight rows x 1 KB, the tile's scales, the warps' sums:
+// ~41 KB for M3's hidden) sets how many CTAs fit an SM (5; more for the short down rows).
+template <bool kFp8, bool kDeep, bool kStream = false>
+__global__ void __launch_bounds__(kMmaThreads, (kDeep || kStream) ? kMmaDeepMinCtasPerSm : 1)
     moe_gate_up_mma_kernel(const __grid_constant__ MoeParams p) {
-  __shared__ int tok_row[kMoeMaxRows];
-  __shared__ int tok_slot[kMoeMaxRows];
-  __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
-  int ex = -1;
-  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
-  if (ntok == 0) return;
-  const bool shared = ex == p.num_experts;
-  gate_up_tile<kFp8, kMmaChunksInFlight<kFp8, kDeep>>(p, shared, shared ? 0 : ex, ntok, tok_row,
-                                                      tok_slot, blockIdx.x * kMmaGateUpRows, s_red);
-}
-
-// The same grid with the weights streamed through shared memory (MoeParams::stream; dynamic
-// shared memory gemm::stream_smem_bytes(hidden, ...)); the same bits.
-template <bool kFp8>
-__global__ void __launch_bounds__(kMmaThreads, kStreamMinCtasPerSm)
-    moe_gate_up_stream_kernel(const __grid_constant__ MoeParams p) {
   extern __shared__ __align__(128) uint8_t s_stream[];
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
@@ -668,8 +651,9 @@ __global__ void __launch_bounds__(kMmaThreads, kStreamMinCtasPerSm)
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
-  gate_up_tile<kFp8, 0, true>(p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot,
-                              blockIdx.x * kMmaGateUpRows, s_red, s_stream);
+  gate_up_tile<kFp8, kMmaChunksInFlight<kFp8, kDeep>, kStream>(
+      p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot, blockIdx.x * kMmaGateUpRows, s_red,
+      s_stream);
 }
 
 // The router's logits (CTAs 0 .. E - 1, one expert each) beside the shared expert's gate/up tiles
@@ -820,11 +804,15 @@ __device__ __forceinline__ void down_tiles(
 // (kMmaTiledChunksInFlight): TP 4 / 8 ranks' K (768 / 384) gives a warp three or fewer chunks per
 // tile, so a CTA per tile waits a whole round trip for each, and one token's 5 x 384 CTAs take
 // five waves.
-template <bool kFp8, bool kDeep, int kTiles = 1>
-__global__ void __launch_bounds__(kMmaThreads, (kDeep || kTiles > 1) ? kMmaDeepMinCtasPerSm : 1)
+// kStream (MoeParams::stream, kTiles 1): the weights streamed through shared memory (dynamic
+// shared memory gemm::stream_smem_bytes(inter, ...)), the same bits.
+template <bool kFp8, bool kDeep, int kTiles = 1, bool kStream = false>
+__global__ void __launch_bounds__(kMmaThreads,
+                                  (kDeep || kTiles > 1 || kStream) ? kMmaDeepMinCtasPerSm : 1)
     moe_down_mma_kernel(const __grid_constant__ MoeParams p) {
   constexpr int kInFlight =
       kTiles > 1 ? kMmaTiledChunksInFlight<kFp8> : kMmaChunksInFlight<kFp8, kDeep>;
+  extern __shared__ __align__(128) uint8_t s_stream[];
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float s_red[kTiles][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
@@ -832,27 +820,10 @@ __global__ void __launch_bounds__(kMmaThreads, (kDeep || kTiles > 1) ? kMmaDeepM
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
   const int n0 = blockIdx.x * kTiles * gemm::kColsPerCta;
   if (ntok > 0 && n0 < p.hidden) {
-    down_tiles<kFp8, kInFlight, kTiles>(p, ex, ntok, tok_row, tok_slot, n0, s_red);
+    down_tiles<kFp8, kInFlight, kTiles, false, kStream>(p, ex, ntok, tok_row, tok_slot, n0, s_red,
+                                                        s_stream);
   }
   if (p.combine_in_down) combine_columns_if_last(p, n0, kTiles * gemm::kColsPerCta);
-}
-
-// The down projection's grid with the weights streamed through shared memory (MoeParams::stream;
-// dynamic shared memory gemm::stream_smem_bytes(inter, ...)); the same bits.
-template <bool kFp8>
-__global__ void __launch_bounds__(kMmaThreads, kStreamMinCtasPerSm)
-    moe_down_stream_kernel(const __grid_constant__ MoeParams p) {
-  extern __shared__ __align__(128) uint8_t s_stream[];
-  __shared__ int tok_row[kMoeMaxRows];
-  __shared__ int tok_slot[kMoeMaxRows];
-  __shared__ float s_red[1][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
-  int ex = -1;
-  const int ntok = list_tokens(p, tok_row, tok_slot, ex);
-  const int n0 = blockIdx.x * gemm::kColsPerCta;
-  if (ntok > 0 && n0 < p.hidden) {
-    down_tiles<kFp8, 0, 1, false, true>(p, ex, ntok, tok_row, tok_slot, n0, s_red, s_stream);
-  }
-  if (p.combine_in_down) combine_columns_if_last(p, n0, gemm::kColsPerCta);
 }
 
 __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {

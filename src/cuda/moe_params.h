@@ -40,10 +40,10 @@ struct MoeParams {
   bool tensor_cores = true;
   // The MoE's tensor-core launches of the expert projections that keep one tile per CTA (not
   // deep, one down tile) with MXFP8 weights stream the weights through a two-slot ring in shared
-  // memory with the bulk-copy engine (moe_*_stream_kernel; the same bits as the register ring):
-  // ~70 registers instead of ~140, so twice the warps per SM share the MXFP8 loop's issue slots.
-  // Taken where the scale tensors are 16-byte aligned and K <= kMoeStreamMaxK; bf16 weights and
-  // the dense MLP keep the register ring (measured slower streamed); false: never streamed.
+  // memory with the bulk-copy engine (the moe_*_mma_kernel's kStream; the same bits as the register
+  // ring): ~70 registers instead of ~140, so twice the warps per SM share the MXFP8 loop's issue
+  // slots. Taken where the scale tensors are 16-byte aligned and K <= kMoeStreamMaxK; bf16 weights
+  // and the dense MLP keep the register ring (measured slower streamed); false: never streamed.
   bool stream = true;
   // On tensor cores, the shared expert's gate/up tiles run beside the router's logits in its
   // launch (true), or in the routed experts' gate/up launch as its last slot (false; the same

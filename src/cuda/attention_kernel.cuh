@@ -46,14 +46,15 @@ inline constexpr int kBlockTokens = 128;
 inline constexpr int kChunkTokens = 64;
 inline constexpr int kWarps = 4;
 inline constexpr int kThreads = kWarps * 32;
-inline constexpr int kTileHeads = 16;              // query heads per CTA (m16)
-inline constexpr int kMaxRoundBlocks = 64;         // blocks whose pages are looked up at once
-inline constexpr int kMergeStride = kHeadDim + 4;  // padded fp32 row of the warp merge
-inline constexpr float kLazyRescale = 8.0f;        // log2 units; softmax weights stay <= 256
-inline constexpr int kMaxMergeSplits = 64;         // splits a global merge handles
-inline constexpr int kMaxClusterRanks = 16;        // splits a cluster merge handles
-inline constexpr int kMaxRowTiles = 4;             // decode rows of one request per CTA
-inline constexpr int kMaxGroupedTopk = 32;         // topk a CTA of several rows takes
+inline constexpr int kTileHeads = 16;                 // query heads per CTA (m16)
+inline constexpr int kMaxRoundBlocks = 64;            // blocks whose pages are looked up at once
+inline constexpr int kMergeStride = kHeadDim + 4;     // padded fp32 row of the warp merge
+inline constexpr int kMergeUnits = kMergeStride / 4;  // its 16-byte units (33: odd, see merge_unit)
+inline constexpr float kLazyRescale = 8.0f;           // log2 units; softmax weights stay <= 256
+inline constexpr int kMaxMergeSplits = 64;            // splits a global merge handles
+inline constexpr int kMaxClusterRanks = 16;           // splits a cluster merge handles
+inline constexpr int kMaxRowTiles = 4;                // decode rows of one request per CTA
+inline constexpr int kMaxGroupedTopk = 32;            // topk a CTA of several rows takes
 
 // Cluster barrier halves (PTX barrier.cluster): every thread of every rank arrives, then waits.
 __device__ __forceinline__ void cluster_arrive_relaxed() {
@@ -224,6 +225,15 @@ __device__ __forceinline__ int out_dim(int tile, int n) {
   } else {
     return (tile < 8) ? 8 * n + tile : 64 + 8 * n + (tile - 8);
   }
+}
+
+// Where 16-byte unit u (dims 4u .. 4u + 3) of a head's row sits in the warp merge's shared memory:
+// an XOR of bits 1-2 with bits 3-4. With the odd row length (kMergeUnits) it keeps both sides of
+// the merge free of bank conflicts: a warp's fragment stores (each thread 4 dims of one head at
+// once, heads g and g + 8, columns 2c and 2c + 1, either out_dim layout) and the merging threads'
+// loads (8 threads of one head, 8 consecutive units).
+__device__ __forceinline__ int merge_unit(int u) {
+  return u ^ (((u >> 3) & 3) << 1);
 }
 
 // Request and position of `row`; pos < 0 marks a dead row.
@@ -739,13 +749,17 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   float* s_o = reinterpret_cast<float*>(smem);             // [warps][16][kMergeStride]
   float* s_ml = s_o + kWarps * kTileHeads * kMergeStride;  // [warps][16][2]
   {
-    float* my_o = s_o + warp * kTileHeads * kMergeStride;
+    // Accumulator tiles t0 .. t0 + 3 of a column are 4 consecutive dims in both out_dim layouts:
+    // one 16-byte store each (merge_unit: no bank conflicts).
+    float4* my_o = reinterpret_cast<float4*>(s_o + warp * kTileHeads * kMergeStride);
 #pragma unroll
-    for (int t = 0; t < 16; ++t) {
+    for (int t0 = 0; t0 < 16; t0 += 4) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int head = g + 8 * (e >> 1);
-        my_o[head * kMergeStride + out_dim<kFp8>(t, 2 * c + (e & 1))] = o[t][e];
+        const int unit = out_dim<kFp8>(t0, 2 * c + (e & 1)) / 4;
+        my_o[head * kMergeUnits + merge_unit(unit)] =
+            make_float4(o[t0][e], o[t0 + 1][e], o[t0 + 2][e], o[t0 + 3][e]);
       }
     }
     if (c == 0) {
@@ -757,9 +771,11 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   }
   __syncthreads();
 
-  // Thread t owns head t / 8, dims 16 * (t % 8) .. +15, of every tile.
+  // Thread t owns head t / 8 and the 16-byte units u0 + 8j (j < 4; u0 = t % 8) of every tile:
+  // acc[4j + i] is dim 4 (u0 + 8j) + i. Eight threads of one head read eight consecutive units.
   const int head = tid >> 3;
-  const int d0 = (tid & 7) * 16;
+  const int u0 = tid & 7;
+  auto owned_dim = [&](int j) { return 4 * (u0 + 8 * j); };
   float acc[16];
   // acc = tile t's warps merged (unnormalized); m_out / l_out = the tile's max and sum.
   auto merge_warps = [&](int t, float& m_out, float& l_out) {
@@ -777,9 +793,16 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
       const int w = t * kWarpsPerTile + i;
       const float wt = fast_exp2(s_ml[(w * kTileHeads + head) * 2] - m_ref);
       l_cta += s_ml[(w * kTileHeads + head) * 2 + 1] * wt;
-      const float* src = s_o + (w * kTileHeads + head) * kMergeStride + d0;
+      const float4* src =
+          reinterpret_cast<const float4*>(s_o) + (w * kTileHeads + head) * kMergeUnits;
 #pragma unroll
-      for (int d = 0; d < 16; ++d) acc[d] += src[d] * wt;
+      for (int j = 0; j < 4; ++j) {
+        const float4 v = src[merge_unit(u0 + 8 * j)];
+        acc[4 * j] += v.x * wt;
+        acc[4 * j + 1] += v.y * wt;
+        acc[4 * j + 2] += v.z * wt;
+        acc[4 * j + 3] += v.w * wt;
+      }
     }
     m_out = m_cta;
     l_out = l_cta;
@@ -789,15 +812,17 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   // Stores acc * inv as bf16 into row out_row.
   auto store_out = [&](int64_t out_row, float inv) {
     if (!store_head) return;
-    uint16_t* out = p.out + (out_row * p.q_heads + int64_t{kvh} * p.group + head) * kHeadDim + d0;
+    uint16_t* out = p.out + (out_row * p.q_heads + int64_t{kvh} * p.group + head) * kHeadDim;
     uint32_t packed[8];
 #pragma unroll
     for (int d = 0; d < 8; ++d) {
       packed[d] = static_cast<uint32_t>(f32_to_bf16_bits(acc[2 * d] * inv)) |
                   (static_cast<uint32_t>(f32_to_bf16_bits(acc[2 * d + 1] * inv)) << 16);
     }
-    reinterpret_cast<uint4*>(out)[0] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
-    reinterpret_cast<uint4*>(out)[1] = make_uint4(packed[4], packed[5], packed[6], packed[7]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      *reinterpret_cast<uint2*>(out + owned_dim(j)) = make_uint2(packed[2 * j], packed[2 * j + 1]);
+    }
   };
   auto write_out = [&](int64_t out_row, float l_total) {
     store_out(out_row, l_total > 0.0f ? output_v_scale(p) / l_total : 0.0f);
@@ -829,12 +854,13 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     merge_warps(0, m_cta, l_cta);
     cluster_wait_acquire();  // every rank has started (the arrival at the kernel's start)
 #pragma unroll
-    for (int q = 0; q < 16; q += 4) {
-      const int d = d0 + q;
+    for (int j = 0; j < 4; ++j) {
+      const int d = owned_dim(j);
       const int owner = d / span;
       float* dst = cluster.map_shared_rank(recv_o, owner) + (src * kTileHeads + head) * span +
                    (d - owner * span);
-      *reinterpret_cast<float4*>(dst) = make_float4(acc[q], acc[q + 1], acc[q + 2], acc[q + 3]);
+      *reinterpret_cast<float4*>(dst) =
+          make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
     }
     for (int r = tid & 7; r < ranks; r += 8) {
       float* dst = cluster.map_shared_rank(recv_ml, r) + (src * kTileHeads + head) * 2;
@@ -885,8 +911,12 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     for (int t = 0; t < live_tiles; ++t) {
       float m_cta, l_cta;
       merge_warps(t, m_cta, l_cta);
+      float* pub_row = pub_o + (t * kTileHeads + head) * kHeadDim;
 #pragma unroll
-      for (int d = 0; d < 16; ++d) pub_o[(t * kTileHeads + head) * kHeadDim + d0 + d] = acc[d];
+      for (int j = 0; j < 4; ++j) {
+        *reinterpret_cast<float4*>(pub_row + owned_dim(j)) =
+            make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
+      }
       if ((tid & 7) == 0) {
         pub_ml[(t * kTileHeads + head) * 2] = m_cta;
         pub_ml[(t * kTileHeads + head) * 2 + 1] = l_cta;
@@ -958,10 +988,11 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     float m_cta, l_cta;
     merge_warps(t, m_cta, l_cta);
     const int64_t at = (slot * kTiles + t) * kTileHeads + head;
-    float4* dst = reinterpret_cast<float4*>(p.partial_o + at * kHeadDim + d0);
+    float* dst = p.partial_o + at * kHeadDim;
 #pragma unroll
-    for (int d = 0; d < 4; ++d) {
-      dst[d] = make_float4(acc[4 * d], acc[4 * d + 1], acc[4 * d + 2], acc[4 * d + 3]);
+    for (int j = 0; j < 4; ++j) {
+      *reinterpret_cast<float4*>(dst + owned_dim(j)) =
+          make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
     }
     if ((tid & 7) == 0) {
       p.partial_ml[at * 2 + 0] = m_cta;
@@ -989,13 +1020,14 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   float* s_weight = reinterpret_cast<float*>(smem);        // [splits][16]: max, then weight
   float* s_sum = s_weight + kMaxMergeSplits * kTileHeads;  // [splits][16]
   constexpr int kSplitStride4 = kTiles * kTileHeads * kHeadDim / 4;  // float4s per split
+  // v[j]: the split's owned unit j (dims owned_dim(j) .. +3).
   auto accumulate = [&](const float4(&v)[4], float wt) {
 #pragma unroll
-    for (int d = 0; d < 4; ++d) {
-      acc[4 * d] += v[d].x * wt;
-      acc[4 * d + 1] += v[d].y * wt;
-      acc[4 * d + 2] += v[d].z * wt;
-      acc[4 * d + 3] += v[d].w * wt;
+    for (int j = 0; j < 4; ++j) {
+      acc[4 * j] += v[j].x * wt;
+      acc[4 * j + 1] += v[j].y * wt;
+      acc[4 * j + 2] += v[j].z * wt;
+      acc[4 * j + 3] += v[j].w * wt;
     }
   };
 #pragma unroll 1
@@ -1027,14 +1059,15 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
 #pragma unroll
     for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
     const float4* src = reinterpret_cast<const float4*>(
-        p.partial_o + ((slot0 * kTiles + t) * kTileHeads + head) * kHeadDim + d0);
+                            p.partial_o + ((slot0 * kTiles + t) * kTileHeads + head) * kHeadDim) +
+                        u0;
     int sp = 0;
     for (; sp + 4 <= p.num_splits; sp += 4) {
       float4 v[4][4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
 #pragma unroll
-        for (int d = 0; d < 4; ++d) v[u][d] = __ldcg(src + (sp + u) * kSplitStride4 + d);
+        for (int j = 0; j < 4; ++j) v[u][j] = __ldcg(src + (sp + u) * kSplitStride4 + 8 * j);
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) accumulate(v[u], s_weight[(sp + u) * kTileHeads + head]);
@@ -1042,7 +1075,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     for (; sp < p.num_splits; ++sp) {
       float4 v[4];
 #pragma unroll
-      for (int d = 0; d < 4; ++d) v[d] = __ldcg(src + sp * kSplitStride4 + d);
+      for (int j = 0; j < 4; ++j) v[j] = __ldcg(src + sp * kSplitStride4 + 8 * j);
       accumulate(v, s_weight[sp * kTileHeads + head]);
     }
     store_out(row0 + t, 1.0f);

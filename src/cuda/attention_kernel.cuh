@@ -875,20 +875,34 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     for (int e = tid; e < p.group * pairs_per_head; e += kThreads) {
       const int h = e / pairs_per_head;
       const int dd = 2 * (e - h * pairs_per_head);
+      // Every rank's (max, sum) and pair loaded at once (a loop over the ranks' loads would wait
+      // for each), then added in rank order.
+      float2 ml[kMaxClusterRanks];
+      float2 v[kMaxClusterRanks];
+#pragma unroll
+      for (int r = 0; r < kMaxClusterRanks; ++r) {
+        if (r < ranks) {
+          ml[r] = *reinterpret_cast<const float2*>(recv_ml + (r * kTileHeads + h) * 2);
+          v[r] = *reinterpret_cast<const float2*>(recv_o + (r * kTileHeads + h) * span + dd);
+        }
+      }
       float m_all = -INFINITY;
-      for (int r = 0; r < ranks; ++r) m_all = fmaxf(m_all, recv_ml[(r * kTileHeads + h) * 2]);
+#pragma unroll
+      for (int r = 0; r < kMaxClusterRanks; ++r) {
+        if (r < ranks) m_all = fmaxf(m_all, ml[r].x);
+      }
       const float m_ref = m_all == -INFINITY ? 0.0f : m_all;
       float l_all = 0.0f;
       float a0 = 0.0f;
       float a1 = 0.0f;
-      for (int r = 0; r < ranks; ++r) {
-        const float2 ml = *reinterpret_cast<const float2*>(recv_ml + (r * kTileHeads + h) * 2);
-        const float2 v =
-            *reinterpret_cast<const float2*>(recv_o + (r * kTileHeads + h) * span + dd);
-        const float wt = fast_exp2(ml.x - m_ref);
-        l_all += ml.y * wt;
-        a0 += v.x * wt;
-        a1 += v.y * wt;
+#pragma unroll
+      for (int r = 0; r < kMaxClusterRanks; ++r) {
+        if (r < ranks) {
+          const float wt = fast_exp2(ml[r].x - m_ref);
+          l_all += ml[r].y * wt;
+          a0 += v[r].x * wt;
+          a1 += v[r].y * wt;
+        }
       }
       const float inv = l_all > 0.0f ? output_v_scale(p) / l_all : 0.0f;
       uint16_t* out =

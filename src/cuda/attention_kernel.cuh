@@ -379,8 +379,11 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     }
   }
 
-  if (early) {
-    // The request's block-table row into L2 (up to 64 lines: 2048 blocks), then the wait.
+  // The request's block-table row into L2 (up to 64 lines: 2048 blocks) while the selection is
+  // read, so the page lookup after it finds the entry there: with early_prologue before the wait
+  // (the selection is the previous kernel's), and in the cluster plan (a few requests, where the
+  // chain of dependent loads is the kernel's time).
+  if (early || (kTiles == 1 && p.cluster_merge && p.topk_idx != nullptr)) {
     if (!p.rows_layout.is_prefill && tid < 64) {
       const int64_t req0 = row0 / p.rows_layout.q_len;
       const char* row = reinterpret_cast<const char*>(p.kv_block_table + req0 * p.table_cols);
@@ -388,8 +391,8 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(row + 128 * tid));
       }
     }
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
   }
+  if (early) asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
   // ---- the split's share of the row's block list ----
   // A selection is split statically (ceil(topk / splits) entries per CTA), so the entries and their

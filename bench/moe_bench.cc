@@ -198,7 +198,9 @@ int run_moe_bench(int argc, char** argv) {
                  "comma-separated expert projections: mma (tensor cores, the weights streamed "
                  "through shared memory), mma-ring (tensor cores, the weights in a register "
                  "ring: MoeParams::stream off), mma-shared-late (tensor cores, the shared expert's "
-                 "gate/up in the gate/up launch: MoeParams::shared_with_router off), fma (fp32 "
+                 "gate/up in the gate/up launch: MoeParams::shared_with_router off), "
+                 "mma-combine-apart (tensor cores, the combine in a launch of its own at every "
+                 "row count: MoeParams::combine_in_down_max_rows 0), fma (fp32 "
                  "FMA kernels), mma+pdl (tensor cores, "
                  "programmatic dependent launches), mma-deep (tensor cores "
                  "at 4 CTAs per SM with more weight chunks in flight: MoeParams::deep), mma-down4 "
@@ -231,8 +233,8 @@ int run_moe_bench(int argc, char** argv) {
   opt.tokens = int_list("--tokens", opt.tokens_text, 1, cuda::kMoeMaxRows);
   opt.dtypes = choice_list("--dtypes", opt.dtypes_text, {"bf16", "mxfp8"});
   opt.kernels = choice_list("--kernels", opt.kernels_text,
-                            {"mma", "mma-ring", "mma-shared-late", "fma", "mma+pdl", "mma-deep",
-                             "mma-down4", "mma-persistent"});
+                            {"mma", "mma-ring", "mma-shared-late", "mma-combine-apart", "fma",
+                             "mma+pdl", "mma-deep", "mma-down4", "mma-persistent"});
   opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
   require_range("--reps", opt.reps, 1);
   require_range("--min-launches", opt.min_launches, 1);
@@ -394,6 +396,7 @@ int run_moe_bench(int argc, char** argv) {
             p.persistent = kernels == "mma-persistent";
             p.stream = kernels != "mma-ring";
             p.shared_with_router = kernels != "mma-shared-late";
+            if (kernels == "mma-combine-apart") p.combine_in_down_max_rows = 0;
             return p;
           };
           auto launch = [&](const cuda::MoeParams& p) {
@@ -476,14 +479,14 @@ int run_moe_bench(int argc, char** argv) {
               c->worst = worst;
             }
           }
-          // mma-ring, mma-shared-late, mma-deep, mma-down4 and mma-persistent change only how
-          // the mma kernels' work is scheduled: the same bits as mma.
+          // mma-ring, mma-shared-late, mma-combine-apart, mma-deep, mma-down4 and mma-persistent
+          // change only how the mma kernels' work is scheduled: the same bits as mma.
           if (mma_it != opt.kernels.end()) {
             const KernelCheck& mma = checks[static_cast<std::size_t>(mma_it - opt.kernels.begin())];
             for (std::size_t ki = 0; ki < opt.kernels.size(); ++ki) {
               const std::string& k = opt.kernels[ki];
-              if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-deep" &&
-                  k != "mma-down4" && k != "mma-persistent")
+              if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-combine-apart" &&
+                  k != "mma-deep" && k != "mma-down4" && k != "mma-persistent")
                 continue;
               checks[ki].same_as_mma =
                   std::memcmp(checks[ki].eager.data(), mma.eager.data(), mma.eager.size() * 4) == 0;

@@ -36,6 +36,7 @@
 
 #include <cstdint>
 
+#include "cuda/arrival.cuh"
 #include "cuda/attention_params.h"
 #include "cuda/timeline.cuh"
 
@@ -193,16 +194,6 @@ __device__ __forceinline__ float2 unpack2(uint32_t v) {
 // bf16x2 -> f16x2 (exact for the magnitudes a normed query has).
 __device__ __forceinline__ uint32_t bf16x2_to_f16x2(uint32_t v) {
   return pack2<true>(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u));
-}
-
-// counter += 1 with acquire-release semantics at GPU scope; returns the old value.
-__device__ __forceinline__ unsigned arrive_acq_rel(unsigned* counter) {
-  unsigned old;
-  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], 1;"
-               : "=r"(old)
-               : "l"(counter)
-               : "memory");
-  return old;
 }
 
 __device__ __forceinline__ float fast_exp2(float x) {

@@ -184,7 +184,8 @@ __device__ __forceinline__ void load_chunk_rows(const uint8_t* const (&w_row)[2]
       const int64_t k = k0 + u * kChunk;
       if (ok[j]) {
         load_w<kFp8>(w_row[j] + k * kElem, t, slot.w[u][j]);
-        if constexpr (kMx) slot.scale[u][j] = __ldg(scale_row[j] + (k + t * 16) / 32);
+        if constexpr (kMx)
+          slot.scale[u][j] = e8m0_to_bf16x2(__ldg(scale_row[j] + (k + t * 16) / 32));
       } else {
 #pragma unroll
         for (int i = 0; i < (kFp8 ? 1 : 2); ++i) slot.w[u][j].v[i] = make_uint4(0, 0, 0, 0);

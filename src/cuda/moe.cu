@@ -62,10 +62,10 @@ void launch_kernel(void (*kernel)(MoeParams), dim3 grid, unsigned threads, const
 }
 
 // Whether the MoE's down launch combines the experts' outputs itself (MoeParams::combine_in_down):
-// the tensor-core down kernels of one tile per CTA do.
+// the tensor-core down kernels of one tile per CTA do, up to combine_in_down_max_rows rows.
 bool down_combines(const MoeParams& p) {
   const bool down_tiled = p.down_tiles == kMoeDownTiles && p.hidden % moe::kDownGroupCols == 0;
-  return use_tensor_cores(p) && !down_tiled;
+  return use_tensor_cores(p) && !down_tiled && p.rows <= p.combine_in_down_max_rows;
 }
 
 // The gate/up and down launches over `routed` expert slots plus the shared expert's (or the dense

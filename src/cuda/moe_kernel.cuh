@@ -43,6 +43,7 @@
 
 #include <cstdint>
 
+#include "cuda/arrival.cuh"
 #include "cuda/gemm_kernel.cuh"
 #include "cuda/moe_params.h"
 #include "cuda/timeline.cuh"
@@ -352,16 +353,14 @@ __device__ __forceinline__ void route_and_pick(const MoeParams& p, int e,
   __shared__ uint32_t s_used[kMoeMaxExperts / 32];
   __shared__ bool last;
   route_logits(p, e, partial);
-  __threadfence();  // this CTA's logits, before its arrival
-  __syncthreads();
+  __syncthreads();  // this CTA's logits, before its arrival (arrive_acq_rel)
   if (threadIdx.x == 0) {
-    const uint32_t before = atomicAdd(p.sync + kSyncRouteArrivals, 1u);
+    const uint32_t before = arrive_acq_rel(p.sync + kSyncRouteArrivals);
     last = before == static_cast<uint32_t>(p.num_experts - 1);
     if (last) p.sync[kSyncRouteArrivals] = 0u;
   }
-  __syncthreads();
+  __syncthreads();  // the last CTA's threads read the other CTAs' logits after the acquire
   if (!last) return;
-  __threadfence();  // the other CTAs' logits, read through L2 by route_topk
   route_topk_apart(p, s_pick, s_used);
 }
 
@@ -711,17 +710,15 @@ __host__ __device__ inline int down_arrival_words(int num_experts, int hidden) {
 // row (combine_element) and resets the count for the next launch.
 __device__ __forceinline__ void combine_columns_if_last(const MoeParams& p, int n0, int cols) {
   __shared__ bool last;
-  __threadfence();  // this CTA's y, before its arrival
-  __syncthreads();
+  __syncthreads();  // this CTA's y, before its arrival (arrive_acq_rel)
   if (threadIdx.x == 0) {
     uint32_t* count = p.sync + down_arrival_words(p.num_experts, p.hidden) + blockIdx.x;
-    const uint32_t before = atomicAdd(count, 1u);
+    const uint32_t before = arrive_acq_rel(count);
     last = before == gridDim.y - 1;
     if (last) *count = 0u;
   }
-  __syncthreads();
+  __syncthreads();  // the last CTA's threads read the other slots' y after the acquire
   if (!last) return;
-  __threadfence();  // the other slots' y, read through L2 by combine_element
   for (int o = static_cast<int>(threadIdx.x); o < p.rows * cols;
        o += static_cast<int>(blockDim.x)) {
     const int n = n0 + o % cols;

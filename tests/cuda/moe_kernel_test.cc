@@ -49,8 +49,9 @@ HostTensor host_of(const TensorView& v) {
 
 // The kernel choices every case runs: tensor cores (where the shapes allow; MXFP8 experts' weights
 // streamed through shared memory), the same with the register ring only (MoeParams::stream off),
-// the shared expert's gate/up in the gate/up launch (MoeParams::shared_with_router off), the fp32
-// FMA kernels, tensor cores with programmatic dependent launches, tensor cores with more
+// the shared expert's gate/up in the gate/up launch (MoeParams::shared_with_router off), the
+// combine in a launch of its own at every row count (MoeParams::combine_in_down_max_rows 0), the
+// fp32 FMA kernels, tensor cores with programmatic dependent launches, tensor cores with more
 // chunks in flight (MoeParams::deep), the down projection's tiles sharing one load ring
 // (MoeParams::down_tiles), and the whole MoE in one persistent launch (MoeParams::persistent,
 // twice, so a launch after one that ran finds the counters reset); the register ring and the last
@@ -64,14 +65,18 @@ struct KernelChoice {
   const char* name;
   bool stream = true;              // MoeParams::stream (false: the register ring)
   bool shared_with_router = true;  // MoeParams::shared_with_router
+  int combine_in_down_max_rows = cuda::kMoeCombineInDownMaxRows;
   bool same_bits_as_mma() const {
-    return deep || down_tiles > 1 || persistent || !stream || !shared_with_router;
+    return deep || down_tiles > 1 || persistent || !stream || !shared_with_router ||
+           combine_in_down_max_rows != cuda::kMoeCombineInDownMaxRows;
   }
 };
 constexpr KernelChoice kKernelChoices[] = {
     {true, false, false, 1, false, "mma"},
     {true, false, false, 1, false, "mma-ring", false},
     {true, false, false, 1, false, "mma-shared-late", true, false},
+    {true, false, false, 1, false, "mma-combine-apart", true, true, 0},
+    {true, false, false, 1, false, "mma-combine-all", true, true, cuda::kMoeMaxRows},
     {false, false, false, 1, false, "fma"},
     {true, true, false, 1, false, "mma+pdl"},
     {true, false, true, 1, false, "mma-deep"},
@@ -299,6 +304,7 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       p.persistent = kernels.persistent;
       p.stream = kernels.stream;
       p.shared_with_router = kernels.shared_with_router;
+      p.combine_in_down_max_rows = kernels.combine_in_down_max_rows;
       cuda::Stream stream;
       cuda::launch_moe(p, stream.get());
       if (kernels.persistent) {  // again, on counters the first launch reset

@@ -61,18 +61,15 @@ void launch_kernel(void (*kernel)(MoeParams), dim3 grid, unsigned threads, const
   launch_kernel_ex(kernel, grid, dim3(threads), smem, stream, p.pdl, p);
 }
 
-// Whether the MoE's down launch combines the experts' outputs itself (MoeParams::combine_in_down):
-// the tensor-core down kernels of one tile per CTA do, up to combine_in_down_max_rows rows.
-bool down_combines(const MoeParams& p) {
-  const bool down_tiled = p.down_tiles == kMoeDownTiles && p.hidden % moe::kDownGroupCols == 0;
-  return use_tensor_cores(p) && !down_tiled && p.rows <= p.combine_in_down_max_rows;
+// Whether the router launch's last CTA takes the top-k (MoeParams::router_picks_max_rows).
+bool picks_in_router(const MoeParams& p) {
+  return p.rows <= p.router_picks_max_rows;
 }
 
 // The gate/up and down launches over `routed` expert slots plus the shared expert's (or the dense
 // MLP's) slot. shared_gate_up: the shared expert's gate/up tiles are in this gate/up launch (the
-// last row of its grid); else they ran beside the router. combine: the down launch combines
-// (down_combines; the MoE only).
-void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_up, bool combine,
+// last row of its grid); else they ran beside the router.
+void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_up,
                                cudaStream_t stream) {
   M3MSA_CHECK_ARG(p.down_tiles == 1 || p.down_tiles == kMoeDownTiles,
                   "moe: down_tiles must be 1 or ", kMoeDownTiles, ", got ", p.down_tiles);
@@ -81,7 +78,6 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
   gate_up.shared_slot = has_shared && shared_gate_up ? 1 : 0;
   MoeParams down = p;
   down.shared_slot = has_shared ? 1 : 0;
-  down.combine_in_down = combine ? 1 : 0;
   const int gate_up_sets = routed + gate_up.shared_slot;
   const int down_sets = routed + down.shared_slot;
   const int inter = std::max(p.experts.inter, gate_up.shared_slot ? p.shared.inter : 0);
@@ -269,7 +265,7 @@ bool moe_runs_persistent(const MoeParams& p) {
 
 int moe_launches(const MoeParams& p) {
   if (p.rows == 0) return 0;
-  return moe_runs_persistent(p) ? 1 : down_combines(p) ? 3 : 4;
+  return moe_runs_persistent(p) ? 1 : picks_in_router(p) ? 4 : 5;
 }
 
 void launch_moe(const MoeParams& p, cudaStream_t stream) {
@@ -307,25 +303,28 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
   // (MoeParams::shared_with_router), else in the gate/up launch.
   const bool shared_beside_router =
       use_tensor_cores(p) && p.shared.inter > 0 && p.shared_with_router;
+  const bool pick = picks_in_router(p);
   if (shared_beside_router) {
     const int shared_ctas = (p.shared.inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows;
     const dim3 grid(static_cast<unsigned>(p.num_experts + shared_ctas));
     if (use_stream(p)) {
-      const auto kernel = moe::moe_route_and_shared_kernel<true, true>;
+      const auto kernel = pick ? moe::moe_route_and_shared_kernel<true, true, true>
+                               : moe::moe_route_and_shared_kernel<true, true, false>;
       launch_kernel(kernel, grid, moe::kMmaThreads, p, stream,
                     stream_smem(kernel, p.hidden, p.fp8));
     } else {
-      const auto kernel = p.fp8 ? moe::moe_route_and_shared_kernel<true, false>
-                                : moe::moe_route_and_shared_kernel<false, false>;
+      const auto kernel = p.fp8 ? (pick ? moe::moe_route_and_shared_kernel<true, false, true>
+                                        : moe::moe_route_and_shared_kernel<true, false, false>)
+                                : (pick ? moe::moe_route_and_shared_kernel<false, false, true>
+                                        : moe::moe_route_and_shared_kernel<false, false, false>);
       launch_kernel(kernel, grid, moe::kMmaThreads, p, stream);
     }
   } else {
-    launch_kernel(moe::moe_route_logits_kernel, dim3(static_cast<unsigned>(p.num_experts)),
-                  moe::kRouteThreads, p, stream);
+    launch_kernel(pick ? moe::moe_route_logits_kernel<true> : moe::moe_route_logits_kernel<false>,
+                  dim3(static_cast<unsigned>(p.num_experts)), moe::kRouteThreads, p, stream);
   }
-  const bool combine = down_combines(p);
-  launch_expert_projections(p, routed, !shared_beside_router, combine, stream);
-  if (combine) return;
+  if (!pick) launch_kernel(moe::moe_route_topk_kernel, dim3(1), moe::kThreads, p, stream);
+  launch_expert_projections(p, routed, !shared_beside_router, stream);
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);
   launch_kernel(moe::moe_combine_kernel, dim3(static_cast<unsigned>(blocks)), 256, p, stream);
@@ -385,7 +384,7 @@ void launch_dense_mlp(const MoeParams& p, cudaStream_t stream) {
                     "dense mlp: the activations and weights must be 16-byte aligned");
   }
   if (p.rows == 0) return;
-  launch_expert_projections(p, 0, true, /*combine=*/false, stream);
+  launch_expert_projections(p, 0, true, stream);
 }
 
 }  // namespace m3msa::cuda

@@ -1,10 +1,10 @@
 // Host launchers of the moe family: the mixture of experts of one rank (docs/spec.md section 8)
-// for decode steps of 1..16 token rows. Three or four launches: the router's logits (one CTA per
-// expert; the last of them to finish takes the top-k), the gate/up projections with the
-// activation, the down projection (one CTA per distinct picked expert, plus the shared expert, and
-// tile of outputs, so each selected expert's weights are read once per step whatever the number of
-// tokens routed to it), and the weighted sum in pick order (on tensor cores with one down tile per
-// CTA, by the last down CTA of each column tile instead of a launch of its own). MXFP8 weights are
+// for decode steps of 1..16 token rows. Four or five launches: the router's logits (one CTA per
+// expert; up to MoeParams::router_picks_max_rows rows the last of them to finish takes the top-k,
+// else a launch of its own does), the gate/up projections with the activation, the down
+// projection (one CTA per distinct picked expert, plus the shared expert, and tile of outputs, so
+// each selected expert's weights are read once per step whatever the number of tokens routed to
+// it), and the weighted sum in pick order. MXFP8 weights are
 // decoded in registers; the projections run on tensor cores (fp32 accumulation) where hidden and
 // the intermediates are multiples of 64 (MoeParams::tensor_cores), else as fp32 FMA.
 // On tensor cores the shared expert's gate/up tiles run in the router's launch, beside the
@@ -42,9 +42,9 @@ void launch_moe(const MoeParams& p, cudaStream_t stream);
 // Whether launch_moe runs `p` as the one persistent launch: p.persistent, and shapes the
 // tensor-core kernels take with hidden a multiple of 64 (else it runs the launch sequence).
 bool moe_runs_persistent(const MoeParams& p);
-// The kernel launches launch_moe makes for `p`: 0 without rows, 1 persistent, else 3 or 4 (router
-// logits and top-k, with the shared gate/up beside them or not; gate/up; down; the combine, unless
-// the down launch combines).
+// The kernel launches launch_moe makes for `p`: 0 without rows, 1 persistent, else 4 or 5 (router
+// logits with the shared gate/up beside them or not, and the top-k in that launch or its own;
+// gate/up; down; combine).
 int moe_launches(const MoeParams& p);
 
 // A dense layer's MLP (docs/spec.md section 8, "Dense MLP") on the same kernels: the shared-expert

@@ -20,8 +20,7 @@
 //  - moe_down_kernel: the same grid over (tile of 32 hidden rows n, expert slot): y[row, slot, n] =
 //    act[row, slot] . w2[e, n] in fp32.
 //  - moe_combine_kernel: out[row, n] = sum_i w_i y[row, i, n] + y[row, k, n] in pick order with
-//    unfused fp32 operations, the CPU reference's order; with MoeParams::combine_in_down the last
-//    down CTA of each column tile does it for its columns instead (combine_columns_if_last).
+//    unfused fp32 operations, the CPU reference's order.
 // MXFP8 weights are decoded in registers: code -> fp32 (exact) times 2^(scale - 127) (exact).
 // Requirements (checked by the launcher): hidden and I multiples of 8 (16-byte rows), 16-byte
 // aligned tensors, rows <= kMoeMaxRows, topk <= kMoeMaxTopk, num_experts <= kMoeMaxExperts.
@@ -344,8 +343,8 @@ inline constexpr int kSyncRouteArrivals = 5;
 
 // Expert e's logits (route_logits), then, in the last of the launch's E logits CTAs to finish,
 // the top-k picks and the expert slots (route_topk) from every CTA's logits, so the picks need no
-// launch of their own: at one token they run beside the shared expert's gate/up tiles. The last
-// CTA resets the count for the next launch. A CTA of kRouteThreads (one thread per pick).
+// launch of their own (MoeParams::router_picks_max_rows). The last CTA resets the count for the
+// next launch. A CTA of kRouteThreads (one thread per pick).
 __device__ __forceinline__ void route_and_pick(const MoeParams& p, int e,
                                                float (&partial)[kRouteWarps][kMoeMaxRows]) {
   static_assert(kMoeMaxRows * kMoeMaxTopk <= kRouteThreads, "one thread per pick");
@@ -364,12 +363,29 @@ __device__ __forceinline__ void route_and_pick(const MoeParams& p, int e,
   route_topk_apart(p, s_pick, s_used);
 }
 
+// kPick: the last CTA takes the top-k (route_and_pick); else moe_route_topk_kernel follows.
+template <bool kPick>
 __global__ void __launch_bounds__(kRouteThreads)
     moe_route_logits_kernel(const __grid_constant__ MoeParams p) {
   __shared__ float partial[kRouteWarps][kMoeMaxRows];
   wait_previous_kernel();
   release_next_kernel();
-  route_and_pick(p, blockIdx.x, partial);
+  if constexpr (kPick) {
+    route_and_pick(p, blockIdx.x, partial);
+  } else {
+    route_logits(p, blockIdx.x, partial);
+  }
+}
+
+// The top-k picks and expert slots (route_topk) in a launch of their own: one CTA, a warp per row.
+__global__ void __launch_bounds__(kThreads)
+    moe_route_topk_kernel(const __grid_constant__ MoeParams p) {
+  static_assert(kMoeMaxRows * kMoeMaxTopk <= kThreads, "one thread per pick");
+  __shared__ int s_pick[kMoeMaxRows * kMoeMaxTopk];
+  __shared__ uint32_t s_used[kMoeMaxExperts / 32];
+  wait_previous_kernel();
+  release_next_kernel();
+  route_topk(p, s_pick, s_used);
 }
 
 // The shared expert's token list: every row, at pick slot k (its place in y).
@@ -659,8 +675,10 @@ __global__ void __launch_bounds__(kMmaThreads, (kDeep || kStream) ? kMmaDeepMinC
 // (the CTAs after them), which need no routing: one launch, so the shared expert's weights stream
 // while the router reads its gate.
 // kStream: the shared expert's tiles stream their weights (dynamic shared memory
-// gemm::stream_smem_bytes(hidden, ...)).
-template <bool kFp8, bool kStream>
+// gemm::stream_smem_bytes(hidden, ...)). kPick: the last logits CTA takes the top-k
+// (route_and_pick); its call caps the kernel at 128 registers, which the shared expert's tiles pay
+// for at many rows (MoeParams::router_picks_max_rows).
+template <bool kFp8, bool kStream, bool kPick>
 __global__ void __launch_bounds__(kMmaThreads)
     moe_route_and_shared_kernel(const __grid_constant__ MoeParams p) {
   static_assert(kMmaThreads == kRouteThreads, "one CTA size for both halves");
@@ -673,7 +691,11 @@ __global__ void __launch_bounds__(kMmaThreads)
   release_next_kernel();
   const int cta = blockIdx.x;
   if (cta < p.num_experts) {
-    route_and_pick(p, cta, partial);
+    if constexpr (kPick) {
+      route_and_pick(p, cta, partial);
+    } else {
+      route_logits(p, cta, partial);
+    }
     return;
   }
   list_every_row(p, tok_row, tok_slot);
@@ -695,35 +717,6 @@ __device__ __forceinline__ void combine_element(const MoeParams& p, int64_t r, i
   }
   if (p.shared.inter > 0) acc = __fadd_rn(acc, __ldcg(y + static_cast<int64_t>(p.topk) * p.hidden));
   p.out[r * p.hidden + n] = acc;
-}
-
-// The launch sequence's down CTAs count their arrivals per column tile in these words of
-// MoeParams::sync (after the persistent kernel's, fixed by the config); the last CTA of a tile's
-// column (every expert slot's down of those columns written) combines them
-// (MoeParams::combine_in_down), so the combine needs no launch of its own.
-__host__ __device__ inline int down_arrival_words(int num_experts, int hidden) {
-  return kSyncSlots + num_experts + hidden / kDownGroupCols;
-}
-
-// Every CTA of a down launch with MoeParams::combine_in_down calls it once its down tile (if any)
-// is written: the last of the column's gridDim.y CTAs combines out[:, n0 .. n0 + cols) for every
-// row (combine_element) and resets the count for the next launch.
-__device__ __forceinline__ void combine_columns_if_last(const MoeParams& p, int n0, int cols) {
-  __shared__ bool last;
-  __syncthreads();  // this CTA's y, before its arrival (arrive_acq_rel)
-  if (threadIdx.x == 0) {
-    uint32_t* count = p.sync + down_arrival_words(p.num_experts, p.hidden) + blockIdx.x;
-    const uint32_t before = arrive_acq_rel(count);
-    last = before == gridDim.y - 1;
-    if (last) *count = 0u;
-  }
-  __syncthreads();  // the last CTA's threads read the other slots' y after the acquire
-  if (!last) return;
-  for (int o = static_cast<int>(threadIdx.x); o < p.rows * cols;
-       o += static_cast<int>(blockDim.x)) {
-    const int n = n0 + o % cols;
-    if (n < p.hidden) combine_element(p, o / cols, n);
-  }
 }
 
 // kTiles x 16 hidden rows n0.. of the down projection of expert `ex` (the shared expert: E) for
@@ -815,12 +808,11 @@ __global__ void __launch_bounds__(kMmaThreads,
   __shared__ float s_red[kTiles][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
+  if (ntok == 0) return;
   const int n0 = blockIdx.x * kTiles * gemm::kColsPerCta;
-  if (ntok > 0 && n0 < p.hidden) {
-    down_tiles<kFp8, kInFlight, kTiles, false, kStream>(p, ex, ntok, tok_row, tok_slot, n0, s_red,
-                                                        s_stream);
-  }
-  if (p.combine_in_down) combine_columns_if_last(p, n0, kTiles * gemm::kColsPerCta);
+  if (n0 >= p.hidden) return;
+  down_tiles<kFp8, kInFlight, kTiles, false, kStream>(p, ex, ntok, tok_row, tok_slot, n0, s_red,
+                                                      s_stream);
 }
 
 __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
@@ -885,8 +877,7 @@ inline constexpr int kSyncStatus = 4;        // kMoeStatus* bits, sticky until t
 static_assert(kSyncRouteArrivals > kSyncStatus, "the launch sequence's word is its own");
 // Fixed by the config, not the rows: one workspace serves launches of any row count.
 __host__ __device__ inline int persistent_sync_words(int num_experts, int hidden) {
-  return kSyncSlots + num_experts + hidden / kDownGroupCols +
-         (hidden + gemm::kColsPerCta - 1) / gemm::kColsPerCta;  // then the down arrivals
+  return kSyncSlots + num_experts + hidden / kDownGroupCols;
 }
 
 __device__ __forceinline__ uint32_t load_acquire(const uint32_t* ptr) {

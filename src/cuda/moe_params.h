@@ -7,13 +7,13 @@
 
 namespace m3msa::cuda {
 
-inline constexpr int kMoeMaxRows = 16;              // token rows of one step
-inline constexpr int kMoeMaxTopk = 8;               // experts_per_token the kernels take
-inline constexpr int kMoeMaxExperts = 4096;         // routed experts the kernels take
-inline constexpr int kMoeWarps = 8;                 // warps per CTA of every moe kernel
-inline constexpr int kMoeRowsPerWarp = 2;           // output rows (j or n) per warp and pass
-inline constexpr int kMoeDownTiles = 4;             // MoeParams::down_tiles above 1
-inline constexpr int kMoeCombineInDownMaxRows = 2;  // MoeParams::combine_in_down_max_rows
+inline constexpr int kMoeMaxRows = 16;            // token rows of one step
+inline constexpr int kMoeMaxTopk = 8;             // experts_per_token the kernels take
+inline constexpr int kMoeMaxExperts = 4096;       // routed experts the kernels take
+inline constexpr int kMoeWarps = 8;               // warps per CTA of every moe kernel
+inline constexpr int kMoeRowsPerWarp = 2;         // output rows (j or n) per warp and pass
+inline constexpr int kMoeDownTiles = 4;           // MoeParams::down_tiles above 1
+inline constexpr int kMoeRouterPicksMaxRows = 4;  // MoeParams::router_picks_max_rows
 // MoeParams::stream: the largest hidden / intermediate the streamed kernels take.
 inline constexpr int kMoeStreamMaxK = 65536;
 // Sticky bits of the persistent kernel's status word (moe_status_word in moe.h).
@@ -51,12 +51,11 @@ struct MoeParams {
   // bits): the first keeps them off the gate/up launch, the second keeps the router's launch
   // short. Measured in bench moe --kernels mma,mma-shared-late.
   bool shared_with_router = true;
-  // On tensor cores with one down tile per CTA, the down launch's last CTA of each column tile
-  // combines the experts' outputs (no combine launch) where rows <= this; 0: never. Every down CTA
-  // then arrives on a counter, which costs more than the launch it saves once the grid runs many
-  // waves (16 tokens: ~65 expert slots x hidden / 16 CTAs). Measured in bench moe --kernels
-  // mma,mma-combine-apart.
-  int combine_in_down_max_rows = kMoeCombineInDownMaxRows;
+  // The router launch's last logits CTA takes the top-k (no top-k launch) where rows <= this;
+  // else a top-k launch of its own follows (one CTA, a warp per row; 0: always). The in-launch
+  // top-k caps the router kernel's registers, which the shared expert's gate/up tiles beside it
+  // pay for at many rows. Measured in bench moe --kernels mma,mma-topk-apart.
+  int router_picks_max_rows = kMoeRouterPicksMaxRows;
   // Each kernel launched as a programmatic dependent of the previous one in the stream (PDL): the
   // next kernel is scheduled while this one finishes and waits on the device. Off by default
   // until measured (bench moe --kernels mma,mma+pdl).
@@ -78,9 +77,6 @@ struct MoeParams {
   bool persistent = false;
   // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
   int shared_slot = 0;
-  // Set by the launcher per launch: 1 when the down launch's last CTA of each column tile combines
-  // the tile's columns (the tensor-core down kernels of one tile per CTA; no combine launch).
-  int combine_in_down = 0;
   int rows = 0;
   int hidden = 0;
   int num_experts = 0;

@@ -50,12 +50,12 @@ HostTensor host_of(const TensorView& v) {
 // The kernel choices every case runs: tensor cores (where the shapes allow; MXFP8 experts' weights
 // streamed through shared memory), the same with the register ring only (MoeParams::stream off),
 // the shared expert's gate/up in the gate/up launch (MoeParams::shared_with_router off), the
-// combine in a launch of its own at every row count (MoeParams::combine_in_down_max_rows 0), the
-// fp32 FMA kernels, tensor cores with programmatic dependent launches, tensor cores with more
-// chunks in flight (MoeParams::deep), the down projection's tiles sharing one load ring
-// (MoeParams::down_tiles), and the whole MoE in one persistent launch (MoeParams::persistent,
-// twice, so a launch after one that ran finds the counters reset); the register ring and the last
-// ones must give mma's bits (the first choice).
+// top-k in a launch of its own at every row count and in the router's at every one
+// (MoeParams::router_picks_max_rows), the fp32 FMA kernels, tensor cores with programmatic
+// dependent launches, tensor cores with more chunks in flight (MoeParams::deep), the down
+// projection's tiles sharing one load ring (MoeParams::down_tiles), and the whole MoE in one
+// persistent launch (MoeParams::persistent, twice, so a launch after one that ran finds the
+// counters reset); the register ring and the last ones must give mma's bits (the first choice).
 struct KernelChoice {
   bool tensor_cores;
   bool pdl;
@@ -65,18 +65,18 @@ struct KernelChoice {
   const char* name;
   bool stream = true;              // MoeParams::stream (false: the register ring)
   bool shared_with_router = true;  // MoeParams::shared_with_router
-  int combine_in_down_max_rows = cuda::kMoeCombineInDownMaxRows;
+  int router_picks_max_rows = cuda::kMoeRouterPicksMaxRows;
   bool same_bits_as_mma() const {
     return deep || down_tiles > 1 || persistent || !stream || !shared_with_router ||
-           combine_in_down_max_rows != cuda::kMoeCombineInDownMaxRows;
+           router_picks_max_rows != cuda::kMoeRouterPicksMaxRows;
   }
 };
 constexpr KernelChoice kKernelChoices[] = {
     {true, false, false, 1, false, "mma"},
     {true, false, false, 1, false, "mma-ring", false},
     {true, false, false, 1, false, "mma-shared-late", true, false},
-    {true, false, false, 1, false, "mma-combine-apart", true, true, 0},
-    {true, false, false, 1, false, "mma-combine-all", true, true, cuda::kMoeMaxRows},
+    {true, false, false, 1, false, "mma-topk-apart", true, true, 0},
+    {true, false, false, 1, false, "mma-topk-in-router", true, true, cuda::kMoeMaxRows},
     {false, false, false, 1, false, "fma"},
     {true, true, false, 1, false, "mma+pdl"},
     {true, false, true, 1, false, "mma-deep"},
@@ -304,7 +304,7 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       p.persistent = kernels.persistent;
       p.stream = kernels.stream;
       p.shared_with_router = kernels.shared_with_router;
-      p.combine_in_down_max_rows = kernels.combine_in_down_max_rows;
+      p.router_picks_max_rows = kernels.router_picks_max_rows;
       cuda::Stream stream;
       cuda::launch_moe(p, stream.get());
       if (kernels.persistent) {  // again, on counters the first launch reset

@@ -200,7 +200,8 @@ int run_moe_bench(int argc, char** argv) {
                  "ring: MoeParams::stream off), mma-shared-late (tensor cores, the shared expert's "
                  "gate/up in the gate/up launch: MoeParams::shared_with_router off), "
                  "mma-topk-apart (tensor cores, the top-k in a launch of its own at every row "
-                 "count: MoeParams::router_picks_max_rows 0), fma (fp32 "
+                 "count: MoeParams::router_picks_max_rows 0), mma-topk-in-router (the top-k in the "
+                 "router's launch at every row count), fma (fp32 "
                  "FMA kernels), mma+pdl (tensor cores, "
                  "programmatic dependent launches), mma-deep (tensor cores "
                  "at 4 CTAs per SM with more weight chunks in flight: MoeParams::deep), mma-down4 "
@@ -232,9 +233,10 @@ int run_moe_bench(int argc, char** argv) {
   for (int tp : opt.tp) require_ffn_split("--tp", tp);
   opt.tokens = int_list("--tokens", opt.tokens_text, 1, cuda::kMoeMaxRows);
   opt.dtypes = choice_list("--dtypes", opt.dtypes_text, {"bf16", "mxfp8"});
-  opt.kernels = choice_list("--kernels", opt.kernels_text,
-                            {"mma", "mma-ring", "mma-shared-late", "mma-topk-apart", "fma",
-                             "mma+pdl", "mma-deep", "mma-down4", "mma-persistent"});
+  opt.kernels =
+      choice_list("--kernels", opt.kernels_text,
+                  {"mma", "mma-ring", "mma-shared-late", "mma-topk-apart", "mma-topk-in-router",
+                   "fma", "mma+pdl", "mma-deep", "mma-down4", "mma-persistent"});
   opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
   require_range("--reps", opt.reps, 1);
   require_range("--min-launches", opt.min_launches, 1);
@@ -397,6 +399,7 @@ int run_moe_bench(int argc, char** argv) {
             p.stream = kernels != "mma-ring";
             p.shared_with_router = kernels != "mma-shared-late";
             if (kernels == "mma-topk-apart") p.router_picks_max_rows = 0;
+            if (kernels == "mma-topk-in-router") p.router_picks_max_rows = cuda::kMoeMaxRows;
             return p;
           };
           auto launch = [&](const cuda::MoeParams& p) {
@@ -479,14 +482,16 @@ int run_moe_bench(int argc, char** argv) {
               c->worst = worst;
             }
           }
-          // mma-ring, mma-shared-late, mma-topk-apart, mma-deep, mma-down4 and mma-persistent
-          // change only how the mma kernels' work is scheduled: the same bits as mma.
+          // mma-ring, mma-shared-late, mma-topk-apart, mma-topk-in-router, mma-deep, mma-down4 and
+          // mma-persistent change only how the mma kernels' work is scheduled: the same bits as
+          // mma.
           if (mma_it != opt.kernels.end()) {
             const KernelCheck& mma = checks[static_cast<std::size_t>(mma_it - opt.kernels.begin())];
             for (std::size_t ki = 0; ki < opt.kernels.size(); ++ki) {
               const std::string& k = opt.kernels[ki];
               if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-topk-apart" &&
-                  k != "mma-deep" && k != "mma-down4" && k != "mma-persistent")
+                  k != "mma-topk-in-router" && k != "mma-deep" && k != "mma-down4" &&
+                  k != "mma-persistent")
                 continue;
               checks[ki].same_as_mma =
                   std::memcmp(checks[ki].eager.data(), mma.eager.data(), mma.eager.size() * 4) == 0;

@@ -36,7 +36,8 @@ struct GemmSkinnyParams {
   int split_k8 = 0;
   // 1: the weights stream through a shared-memory ring (gemm_skinny_stream_kernel) where the
   // launch would take the 4-warp loops (not split_k8, not deep) and n is a multiple of 16; the
-  // same bits as those loops. Off by default until measured (bench gemm --stream).
+  // same bits as those loops. Off: measured slower at every projection shape (bench gemm --stream,
+  // docs/benchmarks.md "Ideas measured and not kept").
   int stream = 0;
 };
 

@@ -52,7 +52,7 @@ struct MoeParams {
   // short. Measured in bench moe --kernels mma,mma-shared-late.
   bool shared_with_router = true;
   // The router launch's last logits CTA takes the top-k (no top-k launch) where rows <= this;
-  // else a top-k launch of its own follows (one CTA, a warp per row; 0: always). The in-launch
+  // else a top-k launch of its own follows (one CTA, a warp per row; 0: always that). The in-launch
   // top-k caps the router kernel's registers, which the shared expert's gate/up tiles beside it
   // pay for at many rows. Measured in bench moe --kernels mma,mma-topk-apart.
   int router_picks_max_rows = kMoeRouterPicksMaxRows;

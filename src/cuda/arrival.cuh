@@ -1,5 +1,5 @@
 // The arrival of the "last CTA finishes the job" pattern, shared by the kernel families that use
-// it (the attention's split merge, the MoE's router top-k and down-launch combine).
+// it (the attention's split merge, the MoE router launch's top-k).
 #pragma once
 
 namespace m3msa::cuda {

@@ -70,7 +70,6 @@ struct Options {
   std::string rows = "1,2,4,8,16";
   std::string dtypes = "bf16,fp8";
   bool quick = false;
-  bool stream = false;  // GemmSkinnyParams::stream for every launch
   int reps = 50;
   int64_t rotate_bytes = 4 * kL2Bytes;
   int max_copies = 256;
@@ -120,9 +119,6 @@ int run_gemm_bench(int argc, char** argv) {
   app.add_option("--dtypes", opt.dtypes,
                  "comma-separated weight dtypes: bf16, fp8 (per-channel scales)");
   app.add_flag("--quick", opt.quick, "rows 1,16 only (every shape and dtype), at most 20 reps");
-  app.add_flag("--stream", opt.stream,
-               "the weights streamed through shared memory (GemmSkinnyParams::stream), 4 warps "
-               "per tile also where the runtime splits K over 8 (another k order)");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_option("--rotate-bytes", opt.rotate_bytes,
                  "weight bytes one graph cycles through (more than this; default 4 x L2)");
@@ -246,8 +242,7 @@ int run_gemm_bench(int argc, char** argv) {
           p.k = static_cast<int>(k);
           p.w_fp8 = fp8 ? 1 : 0;
           p.out_f32 = 0;
-          p.split_k8 = split_k8 && !opt.stream ? 1 : 0;
-          p.stream = opt.stream ? 1 : 0;
+          p.split_k8 = split_k8 ? 1 : 0;
           return p;
         };
 
@@ -344,8 +339,7 @@ int run_gemm_bench(int argc, char** argv) {
                               {"pct_roof", roof},
                               {"floor_us", floor_us},
                               {"ctas", cuda::gemm_skinny_ctas(static_cast<int>(n))},
-                              {"split_k8", split_k8 && !opt.stream},
-                              {"stream", opt.stream},
+                              {"split_k8", split_k8},
                               {"copies", copies},
                               {"launches", launches},
                               {"reps", t.reps},

@@ -76,18 +76,6 @@ void launch_gemm_skinny(const GemmSkinnyParams& p, cudaStream_t stream) {
     CUDA_CHECK_LAUNCH();
     return;
   }
-  // The streamed loop (GemmSkinnyParams::stream) where every tile is whole; k up to 64K keeps its
-  // ring and barriers within the shared memory.
-  if (p.stream && !p.deep && p.n % gemm::kColsPerCta == 0 && p.k <= 65536) {
-    auto* kernel = !p.w_fp8   ? gemm::gemm_skinny_stream_kernel<false, 1>
-                   : wide_fp8 ? gemm::gemm_skinny_stream_kernel<true, 2>
-                              : gemm::gemm_skinny_stream_kernel<true, 1>;
-    const int smem = gemm::stream_smem_bytes(p.k, p.w_fp8 != 0, false);
-    raise_dynamic_smem_limit(reinterpret_cast<const void*>(kernel), smem);
-    kernel<<<tiles, gemm::kGemmThreads, smem, stream>>>(p);
-    CUDA_CHECK_LAUNCH();
-    return;
-  }
   auto* kernel = p.deep     ? (!p.w_fp8   ? gemm::gemm_skinny_deep_kernel<false, 1>
                                : wide_fp8 ? gemm::gemm_skinny_deep_kernel<true, 2>
                                           : gemm::gemm_skinny_deep_kernel<true, 1>)

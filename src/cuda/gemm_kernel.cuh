@@ -626,51 +626,6 @@ __device__ __forceinline__ void gemm_tile(const GemmSkinnyParams& p, int n0,
   }
 }
 
-// gemm_tile with the weights streamed through shared memory (GemmSkinnyParams::stream; n a
-// multiple of 16, so every tile's 16 rows exist): the same k order as gemm_tile of the same kSub,
-// so the same bits.
-template <bool kFp8, int kSub>
-__device__ __forceinline__ void gemm_tile_streamed(
-    const GemmSkinnyParams& p, int n0, uint8_t* smem,
-    float (&s_red)[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
-  constexpr int kElem = kFp8 ? 1 : 2;
-  const int g = (threadIdx.x & 31) >> 2;
-  StreamOperands op;
-  op.x_lo = g < p.rows ? p.x + static_cast<int64_t>(g) * p.x_stride : nullptr;
-  op.x_hi = g + 8 < p.rows ? p.x + static_cast<int64_t>(g + 8) * p.x_stride : nullptr;
-  const uint8_t* w_base = static_cast<const uint8_t*>(p.w);
-#pragma unroll
-  for (int j = 0; j < 2; ++j)
-    op.w_first[j] = w_base + static_cast<int64_t>(n0 + j * 8) * p.k * kElem;
-  op.k = p.k;
-  tile_accumulate_streamed<kFp8, kGemmWarps, false, false, kSub>(op, smem, s_red);
-  for (int o = threadIdx.x; o < kSkinnyMaxRows * kColsPerCta; o += kGemmThreads) {
-    const int row = o / kColsPerCta;
-    const int col = n0 + o % kColsPerCta;
-    if (row >= p.rows) continue;
-    float sum = s_red[0][row][o % kColsPerCta];
-#pragma unroll
-    for (int w = 1; w < kGemmWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
-    if (p.scale != nullptr) sum = __fmul_rn(sum, p.scale[col]);
-    if (p.out_f32) {
-      static_cast<float*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] = sum;
-    } else {
-      static_cast<uint16_t*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] =
-          float_to_bf16(sum);
-    }
-  }
-}
-
-// GemmSkinnyParams::stream: gemm_skinny_kernel's grid with the weights streamed through shared
-// memory (dynamic shared memory stream_smem_bytes(k, ...)); ~70 registers.
-template <bool kFp8, int kSub>
-__global__ void __launch_bounds__(kGemmThreads, kGemmMinCtasPerSm)
-    gemm_skinny_stream_kernel(const __grid_constant__ GemmSkinnyParams p) {
-  extern __shared__ __align__(128) uint8_t s_stream[];
-  __shared__ float s_red[kGemmWarps][kSkinnyMaxRows][kColsPerCta + 1];
-  gemm_tile_streamed<kFp8, kSub>(p, blockIdx.x * kColsPerCta, s_stream, s_red);
-}
-
 // Grid: ceil(n / 16) CTAs of 4 warps, one tile each. kRing: gemm_tile's ring loop (128-byte
 // chunks: bf16, or fp8 with kSub 2). Three 128-byte chunks (six 64-byte ones for fp8 of kSub 1)
 // per warp in flight.

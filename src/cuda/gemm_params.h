@@ -34,11 +34,6 @@ struct GemmSkinnyParams {
   // < 4 CTAs per SM (gemm_skinny_prefers_split_k8). Another reduction order than 0, so every
   // launch of one projection (also column ranges of it, deep or not) must use the same value.
   int split_k8 = 0;
-  // 1: the weights stream through a shared-memory ring (gemm_skinny_stream_kernel) where the
-  // launch would take the 4-warp loops (not split_k8, not deep) and n is a multiple of 16; the
-  // same bits as those loops. Off: measured slower at every projection shape (bench gemm --stream,
-  // docs/benchmarks.md "Ideas measured and not kept").
-  int stream = 0;
 };
 
 }  // namespace m3msa::cuda

@@ -210,7 +210,7 @@ __device__ __forceinline__ uint16_t f32_to_bf16_bits(float f) {
 
 // Output dimension of accumulator column `n` (0..7) of PV n-tile `tile` (0..15).
 template <bool kFp8>
-__device__ __forceinline__ int out_dim(int tile, int n) {
+__host__ __device__ constexpr int out_dim(int tile, int n) {
   if constexpr (kFp8) {
     return 16 * n + tile;
   } else {
@@ -223,7 +223,7 @@ __device__ __forceinline__ int out_dim(int tile, int n) {
 // the merge free of bank conflicts: a warp's fragment stores (each thread 4 dims of one head at
 // once, heads g and g + 8, columns 2c and 2c + 1, either out_dim layout) and the merging threads'
 // loads (8 threads of one head, 8 consecutive units).
-__device__ __forceinline__ int merge_unit(int u) {
+__host__ __device__ constexpr int merge_unit(int u) {
   return u ^ (((u >> 3) & 3) << 1);
 }
 

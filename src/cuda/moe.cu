@@ -68,8 +68,8 @@ bool picks_in_router(const MoeParams& p) {
 
 // The gate/up and down launches over `routed` expert slots plus the shared expert's (or the dense
 // MLP's) slot. shared_gate_up: the shared expert's gate/up tiles are in this gate/up launch (the
-// last row of its grid); else they ran beside the router.
-void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_up,
+// last row of its grid); else they ran beside the router. streamed: use_stream(p).
+void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_up, bool streamed,
                                cudaStream_t stream) {
   M3MSA_CHECK_ARG(p.down_tiles == 1 || p.down_tiles == kMoeDownTiles,
                   "moe: down_tiles must be 1 or ", kMoeDownTiles, ", got ", p.down_tiles);
@@ -98,8 +98,8 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
             ? (p.fp8 ? moe::moe_down_mma_kernel<true, true> : moe::moe_down_mma_kernel<false, true>)
             : (p.fp8 ? moe::moe_down_mma_kernel<true, false>
                      : moe::moe_down_mma_kernel<false, false>);
-    const bool stream_gate_up = use_stream(p) && !p.deep;
-    const bool stream_down = use_stream(p) && !p.deep && !down_tiled;
+    const bool stream_gate_up = streamed && !p.deep;
+    const bool stream_down = streamed && !p.deep && !down_tiled;
     if (gate_up_sets > 0) {
       if (stream_gate_up) {
         const auto kernel = moe::moe_gate_up_mma_kernel<true, false, true>;  // MXFP8 (use_stream)
@@ -304,10 +304,11 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
   const bool shared_beside_router =
       use_tensor_cores(p) && p.shared.inter > 0 && p.shared_with_router;
   const bool pick = picks_in_router(p);
+  const bool streamed = use_stream(p);
   if (shared_beside_router) {
     const int shared_ctas = (p.shared.inter + moe::kMmaGateUpRows - 1) / moe::kMmaGateUpRows;
     const dim3 grid(static_cast<unsigned>(p.num_experts + shared_ctas));
-    if (use_stream(p)) {
+    if (streamed) {
       const auto kernel = pick ? moe::moe_route_and_shared_kernel<true, true, true>
                                : moe::moe_route_and_shared_kernel<true, true, false>;
       launch_kernel(kernel, grid, moe::kMmaThreads, p, stream,
@@ -324,7 +325,7 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                   dim3(static_cast<unsigned>(p.num_experts)), moe::kRouteThreads, p, stream);
   }
   if (!pick) launch_kernel(moe::moe_route_topk_kernel, dim3(1), moe::kThreads, p, stream);
-  launch_expert_projections(p, routed, !shared_beside_router, stream);
+  launch_expert_projections(p, routed, !shared_beside_router, streamed, stream);
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);
   launch_kernel(moe::moe_combine_kernel, dim3(static_cast<unsigned>(blocks)), 256, p, stream);
@@ -384,7 +385,7 @@ void launch_dense_mlp(const MoeParams& p, cudaStream_t stream) {
                     "dense mlp: the activations and weights must be 16-byte aligned");
   }
   if (p.rows == 0) return;
-  launch_expert_projections(p, 0, true, stream);
+  launch_expert_projections(p, 0, true, use_stream(p), stream);
 }
 
 }  // namespace m3msa::cuda

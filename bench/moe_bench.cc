@@ -23,8 +23,9 @@
 // (copy 0, input 0): every output finite, a guard row after it still poisoned; with both kernel
 // kinds requested, mma against fma within |a - b| <= max|fma row| / 128 + 1e-6 (the bound of
 // tests/cuda/moe_kernel_test.cc against the CPU oracle); mma-ring, mma-shared-late, mma-deep,
-// mma-down4 and mma-persistent give mma's bits; one launch captured in a graph and replayed over
-// the poisoned output gives the eager bits. A failure exits 1 after the run.
+// mma-down4, mma-persistent, mma-prefetch, mma-evict-first and mma-prefetch-ef give mma's bits; one
+// launch captured in a graph and replayed over the poisoned output gives the eager bits. A failure
+// exits 1 after the run.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -207,7 +208,10 @@ int run_moe_bench(int argc, char** argv) {
                  "at 4 CTAs per SM with more weight chunks in flight: MoeParams::deep), mma-down4 "
                  "(four down tiles per CTA over one load ring: MoeParams::down_tiles), "
                  "mma-persistent (the whole MoE in one launch: MoeParams::persistent; the dense "
-                 "MLP runs mma)");
+                 "MLP runs mma), mma-prefetch (each gate/up CTA asks L2 for a share of its "
+                 "expert's down weights: MoeParams::prefetch_down), mma-evict-first (the streamed "
+                 "weights tagged evict-first in L2: MoeParams::weights_evict_first), "
+                 "mma-prefetch-ef (both)");
   app.add_option("--what", opt.what_text,
                  "comma-separated: moe (router + routed + shared experts), dense (the MLP of "
                  "layers 0-2)");
@@ -236,7 +240,8 @@ int run_moe_bench(int argc, char** argv) {
   opt.kernels =
       choice_list("--kernels", opt.kernels_text,
                   {"mma", "mma-ring", "mma-shared-late", "mma-topk-apart", "mma-topk-in-router",
-                   "fma", "mma+pdl", "mma-deep", "mma-down4", "mma-persistent"});
+                   "fma", "mma+pdl", "mma-deep", "mma-down4", "mma-persistent", "mma-prefetch",
+                   "mma-evict-first", "mma-prefetch-ef"});
   opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
   require_range("--reps", opt.reps, 1);
   require_range("--min-launches", opt.min_launches, 1);
@@ -400,6 +405,8 @@ int run_moe_bench(int argc, char** argv) {
             p.shared_with_router = kernels != "mma-shared-late";
             if (kernels == "mma-topk-apart") p.router_picks_max_rows = 0;
             if (kernels == "mma-topk-in-router") p.router_picks_max_rows = cuda::kMoeMaxRows;
+            p.prefetch_down = kernels == "mma-prefetch" || kernels == "mma-prefetch-ef";
+            p.weights_evict_first = kernels == "mma-evict-first" || kernels == "mma-prefetch-ef";
             return p;
           };
           auto launch = [&](const cuda::MoeParams& p) {
@@ -482,16 +489,16 @@ int run_moe_bench(int argc, char** argv) {
               c->worst = worst;
             }
           }
-          // mma-ring, mma-shared-late, mma-topk-apart, mma-topk-in-router, mma-deep, mma-down4 and
-          // mma-persistent change only how the mma kernels' work is scheduled: the same bits as
-          // mma.
+          // The other mma variants change only how the mma kernels' work is scheduled and cached:
+          // the same bits as mma.
           if (mma_it != opt.kernels.end()) {
             const KernelCheck& mma = checks[static_cast<std::size_t>(mma_it - opt.kernels.begin())];
             for (std::size_t ki = 0; ki < opt.kernels.size(); ++ki) {
               const std::string& k = opt.kernels[ki];
               if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-topk-apart" &&
                   k != "mma-topk-in-router" && k != "mma-deep" && k != "mma-down4" &&
-                  k != "mma-persistent")
+                  k != "mma-persistent" && k != "mma-prefetch" && k != "mma-evict-first" &&
+                  k != "mma-prefetch-ef")
                 continue;
               checks[ki].same_as_mma =
                   std::memcmp(checks[ki].eager.data(), mma.eager.data(), mma.eager.size() * 4) == 0;

@@ -75,6 +75,16 @@ struct MoeParams {
   // tensor-core shapes and hidden a multiple of 64; else the launch sequence. Off by default until
   // measured (bench moe --kernels mma,mma-persistent).
   bool persistent = false;
+  // Each gate/up CTA (and each shared gate/up CTA beside the router) asks L2 for its share of the
+  // same expert's down weights and scales (cp.async.bulk.prefetch.L2) while it streams its own
+  // tile, so the down launch reads them from L2. Off by default until measured (bench moe
+  // --kernels mma,mma-prefetch).
+  bool prefetch_down = false;
+  // The streamed weight tiles (MXFP8, MoeParams::stream) tag their copies evict-first in L2: the
+  // experts' bytes are read once per step, so they leave L2 before what is read again (the
+  // prefetched down weights, the activations). Off by default until measured (bench moe
+  // --kernels mma,mma-evict-first,mma-prefetch-ef).
+  bool weights_evict_first = false;
   // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
   int shared_slot = 0;
   int rows = 0;

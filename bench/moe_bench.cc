@@ -23,7 +23,8 @@
 // (copy 0, input 0): every output finite, a guard row after it still poisoned; with both kernel
 // kinds requested, mma against fma within |a - b| <= max|fma row| / 128 + 1e-6 (the bound of
 // tests/cuda/moe_kernel_test.cc against the CPU oracle); mma-ring, mma-shared-late, mma-deep,
-// mma-down4, mma-persistent, mma-prefetch, mma-evict-first and mma-prefetch-ef give mma's bits; one
+// mma-down4, mma-persistent, mma-prefetch, mma-evict-first, mma-prefetch-ef, mma-down-combine and
+// mma-down-combine3 give mma's bits; one
 // launch captured in a graph and replayed over the poisoned output gives the eager bits. A failure
 // exits 1 after the run.
 #include <cuda_runtime.h>
@@ -211,7 +212,9 @@ int run_moe_bench(int argc, char** argv) {
                  "MLP runs mma), mma-prefetch (each gate/up CTA asks L2 for a share of its "
                  "expert's down weights: MoeParams::prefetch_down), mma-evict-first (the streamed "
                  "weights tagged evict-first in L2: MoeParams::weights_evict_first), "
-                 "mma-prefetch-ef (both)");
+                 "mma-prefetch-ef (both), mma-down-combine, mma-down-combine3 (the down "
+                 "projection and the combine in one launch, 2 or 3 ring slots: "
+                 "MoeParams::down_combine)");
   app.add_option("--what", opt.what_text,
                  "comma-separated: moe (router + routed + shared experts), dense (the MLP of "
                  "layers 0-2)");
@@ -241,7 +244,7 @@ int run_moe_bench(int argc, char** argv) {
       choice_list("--kernels", opt.kernels_text,
                   {"mma", "mma-ring", "mma-shared-late", "mma-topk-apart", "mma-topk-in-router",
                    "fma", "mma+pdl", "mma-deep", "mma-down4", "mma-persistent", "mma-prefetch",
-                   "mma-evict-first", "mma-prefetch-ef"});
+                   "mma-evict-first", "mma-prefetch-ef", "mma-down-combine", "mma-down-combine3"});
   opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
   require_range("--reps", opt.reps, 1);
   require_range("--min-launches", opt.min_launches, 1);
@@ -407,6 +410,9 @@ int run_moe_bench(int argc, char** argv) {
             if (kernels == "mma-topk-in-router") p.router_picks_max_rows = cuda::kMoeMaxRows;
             p.prefetch_down = kernels == "mma-prefetch" || kernels == "mma-prefetch-ef";
             p.weights_evict_first = kernels == "mma-evict-first" || kernels == "mma-prefetch-ef";
+            p.down_combine = kernels == "mma-down-combine"    ? 2
+                             : kernels == "mma-down-combine3" ? 3
+                                                              : 0;
             return p;
           };
           auto launch = [&](const cuda::MoeParams& p) {
@@ -498,7 +504,7 @@ int run_moe_bench(int argc, char** argv) {
               if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-topk-apart" &&
                   k != "mma-topk-in-router" && k != "mma-deep" && k != "mma-down4" &&
                   k != "mma-persistent" && k != "mma-prefetch" && k != "mma-evict-first" &&
-                  k != "mma-prefetch-ef")
+                  k != "mma-prefetch-ef" && k != "mma-down-combine" && k != "mma-down-combine3")
                 continue;
               checks[ki].same_as_mma =
                   std::memcmp(checks[ki].eager.data(), mma.eager.data(), mma.eager.size() * 4) == 0;

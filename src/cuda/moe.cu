@@ -47,6 +47,13 @@ bool use_stream(const MoeParams& p) {
   return true;
 }
 
+// MoeParams::down_combine where it is taken (streamed: use_stream(p)).
+bool use_down_combine(const MoeParams& p, bool streamed) {
+  return p.down_combine > 0 && streamed && !p.deep && p.down_tiles == 1 &&
+         p.experts.inter <= moe::kDownCombineMaxK && p.shared.inter <= moe::kDownCombineMaxK &&
+         p.hidden % gemm::kColsPerCta == 0;
+}
+
 // Dynamic shared memory of a streamed kernel with reduction dimension k (its limit raised once).
 std::size_t stream_smem(void (*kernel)(MoeParams), int k, bool fp8) {
   const int bytes = gemm::stream_smem_bytes(k, fp8, fp8);
@@ -68,9 +75,10 @@ bool picks_in_router(const MoeParams& p) {
 
 // The gate/up and down launches over `routed` expert slots plus the shared expert's (or the dense
 // MLP's) slot. shared_gate_up: the shared expert's gate/up tiles are in this gate/up launch (the
-// last row of its grid); else they ran beside the router. streamed: use_stream(p).
+// last row of its grid); else they ran beside the router. streamed: use_stream(p). down_combine:
+// use_down_combine(p, streamed): the down launch also combines (no combine launch follows).
 void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_up, bool streamed,
-                               cudaStream_t stream) {
+                               bool down_combine, cudaStream_t stream) {
   M3MSA_CHECK_ARG(p.down_tiles == 1 || p.down_tiles == kMoeDownTiles,
                   "moe: down_tiles must be 1 or ", kMoeDownTiles, ", got ", p.down_tiles);
   const bool has_shared = p.shared.inter > 0;
@@ -109,7 +117,16 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
         launch_kernel(gate_up_kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream);
       }
     }
-    if (stream_down) {
+    if (down_combine) {
+      M3MSA_CHECK_ARG(p.down_combine == 2 || p.down_combine == 3,
+                      "moe: down_combine must be 0, 2 or 3 ring slots, got ", p.down_combine);
+      const auto kernel =
+          p.down_combine == 2 ? moe::moe_down_combine_kernel<2> : moe::moe_down_combine_kernel<3>;
+      const int smem = moe::down_combine_smem_bytes(p.down_combine);
+      raise_dynamic_smem_limit(reinterpret_cast<const void*>(kernel), smem);
+      launch_kernel(kernel, dim3(static_cast<unsigned>(p.hidden / gemm::kColsPerCta)),
+                    moe::kMmaThreads, down, stream, static_cast<std::size_t>(smem));
+    } else if (stream_down) {
       const auto kernel = moe::moe_down_mma_kernel<true, false, 1, true>;
       const int k = std::max(routed > 0 ? p.experts.inter : 0,  // the slots' largest K
                              down.shared_slot ? p.shared.inter : 0);
@@ -265,7 +282,8 @@ bool moe_runs_persistent(const MoeParams& p) {
 
 int moe_launches(const MoeParams& p) {
   if (p.rows == 0) return 0;
-  return moe_runs_persistent(p) ? 1 : picks_in_router(p) ? 4 : 5;
+  if (moe_runs_persistent(p)) return 1;
+  return (picks_in_router(p) ? 4 : 5) - (use_down_combine(p, use_stream(p)) ? 1 : 0);
 }
 
 void launch_moe(const MoeParams& p, cudaStream_t stream) {
@@ -325,7 +343,9 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                   dim3(static_cast<unsigned>(p.num_experts)), moe::kRouteThreads, p, stream);
   }
   if (!pick) launch_kernel(moe::moe_route_topk_kernel, dim3(1), moe::kThreads, p, stream);
-  launch_expert_projections(p, routed, !shared_beside_router, streamed, stream);
+  const bool down_combine = use_down_combine(p, streamed);
+  launch_expert_projections(p, routed, !shared_beside_router, streamed, down_combine, stream);
+  if (down_combine) return;
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);
   launch_kernel(moe::moe_combine_kernel, dim3(static_cast<unsigned>(blocks)), 256, p, stream);
@@ -385,7 +405,7 @@ void launch_dense_mlp(const MoeParams& p, cudaStream_t stream) {
                     "dense mlp: the activations and weights must be 16-byte aligned");
   }
   if (p.rows == 0) return;
-  launch_expert_projections(p, 0, true, use_stream(p), stream);
+  launch_expert_projections(p, 0, true, use_stream(p), false, stream);
 }
 
 }  // namespace m3msa::cuda

@@ -850,6 +850,162 @@ __global__ void __launch_bounds__(kMmaThreads,
                                                       s_stream);
 }
 
+// ---- the down projection and the combine in one launch (MoeParams::down_combine) ----
+// One CTA per 16 hidden columns n0 .. n0 + 15 for the whole step (MXFP8 weights, every K at most
+// one ring stage: I <= kStreamStageBytes). Its segments are the step's expert slots that have
+// picks (a prefix of the slots, in slot order), then the shared expert; each segment's 16 weight
+// rows (n0 .. of its expert's w2) and their scales stream through one ring that runs across the
+// segments, so the CTA keeps copies in flight from one expert into the next instead of a CTA per
+// (tile, slot) paying a round trip and a start each. A segment's tile is computed as the streamed
+// down tile computes it (warp w the 64-k chunks w, w + 4, ..., the warps' sums added in warp
+// order) into s_y[row][pick slot][col], and the CTA then combines its columns in
+// moe_combine_kernel's order: the down + combine launches' bits, in one launch with a fifth of the
+// CTAs at one token.
+inline constexpr int kDownCombineMaxK = gemm::kStreamStageBytes;
+inline constexpr int kDownCombineScaleBytes = gemm::kColsPerCta * (kDownCombineMaxK / kMxfp8Block);
+inline constexpr int kDownCombineSlotBytes = gemm::kStreamSlotBytes + kDownCombineScaleBytes;
+// kSlots: ring stages (segments) in flight (MoeParams::down_combine).
+__host__ __device__ constexpr int down_combine_smem_bytes(int slots) {
+  return gemm::kStreamBarrierBytes + slots * kDownCombineSlotBytes;
+}
+inline constexpr int kMoeMaxSlots = kMoeMaxRows * kMoeMaxTopk;  // distinct experts of one step
+
+template <int kSlots>
+__global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
+    moe_down_combine_kernel(const __grid_constant__ MoeParams p) {
+  static_assert(kMoeMaxSlots <= kMmaThreads, "a thread per slot");
+  static_assert(kSlots * 8 <= gemm::kStreamBarrierBytes, "a barrier per ring slot");
+  extern __shared__ __align__(128) uint8_t s_stream[];
+  __shared__ int s_seg_expert[kMoeMaxSlots + 1];  // E: the shared expert
+  __shared__ int s_seg_count[kMoeMaxSlots + 1];
+  __shared__ uint8_t s_seg_row[kMoeMaxSlots + 1][kMoeMaxRows];   // token i's row
+  __shared__ uint8_t s_seg_slot[kMoeMaxSlots + 1][kMoeMaxRows];  // its pick slot (topk: shared)
+  __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  __shared__ float s_y[kMoeMaxRows][kMoeMaxTopk + 1][gemm::kColsPerCta];
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warp = tid >> 5;
+  const int lane = tid & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int H = p.hidden;
+  const int n0 = static_cast<int>(blockIdx.x) * gemm::kColsPerCta;
+  wait_previous_kernel();  // the slots and the activations come from earlier kernels
+  // The segments: the slots with an expert (a prefix: slot y is the y-th smallest picked expert),
+  // then the shared expert with every row at pick slot topk.
+  const int slots = min(p.num_experts, p.rows * p.topk);
+  int expert = -1;
+  if (tid < slots) {
+    expert = __ldg(p.slot_expert + tid);
+    if (expert >= 0) {
+      const int count = __ldg(p.slot_count + tid);
+      s_seg_expert[tid] = expert;
+      s_seg_count[tid] = count;
+      for (int i = 0; i < count; ++i) {
+        const int pick = __ldg(p.slot_picks + tid * kMoeMaxRows + i);
+        s_seg_row[tid][i] = static_cast<uint8_t>(pick / p.topk);
+        s_seg_slot[tid][i] = static_cast<uint8_t>(pick % p.topk);
+      }
+    }
+  }
+  const int used = __syncthreads_count(expert >= 0);
+  release_next_kernel();
+  const bool has_shared = p.shared.inter > 0;
+  if (has_shared && tid < p.rows) {
+    if (tid == 0) {
+      s_seg_expert[used] = p.num_experts;
+      s_seg_count[used] = p.rows;
+    }
+    s_seg_row[used][tid] = static_cast<uint8_t>(tid);
+    s_seg_slot[used][tid] = static_cast<uint8_t>(p.topk);
+  }
+  const int segments = used + (has_shared ? 1 : 0);
+  __syncthreads();
+
+  uint64_t* full = reinterpret_cast<uint64_t*>(s_stream);
+  uint8_t* ring = s_stream + gemm::kStreamBarrierBytes;
+  // Segment s into ring slot s % kSlots (thread 0): 16 weight rows of K bytes at the
+  // ring's padded pitch, then the rows' K / 32 scale bytes each (16 consecutive rows: one copy).
+  const auto fill = [&](int seg) {
+    const int slot = seg % kSlots;
+    const bool shared = s_seg_expert[seg] == p.num_experts;
+    const MoeExpertSet& set = shared ? p.shared : p.experts;
+    const int K = set.inter;
+    const int64_t first = (shared ? 0 : int64_t{s_seg_expert[seg]}) * H + n0;
+    uint8_t* dst = ring + slot * kDownCombineSlotBytes;
+    const uint32_t scale_bytes = static_cast<uint32_t>(gemm::kColsPerCta * (K / kMxfp8Block));
+    mbar_expect_tx(&full[slot], static_cast<uint32_t>(gemm::kColsPerCta * K) + scale_bytes);
+    for (int r = 0; r < gemm::kColsPerCta; ++r) {
+      bulk_copy(dst + r * gemm::kStreamRowPitch,
+                static_cast<const uint8_t*>(set.w2) + (first + r) * K, static_cast<uint32_t>(K),
+                &full[slot]);
+    }
+    bulk_copy(dst + gemm::kStreamSlotBytes, set.w2_scale + first * (K / kMxfp8Block), scale_bytes,
+              &full[slot]);
+  };
+  if (tid == 0) {
+    for (int i = 0; i < kSlots; ++i) mbar_init(&full[i], 1);
+    mbar_init_fence();
+    for (int seg = 0; seg < segments && seg < kSlots; ++seg) fill(seg);
+  }
+  __syncthreads();  // the barriers' inits before anyone waits on them
+
+  for (int seg = 0; seg < segments; ++seg) {
+    const int slot = seg % kSlots;
+    const bool shared = s_seg_expert[seg] == p.num_experts;
+    const int K = shared ? p.shared.inter : p.experts.inter;
+    const int count = s_seg_count[seg];
+    // The activations of the segment's token i (the MMA's row i).
+    const auto act_row = [&](int i) -> const uint16_t* {
+      const int64_t row = s_seg_row[seg][i];
+      return shared ? p.act_shared + row * K : p.act + (row * p.topk + s_seg_slot[seg][i]) * K;
+    };
+    const uint16_t* x_lo = g < count ? act_row(g) : nullptr;
+    const uint16_t* x_hi = g + 8 < count ? act_row(g + 8) : nullptr;
+    mbar_wait(&full[slot], static_cast<uint32_t>(seg / kSlots) & 1u);
+    const uint8_t* stage = ring + slot * kDownCombineSlotBytes;
+    const uint8_t* scales = stage + gemm::kStreamSlotBytes;
+    const int scale_row_bytes = K / kMxfp8Block;
+    float acc[2][4] = {};
+    uint32_t nan_bits[2] = {0u, 0u};
+    for (int c = warp; c < K / gemm::kChunk; c += kMmaWarps) {
+      gemm::ChunkRegs<true, 1, true> regs;
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int row = j * 8 + g;
+        const int kk = c * gemm::kChunk;
+        regs.w[0][j].v[0] =
+            *reinterpret_cast<const uint4*>(stage + row * gemm::kStreamRowPitch + kk + t * 16);
+        regs.scale[0][j] = scales[row * scale_row_bytes + (kk + t * 16) / kMxfp8Block];
+      }
+      gemm::mma_chunk<true, 1, true, false, true>(x_lo, x_hi, int64_t{c} * gemm::kChunk, t, regs,
+                                                  acc, nan_bits);
+    }
+    gemm::store_warp_sums<true>(acc, nan_bits, s_red[warp]);
+    __syncthreads();  // the slot's readers and the warps' sums are done
+    if (tid == 0 && seg + kSlots < segments) fill(seg + kSlots);
+    for (int o = tid; o < count * gemm::kColsPerCta; o += kMmaThreads) {
+      const int i = o / gemm::kColsPerCta;
+      const int cc = o % gemm::kColsPerCta;
+      float sum = s_red[0][i][cc];
+#pragma unroll
+      for (int w = 1; w < kMmaWarps; ++w) sum = __fadd_rn(sum, s_red[w][i][cc]);
+      s_y[s_seg_row[seg][i]][s_seg_slot[seg][i]][cc] = sum;
+    }
+    __syncthreads();  // s_red is free again; s_y holds the segment
+  }
+  // out[r, n] = sum_i w_i y[r, i, n] + y[r, k, n], the combine kernel's unfused order.
+  for (int o = tid; o < p.rows * gemm::kColsPerCta; o += kMmaThreads) {
+    const int r = o / gemm::kColsPerCta;
+    const int cc = o % gemm::kColsPerCta;
+    float acc = 0.0f;
+    for (int k = 0; k < p.topk; ++k) {
+      acc = __fadd_rn(acc, __fmul_rn(__ldg(p.topk_weights + r * p.topk + k), s_y[r][k][cc]));
+    }
+    if (has_shared) acc = __fadd_rn(acc, s_y[r][p.topk][cc]);
+    p.out[static_cast<int64_t>(r) * H + n0 + cc] = acc;
+  }
+}
+
 __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
   wait_previous_kernel();
   release_next_kernel();

@@ -85,6 +85,14 @@ struct MoeParams {
   // prefetched down weights, the activations). Off by default until measured (bench moe
   // --kernels mma,mma-evict-first,mma-prefetch-ef).
   bool weights_evict_first = false;
+  // The down projection and the combine in one launch (moe_down_combine_kernel: a CTA per 16
+  // hidden columns over every expert of the step, one ring of weight copies across them; the same
+  // bits), with this many ring slots (2 or 3; 0: the down and combine launches). Taken with the
+  // streamed MXFP8 experts (MoeParams::stream), one down tile per CTA, not deep, K <= 1024 for the
+  // routed and the shared expert (TP 4 / 8 ranks of M3) and hidden a multiple of 16; else the down
+  // and combine launches. Off by default until measured (bench moe --kernels
+  // mma,mma-down-combine,mma-down-combine3).
+  int down_combine = 0;
   // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
   int shared_slot = 0;
   int rows = 0;

@@ -52,7 +52,8 @@ HostTensor host_of(const TensorView& v) {
 // the shared expert's gate/up in the gate/up launch (MoeParams::shared_with_router off), the
 // top-k in a launch of its own at every row count and in the router's at every one
 // (MoeParams::router_picks_max_rows), the down weights asked into L2 by the gate/up CTAs with the
-// streamed weights tagged evict-first (MoeParams::prefetch_down, weights_evict_first), the fp32 FMA
+// streamed weights tagged evict-first (MoeParams::prefetch_down, weights_evict_first), the down
+// projection and the combine in one launch (MoeParams::down_combine), the fp32 FMA
 // kernels, tensor cores with programmatic
 // dependent launches, tensor cores with more chunks in flight (MoeParams::deep), the down
 // projection's tiles sharing one load ring (MoeParams::down_tiles), and the whole MoE in one
@@ -70,10 +71,11 @@ struct KernelChoice {
   int router_picks_max_rows = cuda::kMoeRouterPicksMaxRows;
   bool prefetch_down = false;        // MoeParams::prefetch_down
   bool weights_evict_first = false;  // MoeParams::weights_evict_first
+  int down_combine = 0;              // MoeParams::down_combine
   bool same_bits_as_mma() const {
     return deep || down_tiles > 1 || persistent || !stream || !shared_with_router ||
            router_picks_max_rows != cuda::kMoeRouterPicksMaxRows || prefetch_down ||
-           weights_evict_first;
+           weights_evict_first || down_combine > 0;
   }
 };
 constexpr KernelChoice kKernelChoices[] = {
@@ -84,6 +86,9 @@ constexpr KernelChoice kKernelChoices[] = {
     {true, false, false, 1, false, "mma-topk-in-router", true, true, cuda::kMoeMaxRows},
     {true, false, false, 1, false, "mma-prefetch-ef", true, true, cuda::kMoeRouterPicksMaxRows,
      true, true},
+    {true, false, false, 1, false, "mma-down-combine", true, true, cuda::kMoeRouterPicksMaxRows,
+     false, false, 2},
+    {true, false, false, 1, false, "mma-down-combine3-topk-apart", true, true, 0, false, false, 3},
     {false, false, false, 1, false, "fma"},
     {true, true, false, 1, false, "mma+pdl"},
     {true, false, true, 1, false, "mma-deep"},
@@ -314,6 +319,7 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       p.router_picks_max_rows = kernels.router_picks_max_rows;
       p.prefetch_down = kernels.prefetch_down;
       p.weights_evict_first = kernels.weights_evict_first;
+      p.down_combine = kernels.down_combine;
       cuda::Stream stream;
       cuda::launch_moe(p, stream.get());
       if (kernels.persistent) {  // again, on counters the first launch reset

@@ -333,10 +333,6 @@ __device__ __noinline__ void route_topk_apart(const MoeParams& p,
   route_topk(p, s_pick, s_used);
 }
 
-inline constexpr int kDownGroupCols = kMoeDownTiles * gemm::kColsPerCta;  // a down item's columns
-inline constexpr int kSyncSlots = 8;  // [E] gate/up items done per slot, then
-                                      // [groups] down items done per column group
-
 // The router launch's CTAs count their arrivals in this word of MoeParams::sync (the persistent
 // kernel's block, which that kernel leaves zero as well); the last to arrive takes the top-k.
 inline constexpr int kSyncRouteArrivals = 5;
@@ -739,20 +735,6 @@ __global__ void __launch_bounds__(kMmaThreads)
       s_stream);
 }
 
-// out[r, n] = sum_i w_i y[r, i, n] + y[r, k, n] in pick order with unfused fp32 operations (the
-// CPU reference's order); y and the weights read through L2 (the persistent kernel writes them
-// earlier in the same launch).
-__device__ __forceinline__ void combine_element(const MoeParams& p, int64_t r, int64_t n) {
-  const float* y = p.y + r * (p.topk + 1) * p.hidden + n;
-  float acc = 0.0f;
-  for (int k = 0; k < p.topk; ++k) {
-    acc = __fadd_rn(acc, __fmul_rn(__ldcg(p.topk_weights + r * p.topk + k),
-                                   __ldcg(y + static_cast<int64_t>(k) * p.hidden)));
-  }
-  if (p.shared.inter > 0) acc = __fadd_rn(acc, __ldcg(y + static_cast<int64_t>(p.topk) * p.hidden));
-  p.out[r * p.hidden + n] = acc;
-}
-
 // kTiles x 16 hidden rows n0.. of the down projection of expert `ex` (the shared expert: E) for
 // its ntok listed tokens into p.y. kTiles > 1: the tiles share one ring of weight loads
 // (gemm::tiles_accumulate; each tile's bits as with kTiles 1); the caller takes them only where
@@ -1006,6 +988,20 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
   }
 }
 
+// out[r, n] = sum_i w_i y[r, i, n] + y[r, k, n] in pick order with unfused fp32 operations (the
+// CPU reference's order); y and the weights read through L2 (the persistent kernel writes them
+// earlier in the same launch).
+__device__ __forceinline__ void combine_element(const MoeParams& p, int64_t r, int64_t n) {
+  const float* y = p.y + r * (p.topk + 1) * p.hidden + n;
+  float acc = 0.0f;
+  for (int k = 0; k < p.topk; ++k) {
+    acc = __fadd_rn(acc, __fmul_rn(__ldcg(p.topk_weights + r * p.topk + k),
+                                   __ldcg(y + static_cast<int64_t>(k) * p.hidden)));
+  }
+  if (p.shared.inter > 0) acc = __fadd_rn(acc, __ldcg(y + static_cast<int64_t>(p.topk) * p.hidden));
+  p.out[r * p.hidden + n] = acc;
+}
+
 __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
   wait_previous_kernel();
   release_next_kernel();
@@ -1032,6 +1028,10 @@ __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
 // has drawn one, so every item is done) zeroes the counters for the next launch. A wait that never
 // ends (a bug) flags kMoeStatusTimeout in the sync words and goes on: a wrong result, not a hang.
 inline constexpr uint32_t kSpinLimit = 1u << 24;  // polls of one wait (~4 s) before giving up
+
+inline constexpr int kDownGroupCols = kMoeDownTiles * gemm::kColsPerCta;  // a down item's columns
+inline constexpr int kSyncSlots = 8;  // [E] gate/up items done per slot, then
+                                      // [groups] down items done per column group
 
 // First item of each kind, in ticket order (host and device: the host sizes the grid).
 struct PersistentItems {

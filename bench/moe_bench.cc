@@ -23,8 +23,7 @@
 // (copy 0, input 0): every output finite, a guard row after it still poisoned; with both kernel
 // kinds requested, mma against fma within |a - b| <= max|fma row| / 128 + 1e-6 (the bound of
 // tests/cuda/moe_kernel_test.cc against the CPU oracle); mma-ring, mma-shared-late, mma-deep,
-// mma-down4, mma-persistent, mma-prefetch, mma-evict-first, mma-prefetch-ef, mma-down-combine and
-// mma-down-combine3 give mma's bits; one
+// mma-down4, mma-persistent, mma-down-apart and mma-down-combine give mma's bits; one
 // launch captured in a graph and replayed over the poisoned output gives the eager bits. A failure
 // exits 1 after the run.
 #include <cuda_runtime.h>
@@ -196,25 +195,23 @@ int run_moe_bench(int argc, char** argv) {
                  fmt::format("comma-separated token rows (1..{})", cuda::kMoeMaxRows));
   app.add_option("--dtypes", opt.dtypes_text,
                  "comma-separated weights: bf16, mxfp8 (e4m3 + e8m0 per 32)");
-  app.add_option("--kernels", opt.kernels_text,
-                 "comma-separated expert projections: mma (tensor cores, the weights streamed "
-                 "through shared memory), mma-ring (tensor cores, the weights in a register "
-                 "ring: MoeParams::stream off), mma-shared-late (tensor cores, the shared expert's "
-                 "gate/up in the gate/up launch: MoeParams::shared_with_router off), "
-                 "mma-topk-apart (tensor cores, the top-k in a launch of its own at every row "
-                 "count: MoeParams::router_picks_max_rows 0), mma-topk-in-router (the top-k in the "
-                 "router's launch at every row count), fma (fp32 "
-                 "FMA kernels), mma+pdl (tensor cores, "
-                 "programmatic dependent launches), mma-deep (tensor cores "
-                 "at 4 CTAs per SM with more weight chunks in flight: MoeParams::deep), mma-down4 "
-                 "(four down tiles per CTA over one load ring: MoeParams::down_tiles), "
-                 "mma-persistent (the whole MoE in one launch: MoeParams::persistent; the dense "
-                 "MLP runs mma), mma-prefetch (each gate/up CTA asks L2 for a share of its "
-                 "expert's down weights: MoeParams::prefetch_down), mma-evict-first (the streamed "
-                 "weights tagged evict-first in L2: MoeParams::weights_evict_first), "
-                 "mma-prefetch-ef (both), mma-down-combine, mma-down-combine3 (the down "
-                 "projection and the combine in one launch, 2 or 3 ring slots: "
-                 "MoeParams::down_combine)");
+  app.add_option(
+      "--kernels", opt.kernels_text,
+      "comma-separated expert projections: mma (tensor cores, the weights streamed "
+      "through shared memory), mma-ring (tensor cores, the weights in a register "
+      "ring: MoeParams::stream off), mma-shared-late (tensor cores, the shared expert's "
+      "gate/up in the gate/up launch: MoeParams::shared_with_router off), "
+      "mma-topk-apart (tensor cores, the top-k in a launch of its own at every row "
+      "count: MoeParams::router_picks_max_rows 0), mma-topk-in-router (the top-k in the "
+      "router's launch at every row count), fma (fp32 "
+      "FMA kernels), mma+pdl (tensor cores, "
+      "programmatic dependent launches), mma-deep (tensor cores "
+      "at 4 CTAs per SM with more weight chunks in flight: MoeParams::deep), mma-down4 "
+      "(four down tiles per CTA over one load ring: MoeParams::down_tiles), "
+      "mma-persistent (the whole MoE in one launch: MoeParams::persistent; the dense "
+      "MLP runs mma), mma-down-apart (the down projection and the combine in two launches at "
+      "every row count: MoeParams::down_combine 0), mma-down-combine (in one launch "
+      "at every row count: MoeParams::down_combine_max_rows)");
   app.add_option("--what", opt.what_text,
                  "comma-separated: moe (router + routed + shared experts), dense (the MLP of "
                  "layers 0-2)");
@@ -240,11 +237,10 @@ int run_moe_bench(int argc, char** argv) {
   for (int tp : opt.tp) require_ffn_split("--tp", tp);
   opt.tokens = int_list("--tokens", opt.tokens_text, 1, cuda::kMoeMaxRows);
   opt.dtypes = choice_list("--dtypes", opt.dtypes_text, {"bf16", "mxfp8"});
-  opt.kernels =
-      choice_list("--kernels", opt.kernels_text,
-                  {"mma", "mma-ring", "mma-shared-late", "mma-topk-apart", "mma-topk-in-router",
-                   "fma", "mma+pdl", "mma-deep", "mma-down4", "mma-persistent", "mma-prefetch",
-                   "mma-evict-first", "mma-prefetch-ef", "mma-down-combine", "mma-down-combine3"});
+  opt.kernels = choice_list(
+      "--kernels", opt.kernels_text,
+      {"mma", "mma-ring", "mma-shared-late", "mma-topk-apart", "mma-topk-in-router", "fma",
+       "mma+pdl", "mma-deep", "mma-down4", "mma-persistent", "mma-down-apart", "mma-down-combine"});
   opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
   require_range("--reps", opt.reps, 1);
   require_range("--min-launches", opt.min_launches, 1);
@@ -408,11 +404,8 @@ int run_moe_bench(int argc, char** argv) {
             p.shared_with_router = kernels != "mma-shared-late";
             if (kernels == "mma-topk-apart") p.router_picks_max_rows = 0;
             if (kernels == "mma-topk-in-router") p.router_picks_max_rows = cuda::kMoeMaxRows;
-            p.prefetch_down = kernels == "mma-prefetch" || kernels == "mma-prefetch-ef";
-            p.weights_evict_first = kernels == "mma-evict-first" || kernels == "mma-prefetch-ef";
-            p.down_combine = kernels == "mma-down-combine"    ? 2
-                             : kernels == "mma-down-combine3" ? 3
-                                                              : 0;
+            if (kernels == "mma-down-apart") p.down_combine = 0;
+            if (kernels == "mma-down-combine") p.down_combine_max_rows = cuda::kMoeMaxRows;
             return p;
           };
           auto launch = [&](const cuda::MoeParams& p) {
@@ -503,8 +496,7 @@ int run_moe_bench(int argc, char** argv) {
               const std::string& k = opt.kernels[ki];
               if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-topk-apart" &&
                   k != "mma-topk-in-router" && k != "mma-deep" && k != "mma-down4" &&
-                  k != "mma-persistent" && k != "mma-prefetch" && k != "mma-evict-first" &&
-                  k != "mma-prefetch-ef" && k != "mma-down-combine" && k != "mma-down-combine3")
+                  k != "mma-persistent" && k != "mma-down-apart" && k != "mma-down-combine")
                 continue;
               checks[ki].same_as_mma =
                   std::memcmp(checks[ki].eager.data(), mma.eager.data(), mma.eager.size() * 4) == 0;

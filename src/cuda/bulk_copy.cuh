@@ -54,28 +54,4 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
-// The same copy with an L2 eviction policy (l2_evict_first_policy): for bytes read once, so they
-// leave L2 before lines other readers still need.
-__device__ __forceinline__ void bulk_copy_hinted(void* dst, const void* src, uint32_t bytes,
-                                                 uint64_t* bar, uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
-      "[%1], %2, [%3], %4;" ::"r"(smem_u32(dst)),
-      "l"(src), "r"(bytes), "r"(smem_u32(bar)), "l"(policy)
-      : "memory");
-}
-
-// An L2 policy that evicts the lines it tags first.
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
-  return policy;
-}
-
-// Asks L2 to fetch `bytes` (a multiple of 16) from global `src` (16-byte aligned): a hint with no
-// completion to wait for; a later read of those bytes finds them in L2 if they were not evicted.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-
 }  // namespace m3msa::cuda

@@ -474,7 +474,6 @@ struct StreamOperands {
   const uint8_t* w_first[2] = {nullptr, nullptr};
   const uint8_t* scale_first[2] = {nullptr, nullptr};
   int k = 0;
-  bool evict_first = false;  // the weight copies tagged to leave L2 first (read once)
 };
 
 // Stages of k per weight row, and the dynamic shared memory a streamed tile of that k takes: the
@@ -515,7 +514,6 @@ __device__ __forceinline__ void tile_accumulate_streamed(
   const bool col_ok[2] = {op.w_first[0] != nullptr, op.w_first[1] != nullptr};
   const int tiles_present = (col_ok[0] ? 1 : 0) + (col_ok[1] ? 1 : 0);
   const int64_t row_bytes = static_cast<int64_t>(k) * kElem;
-  const uint64_t policy = op.evict_first && tid == 0 ? l2_evict_first_policy() : 0;
 
   // Stage s (thread 0): every present row's k0 .. k0 + stage bytes into slot s % slots; the
   // first stage also brings the scales.
@@ -533,13 +531,9 @@ __device__ __forceinline__ void tile_accumulate_streamed(
         bulk_copy(scales + j * 8 * scale_bytes, op.scale_first[j], 8 * scale_bytes, &full[slot]);
       }
       for (int r = 0; r < 8; ++r) {
-        uint8_t* dst = ring + slot * kStreamSlotBytes + (j * 8 + r) * kStreamRowPitch;
-        const uint8_t* src = op.w_first[j] + r * row_bytes + static_cast<int64_t>(k0) * kElem;
-        if (op.evict_first) {
-          bulk_copy_hinted(dst, src, bytes, &full[slot], policy);
-        } else {
-          bulk_copy(dst, src, bytes, &full[slot]);
-        }
+        bulk_copy(ring + slot * kStreamSlotBytes + (j * 8 + r) * kStreamRowPitch,
+                  op.w_first[j] + r * row_bytes + static_cast<int64_t>(k0) * kElem, bytes,
+                  &full[slot]);
       }
     }
   };

@@ -49,9 +49,9 @@ bool use_stream(const MoeParams& p) {
 
 // MoeParams::down_combine where it is taken (streamed: use_stream(p)).
 bool use_down_combine(const MoeParams& p, bool streamed) {
-  return p.down_combine > 0 && streamed && !p.deep && p.down_tiles == 1 &&
-         p.experts.inter <= moe::kDownCombineMaxK && p.shared.inter <= moe::kDownCombineMaxK &&
-         p.hidden % gemm::kColsPerCta == 0;
+  return p.down_combine > 0 && p.rows <= p.down_combine_max_rows && streamed && !p.deep &&
+         p.down_tiles == 1 && p.experts.inter <= moe::kDownCombineMaxK &&
+         p.shared.inter <= moe::kDownCombineMaxK && p.hidden % gemm::kColsPerCta == 0;
 }
 
 // Dynamic shared memory of a streamed kernel with reduction dimension k (its limit raised once).

@@ -577,28 +577,6 @@ __device__ __forceinline__ const uint8_t* scale_row(const uint8_t* scales, int64
   return scales + row * (k / kMxfp8Block);
 }
 
-// MoeParams::prefetch_down: part `part` of `parts` (16-byte aligned slices) of expert e's down
-// weights [H, I] and MXFP8 scales asked into L2 (the shared expert: e = 0 of p.shared). One thread
-// calls it; the copies it asks for complete on their own.
-template <bool kFp8>
-__device__ __forceinline__ void prefetch_down_part(const MoeParams& p, bool shared, int64_t e,
-                                                   int part, int parts) {
-  const MoeExpertSet& set = shared ? p.shared : p.experts;
-  const int64_t H = p.hidden;
-  const int64_t I = set.inter;
-  const auto slice = [&](const uint8_t* base, int64_t bytes) {
-    const int64_t lo = bytes * part / parts / 16 * 16;
-    const int64_t hi = part + 1 == parts ? bytes / 16 * 16 : bytes * (part + 1) / parts / 16 * 16;
-    if (hi > lo) bulk_prefetch_l2(base + lo, static_cast<uint32_t>(hi - lo));
-  };
-  const int64_t weight_bytes = H * I * (kFp8 ? 1 : 2);
-  slice(static_cast<const uint8_t*>(set.w2) + e * weight_bytes, weight_bytes);
-  if constexpr (kFp8) {
-    const int64_t scale_bytes = H * (I / kMxfp8Block);
-    slice(set.w2_scale + e * scale_bytes, scale_bytes);
-  }
-}
-
 // One gate/up tile (rows j0 .. j0 + 7 of gate and up) of expert e (the shared expert: e = 0 of
 // p.shared) for the ntok listed tokens, with the activation stored.
 // kStream: the weights stream through `stream_smem` (gemm::tile_accumulate_streamed, the same
@@ -628,7 +606,6 @@ __device__ __forceinline__ void gate_up_tile(
       op.scale_first[1] = scale_row(set.w13_scale, up, H);
     }
     op.k = H;
-    op.evict_first = p.weights_evict_first;
     gemm::tile_accumulate_streamed<kFp8, kMmaWarps, kFp8>(op, stream_smem, s_red);
   } else {
     gemm::TileOperands op;
@@ -685,13 +662,6 @@ __global__ void __launch_bounds__(kMmaThreads, (kDeep || kStream) ? kMmaDeepMinC
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
-  if (p.prefetch_down && threadIdx.x == 32) {  // a thread beside thread 0's first copies
-    const int parts =
-        ((shared ? p.shared.inter : p.experts.inter) + kMmaGateUpRows - 1) / kMmaGateUpRows;
-    if (static_cast<int>(blockIdx.x) < parts) {
-      prefetch_down_part<kFp8>(p, shared, shared ? 0 : ex, static_cast<int>(blockIdx.x), parts);
-    }
-  }
   gate_up_tile<kFp8, kMmaChunksInFlight<kFp8, kDeep>, kStream>(
       p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot, blockIdx.x * kMmaGateUpRows, s_red,
       s_stream);
@@ -725,10 +695,6 @@ __global__ void __launch_bounds__(kMmaThreads)
     return;
   }
   list_every_row(p, tok_row, tok_slot);
-  if (p.prefetch_down && threadIdx.x == 32) {
-    prefetch_down_part<kFp8>(p, true, 0, cta - p.num_experts,
-                             static_cast<int>(gridDim.x) - p.num_experts);
-  }
   __syncthreads();
   gate_up_tile<kFp8, kMmaChunksInFlight<kFp8, false>, kStream>(
       p, true, 0, p.rows, tok_row, tok_slot, (cta - p.num_experts) * kMmaGateUpRows, s_red,
@@ -783,7 +749,6 @@ __device__ __forceinline__ void down_tiles(
       if constexpr (kFp8) so.scale_first[j] = scale_row(set.w2_scale, e * H + n, I);
     }
     so.k = I;
-    so.evict_first = p.weights_evict_first;
     gemm::tile_accumulate_streamed<kFp8, kMmaWarps, kFp8>(so, stream_smem, s_red[0]);
   } else if constexpr (kTiles == 1 && !kFresh) {
     gemm::tile_accumulate<kFp8, kInFlight, false, kMmaWarps, 1, kFp8>(op, s_red[0]);

@@ -14,6 +14,8 @@ inline constexpr int kMoeWarps = 8;               // warps per CTA of every moe 
 inline constexpr int kMoeRowsPerWarp = 2;         // output rows (j or n) per warp and pass
 inline constexpr int kMoeDownTiles = 4;           // MoeParams::down_tiles above 1
 inline constexpr int kMoeRouterPicksMaxRows = 4;  // MoeParams::router_picks_max_rows
+inline constexpr int kMoeDownCombineSlots = 3;    // MoeParams::down_combine
+inline constexpr int kMoeDownCombineMaxRows = 1;  // MoeParams::down_combine_max_rows
 // MoeParams::stream: the largest hidden / intermediate the streamed kernels take.
 inline constexpr int kMoeStreamMaxK = 65536;
 // Sticky bits of the persistent kernel's status word (moe_status_word in moe.h).
@@ -75,24 +77,16 @@ struct MoeParams {
   // tensor-core shapes and hidden a multiple of 64; else the launch sequence. Off by default until
   // measured (bench moe --kernels mma,mma-persistent).
   bool persistent = false;
-  // Each gate/up CTA (and each shared gate/up CTA beside the router) asks L2 for its share of the
-  // same expert's down weights and scales (cp.async.bulk.prefetch.L2) while it streams its own
-  // tile, so the down launch reads them from L2. Off by default until measured (bench moe
-  // --kernels mma,mma-prefetch).
-  bool prefetch_down = false;
-  // The streamed weight tiles (MXFP8, MoeParams::stream) tag their copies evict-first in L2: the
-  // experts' bytes are read once per step, so they leave L2 before what is read again (the
-  // prefetched down weights, the activations). Off by default until measured (bench moe
-  // --kernels mma,mma-evict-first,mma-prefetch-ef).
-  bool weights_evict_first = false;
   // The down projection and the combine in one launch (moe_down_combine_kernel: a CTA per 16
   // hidden columns over every expert of the step, one ring of weight copies across them; the same
-  // bits), with this many ring slots (2 or 3; 0: the down and combine launches). Taken with the
-  // streamed MXFP8 experts (MoeParams::stream), one down tile per CTA, not deep, K <= 1024 for the
-  // routed and the shared expert (TP 4 / 8 ranks of M3) and hidden a multiple of 16; else the down
-  // and combine launches. Off by default until measured (bench moe --kernels
-  // mma,mma-down-combine,mma-down-combine3).
-  int down_combine = 0;
+  // bits), with this many ring slots (2 or 3; 0: never), where the step has at most
+  // down_combine_max_rows rows. Taken with the streamed MXFP8 experts (MoeParams::stream), one
+  // down tile per CTA, not deep, K <= 1024 for the routed and the shared expert (TP 4 / 8 ranks of
+  // M3) and hidden a multiple of 16; else the down and combine launches. Measured in bench moe
+  // --kernels mma,mma-down-apart,mma-down-combine: 7 % faster at one token (TP 4 and 8), at 4
+  // tokens 8 % faster at TP 8 and 2 % slower at TP 4 (a CTA's 16 experts in series).
+  int down_combine = kMoeDownCombineSlots;
+  int down_combine_max_rows = kMoeDownCombineMaxRows;
   // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
   int shared_slot = 0;
   int rows = 0;

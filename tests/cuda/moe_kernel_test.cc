@@ -51,9 +51,9 @@ HostTensor host_of(const TensorView& v) {
 // streamed through shared memory), the same with the register ring only (MoeParams::stream off),
 // the shared expert's gate/up in the gate/up launch (MoeParams::shared_with_router off), the
 // top-k in a launch of its own at every row count and in the router's at every one
-// (MoeParams::router_picks_max_rows), the down weights asked into L2 by the gate/up CTAs with the
-// streamed weights tagged evict-first (MoeParams::prefetch_down, weights_evict_first), the down
-// projection and the combine in one launch (MoeParams::down_combine), the fp32 FMA
+// (MoeParams::router_picks_max_rows), the down projection and the combine in two launches at every
+// row count and in one at every row count with 3 and 2 ring slots (MoeParams::down_combine,
+// down_combine_max_rows), the fp32 FMA
 // kernels, tensor cores with programmatic
 // dependent launches, tensor cores with more chunks in flight (MoeParams::deep), the down
 // projection's tiles sharing one load ring (MoeParams::down_tiles), and the whole MoE in one
@@ -69,13 +69,13 @@ struct KernelChoice {
   bool stream = true;              // MoeParams::stream (false: the register ring)
   bool shared_with_router = true;  // MoeParams::shared_with_router
   int router_picks_max_rows = cuda::kMoeRouterPicksMaxRows;
-  bool prefetch_down = false;        // MoeParams::prefetch_down
-  bool weights_evict_first = false;  // MoeParams::weights_evict_first
-  int down_combine = 0;              // MoeParams::down_combine
+  int down_combine = cuda::kMoeDownCombineSlots;  // MoeParams::down_combine
+  int down_combine_max_rows = cuda::kMoeDownCombineMaxRows;
   bool same_bits_as_mma() const {
     return deep || down_tiles > 1 || persistent || !stream || !shared_with_router ||
-           router_picks_max_rows != cuda::kMoeRouterPicksMaxRows || prefetch_down ||
-           weights_evict_first || down_combine > 0;
+           router_picks_max_rows != cuda::kMoeRouterPicksMaxRows ||
+           down_combine != cuda::kMoeDownCombineSlots ||
+           down_combine_max_rows != cuda::kMoeDownCombineMaxRows;
   }
 };
 constexpr KernelChoice kKernelChoices[] = {
@@ -84,11 +84,11 @@ constexpr KernelChoice kKernelChoices[] = {
     {true, false, false, 1, false, "mma-shared-late", true, false},
     {true, false, false, 1, false, "mma-topk-apart", true, true, 0},
     {true, false, false, 1, false, "mma-topk-in-router", true, true, cuda::kMoeMaxRows},
-    {true, false, false, 1, false, "mma-prefetch-ef", true, true, cuda::kMoeRouterPicksMaxRows,
-     true, true},
+    {true, false, false, 1, false, "mma-down-apart", true, true, cuda::kMoeRouterPicksMaxRows, 0},
     {true, false, false, 1, false, "mma-down-combine", true, true, cuda::kMoeRouterPicksMaxRows,
-     false, false, 2},
-    {true, false, false, 1, false, "mma-down-combine3-topk-apart", true, true, 0, false, false, 3},
+     cuda::kMoeDownCombineSlots, cuda::kMoeMaxRows},
+    {true, false, false, 1, false, "mma-down-combine2-topk-apart", true, true, 0, 2,
+     cuda::kMoeMaxRows},
     {false, false, false, 1, false, "fma"},
     {true, true, false, 1, false, "mma+pdl"},
     {true, false, true, 1, false, "mma-deep"},
@@ -317,9 +317,8 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       p.stream = kernels.stream;
       p.shared_with_router = kernels.shared_with_router;
       p.router_picks_max_rows = kernels.router_picks_max_rows;
-      p.prefetch_down = kernels.prefetch_down;
-      p.weights_evict_first = kernels.weights_evict_first;
       p.down_combine = kernels.down_combine;
+      p.down_combine_max_rows = kernels.down_combine_max_rows;
       cuda::Stream stream;
       cuda::launch_moe(p, stream.get());
       if (kernels.persistent) {  // again, on counters the first launch reset
@@ -487,8 +486,6 @@ void run_dense_case(int hidden, int width, bool fp8, const std::vector<int>& row
       p.deep = kernels.deep;
       p.down_tiles = kernels.down_tiles;
       p.stream = kernels.stream;
-      p.prefetch_down = kernels.prefetch_down;
-      p.weights_evict_first = kernels.weights_evict_first;
       cuda::Stream stream;
       cuda::launch_dense_mlp(p, stream.get());
       stream.synchronize();

@@ -34,8 +34,10 @@
 // integer pipes, times the block's power-of-two scale in registers. A gate/up CTA takes 8 rows j:
 // gate rows as the first n8 tile, the matching up rows as the second, so the activation needs no
 // exchange between CTAs. The shared expert's gate/up tiles run in the router's launch
-// (moe_route_and_shared_kernel), beside the logits: they need no routing. moe_persistent_kernel
-// (MoeParams::persistent) runs all of it as work items of one launch (see there).
+// (moe_route_and_shared_kernel), beside the logits: they need no routing. At one token row the
+// MXFP8 down projection and the combine are one launch (moe_down_combine_kernel,
+// MoeParams::down_combine). moe_persistent_kernel (MoeParams::persistent) runs all of it as work
+// items of one launch (see there).
 #pragma once
 
 #include <cuda_runtime.h>

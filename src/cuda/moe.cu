@@ -118,8 +118,6 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
       }
     }
     if (down_combine) {
-      M3MSA_CHECK_ARG(p.down_combine == 2 || p.down_combine == 3,
-                      "moe: down_combine must be 0, 2 or 3 ring slots, got ", p.down_combine);
       const auto kernel =
           p.down_combine == 2 ? moe::moe_down_combine_kernel<2> : moe::moe_down_combine_kernel<3>;
       const int smem = moe::down_combine_smem_bytes(p.down_combine);
@@ -295,6 +293,8 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                   "moe: num_experts must be in [1, ", kMoeMaxExperts, "], got ", p.num_experts);
   M3MSA_CHECK_ARG(p.hidden > 0 && p.hidden % 8 == 0, "moe: hidden must be a multiple of 8, got ",
                   p.hidden);
+  M3MSA_CHECK_ARG(p.down_combine == 0 || p.down_combine == 2 || p.down_combine == 3,
+                  "moe: down_combine must be 0, 2 or 3 ring slots, got ", p.down_combine);
   M3MSA_CHECK_ARG(p.experts.inter > 0 && p.experts.inter % 8 == 0 && p.shared.inter % 8 == 0,
                   "moe: the intermediates must be multiples of 8, got ", p.experts.inter, " and ",
                   p.shared.inter);

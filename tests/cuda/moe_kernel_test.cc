@@ -425,6 +425,25 @@ TEST(MoeKernel, TiedRoutingKeysPickTheLowerExpertIds) {
 }
 
 // More experts than the top-k holds in registers: the picks read the keys from memory, ties too.
+// MoeParams::down_combine takes 0, 2 or 3 ring slots: anything else is refused, naming the field,
+// before any launch (checked without a GPU: the validation precedes every CUDA call).
+TEST(MoeKernel, RefusesADownCombineRingOfAnotherSize) {
+  for (int slots : {1, 4, -1}) {
+    cuda::MoeParams p;
+    p.rows = 1;
+    p.topk = 4;
+    p.num_experts = 8;
+    p.hidden = 64;
+    p.down_combine = slots;
+    try {
+      cuda::launch_moe(p, nullptr);
+      ADD_FAILURE() << "down_combine " << slots << " was taken";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("down_combine"), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(MoeKernel, ManyExpertsTakeTheTopKFromMemory) {
   M3MSA_REQUIRE_GPU();
   Case c{"300 experts", 128, 300, 4, 64, 64, true};

@@ -799,6 +799,27 @@ __global__ void __launch_bounds__(kMmaThreads,
                                                       s_stream);
 }
 
+// Row r's output at one column: sum_i w_i y_i + y_k in pick order with unfused fp32 operations
+// (the CPU reference's order), y_at(i) giving expert pick i's output (i = topk: the shared
+// expert's); the weights read through L2 (the persistent kernel writes them earlier in the same
+// launch). Every combine takes its sums from here, so they agree bit for bit.
+template <class YAt>
+__device__ __forceinline__ float combine_sum(const MoeParams& p, int64_t r, YAt y_at) {
+  float acc = 0.0f;
+  for (int k = 0; k < p.topk; ++k) {
+    acc = __fadd_rn(acc, __fmul_rn(__ldcg(p.topk_weights + r * p.topk + k), y_at(k)));
+  }
+  if (p.shared.inter > 0) acc = __fadd_rn(acc, y_at(p.topk));
+  return acc;
+}
+
+// out[r, n] from p.y, read through L2 (the persistent kernel writes it earlier in the same launch).
+__device__ __forceinline__ void combine_element(const MoeParams& p, int64_t r, int64_t n) {
+  const float* y = p.y + r * (p.topk + 1) * p.hidden + n;
+  p.out[r * p.hidden + n] =
+      combine_sum(p, r, [&](int k) { return __ldcg(y + static_cast<int64_t>(k) * p.hidden); });
+}
+
 // ---- the down projection and the combine in one launch (MoeParams::down_combine) ----
 // One CTA per 16 hidden columns n0 .. n0 + 15 for the whole step (MXFP8 weights, every K at most
 // one ring stage: I <= kStreamStageBytes). Its segments are the step's expert slots that have
@@ -942,31 +963,13 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     }
     __syncthreads();  // s_red is free again; s_y holds the segment
   }
-  // out[r, n] = sum_i w_i y[r, i, n] + y[r, k, n], the combine kernel's unfused order.
+  // The combine kernel's sums (combine_sum), from s_y.
   for (int o = tid; o < p.rows * gemm::kColsPerCta; o += kMmaThreads) {
     const int r = o / gemm::kColsPerCta;
     const int cc = o % gemm::kColsPerCta;
-    float acc = 0.0f;
-    for (int k = 0; k < p.topk; ++k) {
-      acc = __fadd_rn(acc, __fmul_rn(__ldg(p.topk_weights + r * p.topk + k), s_y[r][k][cc]));
-    }
-    if (has_shared) acc = __fadd_rn(acc, s_y[r][p.topk][cc]);
-    p.out[static_cast<int64_t>(r) * H + n0 + cc] = acc;
+    p.out[static_cast<int64_t>(r) * H + n0 + cc] =
+        combine_sum(p, r, [&](int k) { return s_y[r][k][cc]; });
   }
-}
-
-// out[r, n] = sum_i w_i y[r, i, n] + y[r, k, n] in pick order with unfused fp32 operations (the
-// CPU reference's order); y and the weights read through L2 (the persistent kernel writes them
-// earlier in the same launch).
-__device__ __forceinline__ void combine_element(const MoeParams& p, int64_t r, int64_t n) {
-  const float* y = p.y + r * (p.topk + 1) * p.hidden + n;
-  float acc = 0.0f;
-  for (int k = 0; k < p.topk; ++k) {
-    acc = __fadd_rn(acc, __fmul_rn(__ldcg(p.topk_weights + r * p.topk + k),
-                                   __ldcg(y + static_cast<int64_t>(k) * p.hidden)));
-  }
-  if (p.shared.inter > 0) acc = __fadd_rn(acc, __ldcg(y + static_cast<int64_t>(p.topk) * p.hidden));
-  p.out[r * p.hidden + n] = acc;
 }
 
 __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {

@@ -53,9 +53,8 @@ HostTensor host_of(const TensorView& v) {
 // top-k in a launch of its own at every row count and in the router's at every one
 // (MoeParams::router_picks_max_rows), the down projection and the combine in two launches at every
 // row count and in one at every row count with 3 and 2 ring slots (MoeParams::down_combine,
-// down_combine_max_rows), the fp32 FMA
-// kernels, tensor cores with programmatic
-// dependent launches, tensor cores with more chunks in flight (MoeParams::deep), the down
+// down_combine_max_rows), the fp32 FMA kernels, tensor cores with programmatic dependent
+// launches, tensor cores with more chunks in flight (MoeParams::deep), the down
 // projection's tiles sharing one load ring (MoeParams::down_tiles), and the whole MoE in one
 // persistent launch (MoeParams::persistent, twice, so a launch after one that ran finds the
 // counters reset); the register ring and the last ones must give mma's bits (the first choice).
@@ -424,7 +423,6 @@ TEST(MoeKernel, TiedRoutingKeysPickTheLowerExpertIds) {
   }
 }
 
-// More experts than the top-k holds in registers: the picks read the keys from memory, ties too.
 // MoeParams::down_combine takes 0, 2 or 3 ring slots: anything else is refused, naming the field,
 // before any launch (checked without a GPU: the validation precedes every CUDA call).
 TEST(MoeKernel, RefusesADownCombineRingOfAnotherSize) {
@@ -444,6 +442,7 @@ TEST(MoeKernel, RefusesADownCombineRingOfAnotherSize) {
   }
 }
 
+// More experts than the top-k holds in registers: the picks read the keys from memory, ties too.
 TEST(MoeKernel, ManyExpertsTakeTheTopKFromMemory) {
   M3MSA_REQUIRE_GPU();
   Case c{"300 experts", 128, 300, 4, 64, 64, true};

@@ -1141,10 +1141,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 //
 // Purpose: the decode indexer with every request's blocks spread over many CTAs and the pages
 // streamed by the bulk-copy engine, so that a few long requests still read at the HBM rate.
-// Grid: (splits, num_reqs); 256 threads; 2 CTAs per SM. CTA (s, r) takes the s-th of `splits`
-// equal ranges of request r's visible blocks (ceil(blocks / splits) each, at least
-// min_blocks_per_cta; CTAs past the last range return at once), so the split follows the live
-// sequence length without a prefix sum over the batch. One thread streams the range's pages into
+// Grid: (splits, num_reqs); 256 threads; 2 CTAs per SM. Request r's visible blocks go to
+// `active` CTAs, at most ceil(blocks / splits) and at least min_blocks_per_cta each; CTA (s, r)
+// takes blocks s, s + active, s + 2 active, ... (CTAs past `active` return at once), so the split
+// follows the live sequence length without a prefix sum over the batch. The interleave makes a
+// CTA's first block its index s whatever the length, and the next ones s + d * splits wherever
+// every CTA is active: the first table entries are read beside the length instead of after it
+// (one round trip less before the first page). One thread streams the CTA's pages into
 // a ring of kSplitRingBytes of shared memory with cp.async.bulk (one whole page per copy, its
 // mbarrier counting the bytes); the warps read their 16 token rows from there into the same
 // registers as the fused kernel's Tile::load, so block scores and keys are bit-identical to it.
@@ -1192,6 +1195,12 @@ __global__ void __launch_bounds__(kThreads, 2)
   // finished and its writes are visible, and may read what this grid does not write before that.
   asm volatile("griddepcontrol.launch_dependents;\n" :::);
 
+  // The table entry of the CTA's first block (block `split` whatever the length), read beside the
+  // request's length (decode: the request is r).
+  int first_page = -1;
+  if (tid == 0 && !p.is_prefill && split < p.table_cols) {
+    first_page = p.block_table[static_cast<int64_t>(r) * p.table_cols + split];
+  }
   const Unit unit = load_unit(p, r);
   const int nvec = unit.rows * H;
   // Scores only (p.scores_only, the CP shard scoring): every block score of the CTA's range to
@@ -1208,10 +1217,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     timeline::set_kind(p.timeline, 2);
     return;
   }
-  const int lb_begin = split * per;
-  const int nblk = min(per, unit.blocks - lb_begin);
-  const int32_t* table_row =
-      p.block_table + static_cast<int64_t>(unit.req) * p.table_cols + lb_begin;
+  // This CTA's blocks: block `split`, then its share of the blocks past the first `active`, cut
+  // into contiguous ranges of per - 1 (so the refills' table entries share cache lines); nblk <=
+  // per, and every block is some CTA's since blocks <= active * per.
+  const int rest0 = active + split * (per - 1);
+  const int nblk = 1 + max(0, min(per - 1, unit.blocks - rest0));
+  const int32_t* table_row = p.block_table + static_cast<int64_t>(unit.req) * p.table_cols;
+  auto block_of = [&](int i) { return i == 0 ? split : rest0 + i - 1; };
   const uint8_t* cache = static_cast<const uint8_t*>(p.index_cache);
   auto checked_page = [&](int page) {
     if (page < 0 || page >= p.num_pages) {
@@ -1226,8 +1238,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int d = 0; d < kRing; ++d) mbar_init(&s_full[d], 1);
     mbar_init_fence();
+    int entry[kRing];  // every first entry in flight before the copies (asm volatile) are issued
+#pragma unroll
+    for (int d = 0; d < kRing; ++d) {
+      entry[d] = d == 0 && !p.is_prefill ? first_page : d < nblk ? table_row[block_of(d)] : 0;
+    }
     for (int d = 0; d < kRing && d < nblk; ++d) {
-      const int page = checked_page(table_row[d]);
+      const int page = checked_page(entry[d]);
       mbar_expect_tx(&s_full[d], kPageBytes);
       bulk_copy(s_ring + d * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
                 kPageBytes, &s_full[d]);
@@ -1251,14 +1268,14 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int slot = i % kRing;
     const bool refill = tid == 0 && i + kRing < nblk;
     int next_page = 0;
-    if (refill) next_page = table_row[i + kRing];  // in flight while this block is scored
+    if (refill) next_page = table_row[block_of(i + kRing)];  // in flight while i is scored
     mbar_wait(&s_full[slot], (i / kRing) & 1);
     if (i == 0) timeline::mark(p.timeline, kFirstPage);
     TileT tile;
     tile.load_shared(s_ring + slot * kPageBytes, warp, g, t);
     float acc[kNT][4];
     score_tile<kFp8, kNT, kQ8>(tile, s_bfrag, acc);
-    const int lb = lb_begin + i;
+    const int lb = block_of(i);
     const int parity = i & 1;
     post_warp_maxima<kNT>(acc, limit, kBlockTokens * lb, &s_red[parity][warp][0], g, t);
     __syncthreads();  // every warp is done with the slot and has posted its maxima

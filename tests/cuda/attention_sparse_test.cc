@@ -234,6 +234,30 @@ TEST(CudaSparseAttention, ClusterPlansMatchCpuReference) {
   }
 }
 
+// A block-table row longer than the 64 lines (2048 blocks) the cluster plan prefetches into L2
+// beside the selection's read: 300,000 tokens, 2344 blocks, the own block 2343 always selected,
+// so a lookup reads past the prefetched lines. One TP 8 rank (one KV head) keeps the cache small.
+TEST(CudaSparseAttention, ClusterPlanWithALongTableRowMatchesCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  SparseConfig cfg;
+  cfg.q_heads = 8;
+  cfg.kv_heads = 1;
+  cfg.index_heads = 1;
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    const DecodeShape s{1, 1, 300000, 300000, 0, kv, 0.5f, 0.25f, 67};
+    const SyntheticCase c = decode_case(s, cfg);
+    ASSERT_GT(c.kv_block_table.shape()[1], 2048) << describe(s);
+    const HostTensor topk = random_selection(c, 71);
+    const HostTensor ref = run_ref(c, &topk, false);
+    for (int max_cluster : {0, 16}) {
+      cuda::AttentionTuning tuning;
+      tuning.max_cluster = max_cluster;
+      expect_close(RunOut{run_gpu(c, &topk, tuning), ref},
+                   describe(s) + " cluster " + std::to_string(max_cluster));
+    }
+  }
+}
+
 // The selection `topk` [rows, kv_heads, k] copied into a head-major device buffer [kv_heads,
 // rows, k] and passed as the permuted view of it (read in place).
 struct HeadMajorSelection {

@@ -489,6 +489,38 @@ __host__ __device__ constexpr int stream_smem_bytes(int k, bool fp8, bool mx) {
          (mx ? kColsPerCta * (k / kMxBlock) : 0);
 }
 
+// One chunk of a tile's two weight rows as this lane reads it from a streamed ring stage: rows
+// j * 8 + g at kStreamRowPitch, kSub 64-k sub-chunks from kk (the stage's k), and with MXFP8 (kMx)
+// their e8m0 codes from `scales` ([16][scale_row_bytes], k counted from scale_k0 + kk); present[j]
+// false: zeros (an absent n8 tile).
+template <bool kFp8, int kSub, bool kMx>
+__device__ __forceinline__ void read_stage_chunk(const uint8_t* stage, const uint8_t* scales,
+                                                 int scale_row_bytes, int scale_k0, int kk,
+                                                 const bool (&present)[2], int g, int t,
+                                                 ChunkRegs<kFp8, kSub, kMx>& regs) {
+  constexpr int kElem = kFp8 ? 1 : 2;
+#pragma unroll
+  for (int u = 0; u < kSub; ++u) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int row = j * 8 + g;
+      const int k = kk + u * kChunk;
+      const uint8_t* src = stage + row * kStreamRowPitch + k * kElem + t * 16;
+      if (present[j]) {
+        regs.w[u][j].v[0] = *reinterpret_cast<const uint4*>(src);
+        if constexpr (!kFp8) regs.w[u][j].v[1] = *reinterpret_cast<const uint4*>(src + 64);
+        if constexpr (kMx) {
+          regs.scale[u][j] = scales[row * scale_row_bytes + (scale_k0 + k + t * 16) / kMxBlock];
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < (kFp8 ? 1 : 2); ++i) regs.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
+        if constexpr (kMx) regs.scale[u][j] = 0u;
+      }
+    }
+  }
+}
+
 // The sums of one 16-column tile streamed through `smem` (stream_smem_bytes(op.k, kFp8, kMx)
 // bytes of dynamic shared memory, 128-byte aligned); every thread of the CTA calls it. Leaves warp
 // w's sums in s_red[w][row][col], the block synchronized; kFresh as for load_x. kSub: a warp's
@@ -560,26 +592,8 @@ __device__ __forceinline__ void tile_accumulate_streamed(
     const uint8_t* stage = ring + slot * kStreamSlotBytes;
     for (int c = warp; c < steps; c += kWarps) {
       ChunkRegs<kFp8, kSub, kMx> regs;
-#pragma unroll
-      for (int u = 0; u < kSub; ++u) {
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int row = j * 8 + g;
-          const int kk = c * kStepK + u * kChunk;  // within the stage
-          const uint8_t* src = stage + row * kStreamRowPitch + kk * kElem + t * 16;
-          if (col_ok[j]) {
-            regs.w[u][j].v[0] = *reinterpret_cast<const uint4*>(src);
-            if constexpr (!kFp8) regs.w[u][j].v[1] = *reinterpret_cast<const uint4*>(src + 64);
-            if constexpr (kMx) {
-              regs.scale[u][j] = scales[row * scale_bytes + (k0 + kk + t * 16) / kMxBlock];
-            }
-          } else {
-#pragma unroll
-            for (int i = 0; i < (kFp8 ? 1 : 2); ++i) regs.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
-            if constexpr (kMx) regs.scale[u][j] = 0u;
-          }
-        }
-      }
+      read_stage_chunk<kFp8, kSub, kMx>(stage, scales, scale_bytes, k0, c * kStepK, col_ok, g, t,
+                                        regs);
       mma_chunk<kFp8, kSub, kMx, kFresh, kMx>(
           op.x_lo, op.x_hi, static_cast<int64_t>(k0) + c * kStepK, t, regs, acc, nan_bits);
     }
@@ -588,6 +602,17 @@ __device__ __forceinline__ void tile_accumulate_streamed(
   }
   store_warp_sums<kFp8>(acc, nan_bits, s_red[warp]);
   __syncthreads();
+}
+
+// The warps' partial sums of output (row, col) of a tile, added in warp order (warp 0 first): the
+// order of every tile's epilogue, so schedules that split k alike give the same bits.
+template <int kWarps>
+__device__ __forceinline__ float warp_order_sum(
+    const float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1], int row, int col) {
+  float sum = s_red[0][row][col];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][col]);
+  return sum;
 }
 
 // One 16-column tile of the projection: out[:, n0 .. n0 + 16), the warps' sums added in warp
@@ -613,9 +638,7 @@ __device__ __forceinline__ void gemm_tile(const GemmSkinnyParams& p, int n0,
     const int row = o / kColsPerCta;
     const int col = n0 + o % kColsPerCta;
     if (row >= p.rows || col >= p.n) continue;
-    float sum = s_red[0][row][o % kColsPerCta];
-#pragma unroll
-    for (int w = 1; w < kWarps; ++w) sum = __fadd_rn(sum, s_red[w][row][o % kColsPerCta]);
+    float sum = warp_order_sum(s_red, row, o % kColsPerCta);
     if (p.scale != nullptr) sum = __fmul_rn(sum, p.scale[col]);
     if (p.out_f32) {
       static_cast<float*>(p.out)[static_cast<int64_t>(row) * p.out_stride + col] = sum;

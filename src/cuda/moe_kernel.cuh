@@ -632,6 +632,7 @@ __device__ __forceinline__ void gate_up_tile(
     const int jj = o % kMmaGateUpRows;
     const int j = j0 + jj;
     if (r >= ntok || j >= I) continue;
+    // The gate and up sums in one loop (each in warp order, gemm::warp_order_sum's).
     float g_sum = s_red[0][r][jj];
     float u_sum = s_red[0][r][jj + kMmaGateUpRows];
 #pragma unroll
@@ -766,9 +767,7 @@ __device__ __forceinline__ void down_tiles(
     const int cc = col % gemm::kColsPerCta;
     const int n = n0 + col;
     if (r >= ntok || n >= H) continue;
-    float sum = s_red[tile][0][r][cc];
-#pragma unroll
-    for (int w = 1; w < kMmaWarps; ++w) sum = __fadd_rn(sum, s_red[tile][w][r][cc]);
+    const float sum = gemm::warp_order_sum(s_red[tile], r, cc);
     p.y[(static_cast<int64_t>(tok_row[r]) * (p.topk + 1) + tok_slot[r]) * H + n] = sum;
   }
 }
@@ -937,16 +936,11 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     const int scale_row_bytes = K / kMxfp8Block;
     float acc[2][4] = {};
     uint32_t nan_bits[2] = {0u, 0u};
+    constexpr bool kPresent[2] = {true, true};  // every segment's 16 rows are real
     for (int c = warp; c < K / gemm::kChunk; c += kMmaWarps) {
       gemm::ChunkRegs<true, 1, true> regs;
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int row = j * 8 + g;
-        const int kk = c * gemm::kChunk;
-        regs.w[0][j].v[0] =
-            *reinterpret_cast<const uint4*>(stage + row * gemm::kStreamRowPitch + kk + t * 16);
-        regs.scale[0][j] = scales[row * scale_row_bytes + (kk + t * 16) / kMxfp8Block];
-      }
+      gemm::read_stage_chunk<true, 1, true>(stage, scales, scale_row_bytes, 0, c * gemm::kChunk,
+                                            kPresent, g, t, regs);
       gemm::mma_chunk<true, 1, true, false, true>(x_lo, x_hi, int64_t{c} * gemm::kChunk, t, regs,
                                                   acc, nan_bits);
     }
@@ -956,10 +950,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     for (int o = tid; o < count * gemm::kColsPerCta; o += kMmaThreads) {
       const int i = o / gemm::kColsPerCta;
       const int cc = o % gemm::kColsPerCta;
-      float sum = s_red[0][i][cc];
-#pragma unroll
-      for (int w = 1; w < kMmaWarps; ++w) sum = __fadd_rn(sum, s_red[w][i][cc]);
-      s_y[s_seg_row[seg][i]][s_seg_slot[seg][i]][cc] = sum;
+      s_y[s_seg_row[seg][i]][s_seg_slot[seg][i]][cc] = gemm::warp_order_sum(s_red, i, cc);
     }
     __syncthreads();  // s_red is free again; s_y holds the segment
   }

@@ -1142,20 +1142,21 @@ __global__ void __launch_bounds__(kThreads, 2)
 // Purpose: the decode indexer with every request's blocks spread over many CTAs and the pages
 // streamed by the bulk-copy engine, so that a few long requests still read at the HBM rate.
 // Grid: (splits, num_reqs); 256 threads; 2 CTAs per SM. Request r's visible blocks go to
-// `active` CTAs, at most ceil(blocks / splits) and at least min_blocks_per_cta each; CTA (s, r)
-// takes blocks s, s + active, s + 2 active, ... (CTAs past `active` return at once), so the split
-// follows the live sequence length without a prefix sum over the batch. The interleave makes a
-// CTA's first block its index s whatever the length, and the next ones s + d * splits wherever
-// every CTA is active: the first table entries are read beside the length instead of after it
-// (one round trip less before the first page). One thread streams the CTA's pages into
-// a ring of kSplitRingBytes of shared memory with cp.async.bulk (one whole page per copy, its
-// mbarrier counting the bytes); the warps read their 16 token rows from there into the same
-// registers as the fused kernel's Tile::load, so block scores and keys are bit-identical to it.
-// Each CTA keeps its best min(k, range) keys per query vector and writes them to the workspace;
-// the last CTA of the request (arrival counter, reset by that CTA) selects the exact top k per
-// vector from them in one L2 round trip: lane-maximum floors cut each slice down to a few
-// survivors, which are ranked by counting (see the merge below); at most kFewCandidates per vector
-// (a short context) are ranked directly, a warp per vector (write_top_of_few).
+// active = ceil(blocks / per) CTAs of at most per = max(min_blocks_per_cta, ceil(blocks / splits))
+// blocks each: CTA (s, r) takes block s, then blocks active + s (per - 1) .. active + (s + 1)
+// (per - 1) - 1 (CTAs past `active` return at once), so the split follows the live sequence
+// length without a prefix sum over the batch. A CTA's first block is its index whatever the
+// length, so its table entry is read beside the length instead of after it (one round trip less
+// before the first page); the rest are contiguous, so the ring's later entries share cache lines.
+// One thread streams the CTA's pages into a ring of kSplitRingBytes of shared memory with
+// cp.async.bulk (one whole page per copy, its mbarrier counting the bytes); the warps read their
+// 16 token rows from there into the same registers as the fused kernel's Tile::load, so block
+// scores and keys are bit-identical to it. Each CTA keeps its best min(k, per) keys per query
+// vector and writes them to the workspace; the merge kernel (p.separate_merge) or the last CTA of
+// the request (arrival counter, reset by that CTA) selects the exact top k per vector from them,
+// the latter in one L2 round trip: lane-maximum floors cut each slice down to a few survivors,
+// which are ranked by counting (see the merge below); at most kFewCandidates per vector (a short
+// context) are ranked directly, a warp per vector (write_top_of_few).
 // Requires: decode; index_dim = block_size = 128, unit_vectors <= 8 * kNT, topk <= 32, counters
 // zero before the launch (left zero after it), 16-byte aligned cache pages.
 inline constexpr int kSplitRingBytes = 64 * 1024;  // 2 CTAs per SM

@@ -189,12 +189,12 @@ void launch_split_merge(IndexerParams p, int num_reqs, cudaStream_t stream) {
 // Under kFused, whether the split kernel's merge runs as a kernel of its own. The last CTA merges
 // its request's query vectors a few at a time; the merge kernel gives every vector a CTA and merges
 // it by histogram, which costs a launch but no arrival round trip. Measured with bench indexer
-// --split-merge on H100 (docs/benchmarks.md): up to 16 requests the merge kernel is as fast or
-// faster at nearly every context and q_len (1 request / 128K: 18.5 vs 20.3 us bf16; 8 requests /
-// 128K / q_len 4: 103.9 vs 126.5 us); from 17 requests the last CTA keeps them (no second
-// launch; the 32- and 128-request comparison is in docs/benchmarks.md).
+// --split-merge on H100 (docs/benchmarks.md): up to 32 requests the merge kernel is as fast or
+// faster at every context, q_len and dtype (1 request / 128K: 17.4 vs 20.6 us bf16; 32 requests /
+// 32K / q_len 4 fp8: 62.1 vs 68.6 us); at 128 requests the last CTA is as fast or faster (128 /
+// 4K / q_len 4 fp8: 36.8 vs 44.3 us), so from there it keeps them (no second launch).
 bool prefer_merge_kernel(int64_t num_reqs) {
-  return num_reqs <= 16;
+  return num_reqs <= 32;
 }
 
 }  // namespace

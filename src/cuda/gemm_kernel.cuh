@@ -155,6 +155,13 @@ template <bool kFp8, int kSub, bool kMx = false>
 struct ChunkRegs {
   WeightRegs<kFp8> w[kSub][2];
   uint32_t scale[kMx ? kSub : 1][2];
+
+  // Sub-chunk u of row j read as zeros (an absent n8 tile, or past the tile's k).
+  __device__ __forceinline__ void clear(int u, int j) {
+#pragma unroll
+    for (int i = 0; i < (kFp8 ? 1 : 2); ++i) w[u][j].v[i] = make_uint4(0, 0, 0, 0);
+    if constexpr (kMx) scale[u][j] = 0u;
+  }
 };
 
 // One 16-column tile's operands as one lane sees them: the activation rows g and g + 8 of A and
@@ -187,9 +194,7 @@ __device__ __forceinline__ void load_chunk_rows(const uint8_t* const (&w_row)[2]
         if constexpr (kMx)
           slot.scale[u][j] = e8m0_to_bf16x2(__ldg(scale_row[j] + (k + t * 16) / 32));
       } else {
-#pragma unroll
-        for (int i = 0; i < (kFp8 ? 1 : 2); ++i) slot.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
-        if constexpr (kMx) slot.scale[u][j] = 0u;
+        slot.clear(u, j);
       }
     }
   }
@@ -314,9 +319,7 @@ __device__ __forceinline__ void tile_accumulate(
             slot.scale[u][j] = e8m0_to_bf16x2(__ldg(op.scale_row[j] + (k0 + t * 16) / 32));
           }
         } else {
-#pragma unroll
-          for (int i = 0; i < (kFp8 ? 1 : 2); ++i) slot.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
-          if constexpr (kMx) slot.scale[u][j] = 0u;
+          slot.clear(u, j);
         }
       }
     }
@@ -513,9 +516,7 @@ __device__ __forceinline__ void read_stage_chunk(const uint8_t* stage, const uin
           regs.scale[u][j] = scales[row * scale_row_bytes + (scale_k0 + k + t * 16) / kMxBlock];
         }
       } else {
-#pragma unroll
-        for (int i = 0; i < (kFp8 ? 1 : 2); ++i) regs.w[u][j].v[i] = make_uint4(0, 0, 0, 0);
-        if constexpr (kMx) regs.scale[u][j] = 0u;
+        regs.clear(u, j);
       }
     }
   }

@@ -8,7 +8,11 @@
 // 16-byte loads held in registers a few blocks ahead, and scores the tokens against every query
 // vector of the unit (q_len x H <= 32) with mma.sync m16n8k16 (tokens are the m16 side, query
 // vectors the n8 side, fp32 accumulation). fp8 e4m3 is widened to bf16 exactly in registers
-// (e4m3 -> f16 -> f32 -> bf16; NaN stays NaN). The reduction axis is permuted so that each thread
+// (e4m3 -> f16 -> f32 -> bf16; NaN stays NaN). An fp8 index_q against the fp8 cache runs on the
+// FP8 tensor cores instead: a warpgroup MMA per k32 step (wgmma m64nNk32 e4m3, the warpgroup's 64
+// tokens from the warps' registers, the query vectors staged once per unit in shared memory), each
+// step's partial added in fp32 (an sm_90a build; other targets take mma.sync m16n8k32, which
+// ptxas lowers to a widening and two f16 MMAs). The reduction axis is permuted so that each thread
 // consumes whole 16-byte chunks; A and B use the same permutation, fixed per dtype, so the dot
 // product of a token is computed in the same order wherever it is scored: block scores do not
 // depend on the span split (the context-parallel path relies on it). Tokens after a row's position
@@ -33,6 +37,7 @@
 #include "cuda/bulk_copy.cuh"
 #include "cuda/indexer_params.h"
 #include "cuda/timeline.cuh"
+#include "cuda/wgmma.cuh"
 #include "m3msa/sort_key.h"
 
 namespace m3msa::cuda::indexer {
@@ -111,6 +116,10 @@ __device__ __forceinline__ void mma_fp8(float (&d)[4], uint32_t a0, uint32_t a1,
 __host__ __device__ constexpr int q8_dim_base(int step, int t) {
   return 64 * (step >> 1) + 16 * t + 8 * (step & 1);
 }
+
+// Bytes of one k32 step of the staged B operand (kNT n-tiles of two 128-byte core matrices).
+template <int kNT>
+inline constexpr int kQ8StepBytes = 256 * kNT;
 
 // First physical dimension of the 4 dims that thread t feeds into k-step s (see the file
 // comment): logical k (2t, 2t+1) <- dims base+0..1, logical k (2t+8, 2t+9) <- dims base+2..3.
@@ -514,7 +523,31 @@ __device__ __forceinline__ void stage_query_fragments(const IndexerParams& p, co
                                      static_cast<int64_t>(unit.row0) * p.heads * kDim * kQBytes);
   for (int i = tid; i < nvec * (kDim * kQBytes / 16); i += kThreads) staging[i] = src[i];
   __syncthreads();
-  if constexpr (kQ8) {
+  if constexpr (kQ8 && wgmma::kAvailable) {
+    // The B operand of the warpgroup MMAs (score_tile): k32 step s of n-tile nt is two core
+    // matrices, logical k 0..15 then 16..31, at kQ8StepBytes * s + 256 * nt; logical k 4t + j
+    // holds dim q8_dim_base(s, t) + j and k 16 + 4t + j dim q8_dim_base(s, t) + 4 + j (j < 4), the
+    // order of the tile's own bytes (Tile::fragment_fp8).
+    const uint8_t* q_all = reinterpret_cast<const uint8_t*>(staging);
+    uint8_t* b = reinterpret_cast<uint8_t*>(&bfrag[0][0][0]);
+    for (int i = tid; i < 4 * kNT * 8 * 2; i += kThreads) {
+      const int half = i & 1;  // logical k 0..15 or 16..31
+      const int n = (i >> 1) % (kNT * 8);
+      const int s = (i >> 1) / (kNT * 8);
+      uint32_t w[4] = {0u, 0u, 0u, 0u};
+      if (n < nvec) {
+#pragma unroll
+        for (int tt = 0; tt < 4; ++tt) {
+          w[tt] =
+              *reinterpret_cast<const uint32_t*>(q_all + n * kDim + q8_dim_base(s, tt) + 4 * half);
+        }
+      }
+      *reinterpret_cast<uint4*>(b + kQ8StepBytes<kNT> * s + 256 * (n >> 3) + 128 * half +
+                                16 * (n & 7)) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+    // The MMAs read it through the async proxy: order these generic stores before them.
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  } else if constexpr (kQ8) {
     const uint8_t* q_all = reinterpret_cast<const uint8_t*>(staging);
     for (int i = tid; i < kNT * 4 * 32; i += kThreads) {
       const int nt = i >> 7;
@@ -559,15 +592,46 @@ __device__ __forceinline__ void vector_limits(int (&limit)[kNT][2], const Unit& 
 }
 
 // Scores of the warp's 16 tokens against every query vector (fp32 accumulators).
-template <bool kFp8, int kNT, bool kQ8 = false>
+// kBatch: k32 steps of the FP8 path issued per wait (their partials live in registers together).
+template <bool kFp8, int kNT, bool kQ8 = false, int kBatch = (kNT <= 2 ? 4 : 2)>
 __device__ __forceinline__ void score_tile(const Tile<kFp8>& tile, const uint2 (&bfrag)[kNT][8][32],
                                            float (&acc)[kNT][4]) {
   const int lane = static_cast<int>(lane_id());
 #pragma unroll
   for (int nt = 0; nt < kNT; ++nt) acc[nt][0] = acc[nt][1] = acc[nt][2] = acc[nt][3] = 0.0f;
-  if constexpr (kQ8) {
-    // Each k32 MMA starts from zero and is added in fp32: the FP8 tensor cores keep ~14 mantissa
-    // bits of what they accumulate, so a running accumulator would lose bits of the whole sum.
+  if constexpr (kQ8 && wgmma::kAvailable) {
+    // The warpgroup's 64 tokens against every vector on the FP8 tensor cores (B staged by
+    // stage_query_fragments). Each k32 step starts from zero and the steps are added in fp32 in
+    // step order: the FP8 tensor cores keep ~14 mantissa bits of what they accumulate, so a
+    // running accumulator would lose bits of the whole sum.
+    static_assert(4 % kBatch == 0, "whole batches of k32 steps");
+    const uint64_t desc0 = wgmma::kmajor_desc(&bfrag[0][0][0], 128, 256);
+#pragma unroll
+    for (int s0 = 0; s0 < 4; s0 += kBatch) {
+      float part[kBatch][4 * kNT];
+      wgmma::fence();
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        uint32_t a[4];
+        tile.fragment_fp8(s0 + j, a);
+        wgmma::mma_e4m3_k32<kNT>(part[j], a, desc0 + ((kQ8StepBytes<kNT> * (s0 + j)) >> 4));
+      }
+      wgmma::commit();
+      wgmma::wait_all();
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            wgmma::fence_operand(part[j][4 * nt + e]);
+            acc[nt][e] += part[j][4 * nt + e];
+          }
+        }
+      }
+    }
+  } else if constexpr (kQ8) {
+    // Each k32 MMA starts from zero and is added in fp32 (as above).
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       uint32_t a[4];
@@ -916,7 +980,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kDepth = TileT::kDepth;
   // Dynamic: [units + 1] first block of each unit and the total.
   extern __shared__ __align__(16) int32_t s_prefix[];
-  __shared__ uint2 s_bfrag[kNT][8][32];  // B fragments of the unit's query vectors
+  __shared__ __align__(128) uint2 s_bfrag[kNT][8][32];  // B fragments of the unit's query vectors
   __shared__ __align__(16) float s_red[2][kWarps][kNT * 8];    // per-warp partial block maxima
   __shared__ __align__(16) uint64_t s_keys[kWarps][kScratch];  // per-vector buffers / scratch
   __shared__ typename cub::BlockScan<int, kThreads>::TempStorage s_scan;
@@ -1052,7 +1116,8 @@ __global__ void __launch_bounds__(kThreads, 2)
         const int lb = lb_begin + i;
 
         float acc[kNT][4];
-        score_tile<kFp8, kNT, kQ8>(pipe[d], s_bfrag, acc);
+        // Fewer FP8 partials at once than the split kernel: the register pipe holds kDepth tiles.
+        score_tile<kFp8, kNT, kQ8, (kNT <= 1 ? 2 : 1)>(pipe[d], s_bfrag, acc);
         // The slot is consumed: refill it with block i + kDepth (before the barrier below, so the
         // loads fly while the CTA reduces and selects).
         const int ahead = i + kDepth;
@@ -1170,7 +1235,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   constexpr int kRing = kRingBytes / kPageBytes;      // 2 bf16 pages, 4 fp8 pages
   extern __shared__ __align__(128) uint8_t s_ring[];  // [kRing][kPageBytes], then staged keys
   __shared__ __align__(8) uint64_t s_full[kRing];
-  __shared__ uint2 s_bfrag[kNT][8][32];
+  __shared__ __align__(128) uint2 s_bfrag[kNT][8][32];
   __shared__ __align__(16) float s_red[2][kWarps][kNT * 8];
   __shared__ __align__(16) uint64_t s_keys[kWarps][kScratch];
   __shared__ int s_survivor_count[kMaxVectors];

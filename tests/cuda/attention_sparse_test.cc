@@ -45,6 +45,15 @@ void launch(const SparseConfig& cfg, const AttentionArgs& args, const cuda::Devi
   cuda::launch_attention_tuned(cfg, args, ws.data(), ws.bytes(), stream, tuning);
 }
 
+// One rank of M3 at TP 8: 8 query heads on one KV head, one index head.
+SparseConfig tp8_rank_config() {
+  SparseConfig cfg;
+  cfg.q_heads = 8;
+  cfg.kv_heads = 1;
+  cfg.index_heads = 1;
+  return cfg;
+}
+
 // A workspace for one device, zeroed once (the launcher's contract).
 struct Workspace {
   cuda::DeviceBuffer buffer;
@@ -175,10 +184,7 @@ TEST(CudaSparseAttention, RandomizedDecodeMatchesCpuReference) {
 // TP = 8 leaves 8 query heads on one KV head: a partly used m16 tile.
 TEST(CudaSparseAttention, SmallGroupMatchesCpuReference) {
   M3MSA_REQUIRE_GPU();
-  SparseConfig cfg;
-  cfg.q_heads = 8;
-  cfg.kv_heads = 1;
-  cfg.index_heads = 1;
+  const SparseConfig cfg = tp8_rank_config();
   for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
     const DecodeShape s{6, 2, 1, 5000, 1, kv, 1.25f, 0.5f, 21};
     const SyntheticCase c = decode_case(s, cfg);
@@ -239,10 +245,7 @@ TEST(CudaSparseAttention, ClusterPlansMatchCpuReference) {
 // so a lookup reads past the prefetched lines. One TP 8 rank (one KV head) keeps the cache small.
 TEST(CudaSparseAttention, ClusterPlanWithALongTableRowMatchesCpuReference) {
   M3MSA_REQUIRE_GPU();
-  SparseConfig cfg;
-  cfg.q_heads = 8;
-  cfg.kv_heads = 1;
-  cfg.index_heads = 1;
+  const SparseConfig cfg = tp8_rank_config();
   for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
     const DecodeShape s{1, 1, 300000, 300000, 0, kv, 0.5f, 0.25f, 67};
     const SyntheticCase c = decode_case(s, cfg);

@@ -8,7 +8,8 @@
 //  - dead rows are all -1.
 // The values are built so that every block score is an exact small integer, distinct per head:
 // index_q is one-hot (head h reads dimension h) and index_k holds base(b, h) at the even tokens
-// of block b and base(b, h) - 1 at the odd ones, 0 in the other dimensions. Every dot product is
+// of block b and base(b, h) - 1 at the odd ones, 0 in the other dimensions (index_q bf16, or fp8
+// beside an fp8 cache). Every dot product is
 // then exact in any summation order, so all backends must agree bit for bit, and the expected
 // selection is computed here from the rule alone (in double, NaN sticky through the max).
 #pragma once
@@ -20,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "m3msa/batch.h"
@@ -95,7 +97,9 @@ inline int64_t request_length(const SyntheticCase& c, int req) {
 // Decode: 3 requests x q_len 2 (lengths 2008, 300 and a padding request); rows 0, 1 at positions
 // 2006, 2007 (16 blocks), rows 2, 3 at 298, 299 (3 blocks), rows 4, 5 dead. Prefill: chunks of 3
 // and 2 tokens ending at the same lengths.
-inline SyntheticCase make_nan_case(DType index_dtype, int local_blocks, BatchKind kind) {
+// `query_dtype` kFP8E4M3 (with an fp8 cache): index_q holds the same one-hot values in fp8.
+inline SyntheticCase make_nan_case(DType index_dtype, int local_blocks, BatchKind kind,
+                                   DType query_dtype = DType::kBF16) {
   SyntheticSpec spec;
   spec.config = nan_config(local_blocks);
   spec.kind = kind;
@@ -113,11 +117,16 @@ inline SyntheticCase make_nan_case(DType index_dtype, int local_blocks, BatchKin
   spec.seed = 20;
   SyntheticCase c = make_synthetic_case(spec);
   const SparseConfig& cfg = c.config;
-  uint16_t* q = c.index_q.ptr<uint16_t>();
+  if (query_dtype == DType::kFP8E4M3) c.index_q = HostTensor(DType::kFP8E4M3, c.index_q.shape());
   for (int64_t i = 0; i < c.index_q.numel(); ++i) {
     const int dim = static_cast<int>(i % cfg.index_dim);
     const int head = static_cast<int>((i / cfg.index_dim) % cfg.index_heads);
-    q[i] = float_to_bf16(dim == head ? 1.0f : 0.0f);
+    const float one_hot = dim == head ? 1.0f : 0.0f;
+    if (query_dtype == DType::kFP8E4M3) {
+      c.index_q.ptr<uint8_t>()[i] = float_to_fp8e4m3(one_hot);
+    } else {
+      c.index_q.ptr<uint16_t>()[i] = float_to_bf16(one_hot);
+    }
   }
   // The cached tokens of every live request; what lies after them stays random garbage.
   for (int req = 0; req < c.batch.num_reqs; ++req) {
@@ -134,6 +143,11 @@ inline SyntheticCase make_nan_case(DType index_dtype, int local_blocks, BatchKin
   return c;
 }
 
+inline float query_value(const SyntheticCase& c, int64_t element) {
+  return c.index_q.dtype() == DType::kBF16 ? bf16_to_float(c.index_q.ptr<uint16_t>()[element])
+                                           : fp8e4m3_to_float(c.index_q.ptr<uint8_t>()[element]);
+}
+
 inline float index_value(const SyntheticCase& c, int64_t element) {
   return c.index_cache.dtype() == DType::kBF16
              ? bf16_to_float(c.index_cache.ptr<uint16_t>()[element])
@@ -147,7 +161,7 @@ inline std::vector<int32_t> expected_selection(const SyntheticCase& c, int64_t r
   const RowPosition where = row_positions(c.batch)[static_cast<std::size_t>(row)];
   if (where.pos < 0) return out;
   const int64_t nb = visible_blocks(where.pos, cfg.block_size);
-  const uint16_t* q = c.index_q.ptr<uint16_t>() + (row * cfg.index_heads + head) * cfg.index_dim;
+  const int64_t q0 = (row * cfg.index_heads + head) * cfg.index_dim;
   std::vector<uint64_t> keys;
   for (int64_t b = 0; b < nb; ++b) {
     double best = -std::numeric_limits<double>::infinity();
@@ -155,7 +169,7 @@ inline std::vector<int32_t> expected_selection(const SyntheticCase& c, int64_t r
     for (int64_t pos = b * cfg.block_size; pos < end; ++pos) {
       double dot = 0.0;
       for (int d = 0; d < cfg.index_dim; ++d) {
-        dot += static_cast<double>(bf16_to_float(q[d])) *
+        dot += static_cast<double>(query_value(c, q0 + d)) *
                index_value(c, index_element(c, where.req, pos, d));
       }
       if (std::isnan(best)) break;
@@ -208,15 +222,21 @@ inline std::vector<int64_t> rows_of(const SyntheticCase& c, int req) {
   return out;
 }
 
+// What a check runs, for its failure messages.
+inline std::string scenario(const char* what, DType dtype, DType query_dtype, int local_blocks,
+                            BatchKind kind) {
+  return std::string(what) + ", " + dtype_name(dtype) + ", query " + dtype_name(query_dtype) +
+         ", local_blocks " + std::to_string(local_blocks) + ", " +
+         (kind == BatchKind::kDecode ? "decode" : "prefill");
+}
+
 // A NaN in one odd token of request 0's best scored block (head 0 of its first row): that block
 // leaves every selection of request 0 (12 numeric blocks remain for 4 places or fewer). A NaN in
 // block 0 of request 1 (3 blocks, k = 4): block 0 takes the last valid place, after the numbers.
-inline void check_visible_nan(const SelectFn& select, DType dtype, int local_blocks,
-                              BatchKind kind) {
-  SCOPED_TRACE(testing::Message() << "visible NaN, " << dtype_name(dtype) << ", local_blocks "
-                                  << local_blocks << ", "
-                                  << (kind == BatchKind::kDecode ? "decode" : "prefill"));
-  SyntheticCase c = make_nan_case(dtype, local_blocks, kind);
+inline void check_visible_nan(const SelectFn& select, DType dtype, int local_blocks, BatchKind kind,
+                              DType query_dtype = DType::kBF16) {
+  SCOPED_TRACE(scenario("visible NaN", dtype, query_dtype, local_blocks, kind));
+  SyntheticCase c = make_nan_case(dtype, local_blocks, kind, query_dtype);
   const HostTensor before = select(c);
   expect_rule(c, before, "without NaN");
   const int64_t first_row = rows_of(c, 0).front();
@@ -258,12 +278,10 @@ inline void check_visible_nan(const SelectFn& select, DType dtype, int local_blo
 // NaNs after a row's position: in request 0's last token (seen only by its last row) and in the
 // garbage after both live requests. Every other row's selection is unchanged; with local_blocks 0
 // the own block (head 0's best) leaves the last row's selection only.
-inline void check_masked_nan(const SelectFn& select, DType dtype, int local_blocks,
-                             BatchKind kind) {
-  SCOPED_TRACE(testing::Message() << "masked NaN, " << dtype_name(dtype) << ", local_blocks "
-                                  << local_blocks << ", "
-                                  << (kind == BatchKind::kDecode ? "decode" : "prefill"));
-  SyntheticCase c = make_nan_case(dtype, local_blocks, kind);
+inline void check_masked_nan(const SelectFn& select, DType dtype, int local_blocks, BatchKind kind,
+                             DType query_dtype = DType::kBF16) {
+  SCOPED_TRACE(scenario("masked NaN", dtype, query_dtype, local_blocks, kind));
+  SyntheticCase c = make_nan_case(dtype, local_blocks, kind, query_dtype);
   const HostTensor before = select(c);
   expect_rule(c, before, "without NaN");
   const int64_t length0 = request_length(c, 0);

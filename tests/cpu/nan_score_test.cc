@@ -54,6 +54,16 @@ TEST(NanScore, ReferenceIgnoresANanAfterThePosition) {
   }
 }
 
+// An fp8 index_q beside the fp8 cache follows the same rule.
+TEST(NanScore, ReferenceWithAnFp8QueryFollowsTheRule) {
+  for (int local_blocks : {0, 1}) {
+    for (BatchKind kind : {BatchKind::kDecode, BatchKind::kPrefill}) {
+      check_visible_nan(reference_select, DType::kFP8E4M3, local_blocks, kind, DType::kFP8E4M3);
+      check_masked_nan(reference_select, DType::kFP8E4M3, local_blocks, kind, DType::kFP8E4M3);
+    }
+  }
+}
+
 // The scores of a shard are those of one rank, so the NaN block is ranked the same on every
 // shard and in the merge.
 TEST(NanScore, CpModelSelectsWhatOneRankSelects) {

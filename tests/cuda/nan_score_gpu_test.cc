@@ -163,6 +163,33 @@ TEST(NanScoreGpu, PrefillIndexerFollowsTheRule) {
   }
 }
 
+// An fp8 index_q beside the fp8 cache is scored on the FP8 tensor cores: a NaN in the cache
+// times a zero query weight must still make the block's score NaN there, in every kernel.
+TEST(NanScoreGpu, Fp8QueryFollowsTheRule) {
+  M3MSA_NAN_REQUIRE_GPU();
+  for (IndexerVariant variant : {IndexerVariant::kFused, IndexerVariant::kUnfused,
+                                 IndexerVariant::kSpan, IndexerVariant::kSplitMerge}) {
+    SCOPED_TRACE(testing::Message() << "variant " << static_cast<int>(variant));
+    for (int local_blocks : {0, 1}) {
+      check_visible_nan(backend_select(variant), DType::kFP8E4M3, local_blocks, BatchKind::kDecode,
+                        DType::kFP8E4M3);
+      check_masked_nan(backend_select(variant), DType::kFP8E4M3, local_blocks, BatchKind::kDecode,
+                       DType::kFP8E4M3);
+    }
+  }
+  for (int local_blocks : {0, 1}) {
+    check_visible_nan(backend_select(IndexerVariant::kFused), DType::kFP8E4M3, local_blocks,
+                      BatchKind::kPrefill, DType::kFP8E4M3);
+  }
+  for (int world_size : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << "CP peer, P = " << world_size);
+    check_visible_nan(cp_select(world_size), DType::kFP8E4M3, 1, BatchKind::kDecode,
+                      DType::kFP8E4M3);
+    check_masked_nan(cp_select(world_size), DType::kFP8E4M3, 1, BatchKind::kDecode,
+                     DType::kFP8E4M3);
+  }
+}
+
 // The peer transport needs a forced own block (local_blocks >= 1).
 TEST(NanScoreGpu, CpIndexerFollowsTheRule) {
   M3MSA_NAN_REQUIRE_GPU();

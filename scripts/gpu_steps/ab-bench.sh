@@ -5,7 +5,8 @@
 # times, so drift of the machine shows as a difference between rounds. AB_GEMM_ARGS,
 # AB_LAYER_ARGS, AB_INDEXER_ARGS, AB_ATTENTION_ARGS, AB_MOE_ARGS: the flags of `bench gemm` /
 # `layer` / `indexer` / `attention` / `moe` (empty: that bench is left out). Logs and JSON under
-# $OUT/ab/.
+# $OUT/ab/; scripts/bench_compare.py --base $OUT/ab/indexer_m3msa-base_*.json --new
+# $OUT/ab/indexer_m3msa_*.json compares them.
 ab_start=$SECONDS
 ab_rc=0
 mkdir -p "$OUT/ab"

@@ -117,9 +117,12 @@ __host__ __device__ constexpr int q8_dim_base(int step, int t) {
   return 64 * (step >> 1) + 16 * t + 8 * (step & 1);
 }
 
-// Bytes of one k32 step of the staged B operand (kNT n-tiles of two 128-byte core matrices).
+// The staged B operand of the FP8 path: 8 vectors x 16 bytes per core matrix, two core matrices
+// (logical k 0..15, 16..31) per n-tile of a k32 step, kNT n-tiles per step.
+inline constexpr int kQ8CoreBytes = 128;
+inline constexpr int kQ8TileBytes = 2 * kQ8CoreBytes;
 template <int kNT>
-inline constexpr int kQ8StepBytes = 256 * kNT;
+inline constexpr int kQ8StepBytes = kQ8TileBytes* kNT;
 
 // First physical dimension of the 4 dims that thread t feeds into k-step s (see the file
 // comment): logical k (2t, 2t+1) <- dims base+0..1, logical k (2t+8, 2t+9) <- dims base+2..3.
@@ -525,9 +528,9 @@ __device__ __forceinline__ void stage_query_fragments(const IndexerParams& p, co
   __syncthreads();
   if constexpr (kQ8 && wgmma::kAvailable) {
     // The B operand of the warpgroup MMAs (score_tile): k32 step s of n-tile nt is two core
-    // matrices, logical k 0..15 then 16..31, at kQ8StepBytes * s + 256 * nt; logical k 4t + j
-    // holds dim q8_dim_base(s, t) + j and k 16 + 4t + j dim q8_dim_base(s, t) + 4 + j (j < 4), the
-    // order of the tile's own bytes (Tile::fragment_fp8).
+    // matrices, logical k 0..15 then 16..31, at kQ8StepBytes * s + kQ8TileBytes * nt; logical k 4t
+    // + j holds dim q8_dim_base(s, t) + j and k 16 + 4t + j dim q8_dim_base(s, t) + 4 + j (j < 4),
+    // the order of the tile's own bytes (Tile::fragment_fp8).
     const uint8_t* q_all = reinterpret_cast<const uint8_t*>(staging);
     uint8_t* b = reinterpret_cast<uint8_t*>(&bfrag[0][0][0]);
     for (int i = tid; i < 4 * kNT * 8 * 2; i += kThreads) {
@@ -542,8 +545,9 @@ __device__ __forceinline__ void stage_query_fragments(const IndexerParams& p, co
               *reinterpret_cast<const uint32_t*>(q_all + n * kDim + q8_dim_base(s, tt) + 4 * half);
         }
       }
-      *reinterpret_cast<uint4*>(b + kQ8StepBytes<kNT> * s + 256 * (n >> 3) + 128 * half +
-                                16 * (n & 7)) = make_uint4(w[0], w[1], w[2], w[3]);
+      *reinterpret_cast<uint4*>(b + kQ8StepBytes<kNT> * s + kQ8TileBytes * (n >> 3) +
+                                kQ8CoreBytes * half + 16 * (n & 7)) =
+          make_uint4(w[0], w[1], w[2], w[3]);
     }
     // The MMAs read it through the async proxy: order these generic stores before them.
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
@@ -605,7 +609,7 @@ __device__ __forceinline__ void score_tile(const Tile<kFp8>& tile, const uint2 (
     // step order: the FP8 tensor cores keep ~14 mantissa bits of what they accumulate, so a
     // running accumulator would lose bits of the whole sum.
     static_assert(4 % kBatch == 0, "whole batches of k32 steps");
-    const uint64_t desc0 = wgmma::kmajor_desc(&bfrag[0][0][0], 128, 256);
+    const uint64_t desc0 = wgmma::kmajor_desc(&bfrag[0][0][0], kQ8CoreBytes, kQ8TileBytes);
 #pragma unroll
     for (int s0 = 0; s0 < 4; s0 += kBatch) {
       float part[kBatch][4 * kNT];
@@ -1307,6 +1311,13 @@ __global__ void __launch_bounds__(kThreads, 2)
     return page;
   };
 
+  // Slot d <- the page (checked), its bytes counted on the slot's barrier.
+  auto copy_page = [&](int d, int page) {
+    mbar_expect_tx(&s_full[d], kPageBytes);
+    bulk_copy(s_ring + d * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
+              kPageBytes, &s_full[d]);
+  };
+
   // The first pages in flight before anything else waits: `first` of them; slot d >= first gets
   // block d when block d - first has arrived (kSplitFirstPages).
   const int first = nblk <= kRing ? min(kSplitFirstPages, kRing) : kRing;
@@ -1322,10 +1333,7 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
     for (int d = 0; d < kRing; ++d) {
       if (d >= first || d >= nblk) break;
-      const int page = checked_page(entry[d]);
-      mbar_expect_tx(&s_full[d], kPageBytes);
-      bulk_copy(s_ring + d * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
-                kPageBytes, &s_full[d]);
+      copy_page(d, checked_page(entry[d]));
     }
   }
   // Query vectors -> B fragments (staged through s_keys, free until the first block).
@@ -1354,10 +1362,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       int late_entry = 0;  // entry[d] without indexing the array at run time (no local memory)
 #pragma unroll
       for (int x = 0; x < kRing; ++x) late_entry = x == d ? entry[x] : late_entry;
-      const int page = checked_page(late_entry);
-      mbar_expect_tx(&s_full[d], kPageBytes);
-      bulk_copy(s_ring + d * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
-                kPageBytes, &s_full[d]);
+      copy_page(d, checked_page(late_entry));
     }
     TileT tile;
     tile.load_shared(s_ring + slot * kPageBytes, warp, g, t);
@@ -1370,9 +1375,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (refill) {
       const int page = checked_page(next_page);
       asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      mbar_expect_tx(&s_full[slot], kPageBytes);
-      bulk_copy(s_ring + slot * kPageBytes, cache + static_cast<int64_t>(page) * p.page_bytes,
-                kPageBytes, &s_full[slot]);
+      copy_page(slot, page);
     }
     if (scores_only) {
       if (owner && lb < own_blocks) {

@@ -26,7 +26,7 @@ def configuration_keys(row):
     return sorted(
         k
         for k, v in row.items()
-        if k not in NOT_CONFIGURATION and isinstance(v, (int, str, bool)) and not isinstance(v, float)
+        if k not in NOT_CONFIGURATION and isinstance(v, (int, str, bool))
     )
 
 

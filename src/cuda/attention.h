@@ -87,6 +87,7 @@ struct AttentionPlanInfo {
   int splits = 1;          // CTAs per (row group, kv head)
   bool cluster = false;    // splits merged through a thread-block cluster (else global memory)
   int64_t ctas = 0;
+  int slots = 0;  // CTAs of one wave: resident at once on the device
 };
 // q_len: decode rows per request (rows = requests * q_len); 0 for prefill rows.
 AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, int64_t q_len,

@@ -240,6 +240,43 @@ TEST(CudaSparseAttention, ClusterPlansMatchCpuReference) {
   }
 }
 
+// Grids of more than one wave of resident CTAs: one split per unit where the waves are whole (two
+// full waves), two splits in clusters of two where one split would leave the last wave mostly
+// empty (~1.1 waves of units), and one split whatever the waves without clusters (the workspace
+// holds one wave of partials); every plan against the CPU reference.
+TEST(CudaSparseAttention, PlansBeyondOneWaveMatchCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  const SparseConfig cfg;  // M3 at TP 1: 4 KV heads
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    const bool fp8 = kv == DType::kFP8E4M3;
+    const int slots = cuda::attention_plan_info(cfg, 1, 1, false, fp8, {}).slots;
+    ASSERT_GT(slots, 0);
+    const int whole_waves_reqs = 2 * slots / cfg.kv_heads;
+    const int partial_wave_reqs = (slots + slots / 10) / cfg.kv_heads;
+    for (int reqs : {whole_waves_reqs, partial_wave_reqs}) {
+      const DecodeShape s{reqs, 1, 1100, 2200, 0, kv, 0.75f, 1.25f, 83};
+      const SyntheticCase c = decode_case(s);
+      const HostTensor topk = random_selection(c, 89);
+      const HostTensor ref = run_ref(c, &topk, false);
+      for (int max_cluster : {0, 16}) {
+        cuda::AttentionTuning tuning;
+        tuning.max_cluster = max_cluster;
+        const cuda::AttentionPlanInfo plan =
+            cuda::attention_plan_info(cfg, c.num_rows(), 1, false, fp8, tuning);
+        const std::string what = describe(s) + " cluster " + std::to_string(max_cluster) +
+                                 ": plan " + std::to_string(plan.splits) + " splits" +
+                                 (plan.cluster ? " in a cluster" : "") + ", " +
+                                 std::to_string(plan.ctas) + " CTAs on " +
+                                 std::to_string(slots) + " slots";
+        const bool two = reqs == partial_wave_reqs && max_cluster >= 2;
+        EXPECT_EQ(plan.splits, two ? 2 : 1) << what;
+        EXPECT_EQ(plan.cluster, two) << what;
+        expect_close(RunOut{run_gpu(c, &topk, tuning), ref}, what);
+      }
+    }
+  }
+}
+
 // A block-table row longer than the 64 lines (2048 blocks) the cluster plan prefetches into L2
 // beside the selection's read: 300,000 tokens, 2344 blocks, the own block 2343 always selected,
 // so a lookup reads past the prefetched lines. One TP 8 rank (one KV head) keeps the cache small.

@@ -9,8 +9,8 @@
 // Split plan: a (row, kv head) "unit" is one CTA unless there are too few units to fill the GPU;
 // then each unit's selected blocks are split over `splits` CTAs (for a selection a power of two,
 // each split >= 2 blocks, aiming at one CTA per SM: choose_splits; for dense attention any count
-// that fits one wave of resident CTAs). Beyond one wave, two splits per unit in clusters of two
-// where they fill the waves markedly better than one (attention_plan_info). The plan depends only
+// that fits one wave of resident CTAs). Just beyond one wave (at most 4/3 of it), two splits per
+// unit in clusters of two (attention_plan_info). The plan depends only
 // on host shapes (rows, kv heads, topk, whether topk_idx is given) and the device, never on device
 // contents, so a captured graph replays any metadata. Partials through the workspace need at most
 // one wave of slots, so the workspace does not grow with the batch.
@@ -242,16 +242,6 @@ int choose_splits(int64_t units, int topk, bool dense, int sms, int slots, int m
   return splits;
 }
 
-// The share of the resident slots a grid of `ctas` keeps busy over its waves (1: whole waves).
-double wave_fill(int64_t ctas, int slots) {
-  const int64_t waves = (ctas + slots - 1) / slots;
-  return static_cast<double>(ctas) / static_cast<double>(waves * slots);
-}
-
-// How much fuller two splits per unit must fill the waves to be taken over one: a split costs a
-// CTA's fixed chain (selection, pages, first chunk) and a cluster merge.
-constexpr double kWaveFillGain = 1.15;
-
 struct WorkspaceLayout {
   size_t partial_o = 0;
   size_t partial_ml = 0;
@@ -377,22 +367,21 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   const int64_t units = groups * config.kv_heads;
   info.splits = choose_splits(units, config.topk, dense, shape.sm_count,
                               resident_slots(shape, id, info.row_tiles), tuning.max_splits);
+  // More units than one wave of resident CTAs with the second wave at most a third full (fp8 at
+  // 128 requests: 512 units on 396 slots): two splits per unit in clusters of two, so the grid
+  // ends in fuller waves. Measured on an H100: 4-7 % faster at 1.1-1.3 waves of units, 2.4 %
+  // slower at 1.45 (bf16, 96 requests). Only the cluster merge: the workspace holds one wave of
+  // partials.
+  if (!dense && tuning.max_splits == 0 && info.splits == 1 && info.row_tiles == 1 &&
+      config.topk >= 4 && tuning.max_cluster >= 2 && cluster_usable(shape, id, 1, 2)) {
+    const int64_t slots = resident_slots(shape, id, 1);
+    if (units > slots && 3 * units <= 4 * slots) info.splits = 2;
+  }
   // Clusters of more than two CTAs only where the grid fills at most half the SMs: on an H100,
   // 8 and 16 CTA clusters beat the workspace merge at 32-64 CTAs (1 request / 128K: 11.1 and
   // 11.8 vs 12.9 us) and lost at 128 (4 requests: 16.1 vs 15.5 us; 32 requests at TP 4: 21.7 vs
   // 20.4 us), where the clusters no longer find their SMs free together.
   const int64_t few_ctas = shape.sm_count / 2;
-  // More units than one wave of resident CTAs: a grid of one-split units may leave its last wave
-  // nearly empty (fp8 at 128 requests: 512 units on 396 slots, two waves of which the second is
-  // 29 % full); two splits per unit in clusters of two fill the waves better. Only the cluster
-  // merge, since the workspace holds one wave of partials.
-  if (!dense && tuning.max_splits == 0 && info.splits == 1 && info.row_tiles == 1 &&
-      config.topk >= 4 && tuning.max_cluster >= 2 && cluster_usable(shape, id, 1, 2)) {
-    const int slots = resident_slots(shape, id, 1);
-    if (units > slots && wave_fill(2 * units, slots) >= kWaveFillGain * wave_fill(units, slots)) {
-      info.splits = 2;
-    }
-  }
   if (!dense && tuning.max_splits == 0) {
     // Few units: more splits (down to one block each), all of a unit's splits in one cluster.
     for (int c = std::min(kMaxClusterSplits, tuning.max_cluster); c > info.splits; c /= 2) {

@@ -240,10 +240,10 @@ TEST(CudaSparseAttention, ClusterPlansMatchCpuReference) {
   }
 }
 
-// Grids of more than one wave of resident CTAs: one split per unit where the waves are whole (two
-// full waves), two splits in clusters of two where one split would leave the last wave mostly
-// empty (~1.1 waves of units), and one split whatever the waves without clusters (the workspace
-// holds one wave of partials); every plan against the CPU reference.
+// Grids of more than one wave of resident CTAs: two splits in clusters of two just beyond one wave
+// (~1.1 waves of units), one split per unit at 1.5 and 2 waves, and one split whatever the waves
+// without clusters (the workspace holds one wave of partials); every plan against the CPU
+// reference.
 TEST(CudaSparseAttention, PlansBeyondOneWaveMatchCpuReference) {
   M3MSA_REQUIRE_GPU();
   const SparseConfig cfg;  // M3 at TP 1: 4 KV heads
@@ -253,7 +253,8 @@ TEST(CudaSparseAttention, PlansBeyondOneWaveMatchCpuReference) {
     ASSERT_GT(slots, 0);
     const int whole_waves_reqs = 2 * slots / cfg.kv_heads;
     const int partial_wave_reqs = (slots + slots / 10) / cfg.kv_heads;
-    for (int reqs : {whole_waves_reqs, partial_wave_reqs}) {
+    const int half_wave_reqs = (slots + slots / 2) / cfg.kv_heads;
+    for (int reqs : {whole_waves_reqs, partial_wave_reqs, half_wave_reqs}) {
       const DecodeShape s{reqs, 1, 1100, 2200, 0, kv, 0.75f, 1.25f, 83};
       const SyntheticCase c = decode_case(s);
       const HostTensor topk = random_selection(c, 89);

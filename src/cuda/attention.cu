@@ -10,10 +10,10 @@
 // then each unit's selected blocks are split over `splits` CTAs (for a selection a power of two,
 // each split >= 2 blocks, aiming at one CTA per SM: choose_splits; for dense attention any count
 // that fits one wave of resident CTAs). Just beyond one wave (at most 4/3 of it), two splits per
-// unit in clusters of two (attention_plan_info). The plan depends only
-// on host shapes (rows, kv heads, topk, whether topk_idx is given) and the device, never on device
-// contents, so a captured graph replays any metadata. Partials through the workspace need at most
-// one wave of slots, so the workspace does not grow with the batch.
+// unit in clusters of two (attention_plan_info). The plan depends only on host shapes (rows, kv
+// heads, topk, whether topk_idx is given) and the device, never on device contents, so a captured
+// graph replays any metadata. Partials through the workspace need at most one wave of slots, so
+// the workspace does not grow with the batch.
 //
 // Merge: up to AttentionTuning::max_cluster splits (when the device can co-schedule them as one
 // thread-block cluster, checked once per kernel and size with cudaOccupancyMaxActiveClusters)
@@ -365,17 +365,18 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
     groups = rows / q_len * info.groups_per_req;
   }
   const int64_t units = groups * config.kv_heads;
-  info.splits = choose_splits(units, config.topk, dense, shape.sm_count,
-                              resident_slots(shape, id, info.row_tiles), tuning.max_splits);
+  info.slots = resident_slots(shape, id, info.row_tiles);
+  info.splits =
+      choose_splits(units, config.topk, dense, shape.sm_count, info.slots, tuning.max_splits);
   // More units than one wave of resident CTAs with the second wave at most a third full (fp8 at
   // 128 requests: 512 units on 396 slots): two splits per unit in clusters of two, so the grid
   // ends in fuller waves. Measured on an H100: 4-7 % faster at 1.1-1.3 waves of units, 2.4 %
   // slower at 1.45 (bf16, 96 requests). Only the cluster merge: the workspace holds one wave of
   // partials.
   if (!dense && tuning.max_splits == 0 && info.splits == 1 && info.row_tiles == 1 &&
-      config.topk >= 4 && tuning.max_cluster >= 2 && cluster_usable(shape, id, 1, 2)) {
-    const int64_t slots = resident_slots(shape, id, 1);
-    if (units > slots && 3 * units <= 4 * slots) info.splits = 2;
+      config.topk >= 4 && tuning.max_cluster >= 2 && cluster_usable(shape, id, 1, 2) &&
+      units > info.slots && 3 * units <= int64_t{4} * info.slots) {
+    info.splits = 2;
   }
   // Clusters of more than two CTAs only where the grid fills at most half the SMs: on an H100,
   // 8 and 16 CTA clusters beat the workspace merge at 32-64 CTAs (1 request / 128K: 11.1 and
@@ -396,7 +397,6 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
                  (info.splits <= 2 || units * info.splits <= few_ctas) &&
                  cluster_usable(shape, id, info.row_tiles, info.splits);
   info.ctas = units * info.splits;
-  info.slots = resident_slots(shape, id, info.row_tiles);
   return info;
 }
 

@@ -62,6 +62,7 @@ struct Result {
   int splits = 0;
   int row_tiles = 1;
   bool cluster = false;
+  bool balanced = false;  // one wave of CTAs, each an equal share of the units' blocks
   int sets = 0;
   Timing timing;
   double bytes = 0;
@@ -227,6 +228,7 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed, bo
   res.splits = plan.splits;
   res.row_tiles = plan.row_tiles;
   res.cluster = plan.cluster;
+  res.balanced = plan.balanced;
   res.sets = sets;
   res.timing = timing;
   res.bytes = bytes;
@@ -269,7 +271,7 @@ int run_attention_bench(int argc, char** argv) {
   app.add_option(
       "--tunings", tunings,
       "';'-separated launcher tunings to time side by side (attention.h: "
-      "splitp, cluster, pdl, splits, rows; 'default' = the library default); configurations where "
+      "splitp, cluster, pdl, splits, rows, early, balance; 'default' = the library default); configurations where "
       "two tunings give the same launch are timed once");
   bool quick = false;
   app.add_flag("--quick", quick, "subset: batch 1,32 x q_len 1 x 128K, default tuning only");
@@ -342,14 +344,16 @@ int run_attention_bench(int argc, char** argv) {
                     cuda::attention_plan_info(ModelConfig{}.sparse(tp), int64_t{batch} * q_len,
                                               q_len, false, kv == DType::kFP8E4M3, tuning);
                 const std::string key = fmt::format(
-                    "{}{}{}{}r{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
+                    "{}{}{}{}r{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
                     plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits, plan.row_tiles,
-                    kv_layout_name(layout));
+                    plan.balanced ? "b" : "", kv_layout_name(layout));
                 if (!seen.insert(key).second) continue;
                 const Result r = run_config(c, launches, reps, seed, timeline);
                 const double us = r.timing.median_us;
                 const double tbs = r.bytes / (us * 1e-6) / 1e12;
-                const std::string merge = r.splits == 1 ? "-" : (r.cluster ? "cluster" : "global");
+                const std::string merge =
+                    r.balanced ? "balanced"
+                               : (r.splits == 1 ? "-" : (r.cluster ? "cluster" : "global"));
                 const std::string label =
                     (kv == DType::kBF16 && !tuning.split_p ? "bf16-1P" : kv_name(c)) +
                     (tuning.pdl ? "+pdl" : "");

@@ -9,11 +9,14 @@
 // Split plan: a (row, kv head) "unit" is one CTA unless there are too few units to fill the GPU;
 // then each unit's selected blocks are split over `splits` CTAs (for a selection a power of two,
 // each split >= 2 blocks, aiming at one CTA per SM: choose_splits; for dense attention any count
-// that fits one wave of resident CTAs). Just beyond one wave (at most 4/3 of it), two splits per
-// unit in clusters of two (attention_plan_info). The plan depends only on host shapes (rows, kv
-// heads, topk, whether topk_idx is given) and the device, never on device contents, so a captured
-// graph replays any metadata. Partials through the workspace need at most one wave of slots, so
-// the workspace does not grow with the batch.
+// that fits one wave of resident CTAs). More units than one wave (one row per CTA, a selection):
+// the balanced plan, one wave of CTAs each taking an equal share of the units' selected blocks,
+// a unit cut by a share's boundary merged from its two parts (attention_plan_info; with
+// AttentionTuning::balance off, two splits per unit in clusters of two up to 4/3 of a wave). The
+// plan depends only on host shapes (rows, kv heads, topk, whether topk_idx is given) and the
+// device, never on device contents, so a captured graph replays any metadata. Partials through
+// the workspace need at most one wave of slots (two per one-row CTA of the balanced plan), so the
+// workspace does not grow with the batch.
 //
 // Merge: up to AttentionTuning::max_cluster splits (when the device can co-schedule them as one
 // thread-block cluster, checked once per kernel and size with cudaOccupancyMaxActiveClusters)
@@ -52,6 +55,7 @@ size_t align_up(size_t bytes) {
 constexpr int kMaxClusterSplits = 16;
 static_assert(kMaxClusterSplits <= attention::kMaxClusterRanks, "the cluster merge's ranks");
 constexpr int kMaxSelectionSplits = 8;  // the default plan's (choose_splits)
+constexpr int kMinBalancedShare = 4;    // blocks per CTA of the balanced plan within one wave
 constexpr int kClusterSizes = 5;        // 1, 2, 4, 8, 16
 
 // The three kernel kinds: bf16 split-P (default), bf16 single-P (bench), fp8; each in three
@@ -141,12 +145,14 @@ int resident_slots(const DeviceShape& shape, KernelId id, int tiles) {
 }
 
 // Partials (one per split CTA and row of it) the workspace holds: a split plan keeps the grid
-// within one wave of resident CTAs, each CTA publishing one partial per row.
+// within one wave of resident CTAs, each CTA publishing one partial per row; the balanced plan's
+// one-row CTAs publish up to two (a unit's tail and the next one's head).
 int max_partial_slots(const DeviceShape& shape) {
   int slots = 0;
   for (int id = 0; id < kKernels; ++id) {
     for (int tiles : {1, 2, 4}) {
-      slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), tiles) * tiles);
+      const int per_cta = tiles == 1 ? 2 : tiles;
+      slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), tiles) * per_cta);
     }
   }
   return slots;
@@ -287,7 +293,8 @@ std::string AttentionTuning::name() const {
          "-pdl" + std::to_string(pdl ? 1 : 0) +
          (max_splits > 0 ? "-splits" + std::to_string(max_splits) : std::string()) +
          (max_row_tiles != 1 ? "-rows" + std::to_string(max_row_tiles) : std::string()) +
-         (early_prologue ? "-early" : "");
+         (early_prologue ? "-early" : "") +
+         (balance != 1 ? "-balance" + std::to_string(balance) : std::string());
 }
 
 AttentionTuning AttentionTuning::parse(const std::string& text) {
@@ -331,9 +338,13 @@ AttentionTuning AttentionTuning::parse(const std::string& text) {
       t.max_row_tiles = value;
     } else if (key == "early") {
       t.early_prologue = flag();
+    } else if (key == "balance") {
+      M3MSA_CHECK_ARG(value >= 0 && value <= 2, "attention tuning '", text,
+                      "': balance must be 0, 1 or 2, got ", value);
+      t.balance = value;
     } else {
       M3MSA_THROW(ErrorCode::kInvalidArgument, "attention tuning '", text, "': unknown key '", key,
-                  "' (splitp, cluster, pdl, splits, rows, early)");
+                  "' (splitp, cluster, pdl, splits, rows, early, balance)");
     }
     at = end + 1;
   }
@@ -368,6 +379,23 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   info.slots = resident_slots(shape, id, info.row_tiles);
   info.splits =
       choose_splits(units, config.topk, dense, shape.sm_count, info.slots, tuning.max_splits);
+  // More units than one wave of resident CTAs: one wave, each CTA an equal share of the units'
+  // blocks, so no CTA waits for a partial last wave (fp8 at 128 requests: 512 units x 16 blocks
+  // on 396 slots, 20-21 blocks each where whole units take two rounds of 16 and clustered halves
+  // three of 8). balance 2: also within one wave, where each share holds at least
+  // kMinBalancedShare blocks and a unit spans at most kMaxMergeSplits shares.
+  if (!dense && tuning.max_splits == 0 && info.row_tiles == 1 && units > 0) {
+    const int64_t items = units * config.topk;
+    const int64_t share = items / info.slots;  // >= topk beyond one wave: at most 2 parts
+    const bool beyond = tuning.balance >= 1 && units > info.slots;
+    const bool within = tuning.balance == 2 && share >= kMinBalancedShare &&
+                        config.topk / share + 2 <= attention::kMaxMergeSplits;
+    if (beyond || within) {
+      info.balanced = true;
+      info.ctas = info.slots;
+      return info;
+    }
+  }
   // More units than one wave of resident CTAs with the second wave at most a third full (fp8 at
   // 128 requests: 512 units on 396 slots): two splits per unit in clusters of two, so the grid
   // ends in fuller waves. Measured on an H100: 4-7 % faster at 1.1-1.3 waves of units, 2.4 %
@@ -472,9 +500,10 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
   p.groups_per_req = plan.groups_per_req;
   p.num_splits = plan.splits;
   p.cluster_merge = plan.cluster ? 1 : 0;
+  p.balanced = plan.balanced ? 1 : 0;
   const int64_t ctas = plan.ctas;
   narrow_int(ctas, "sparse attention grid (rows * kv_heads * splits)");
-  if (p.num_splits > 1 && !p.cluster_merge) {
+  if (plan.balanced || (p.num_splits > 1 && !p.cluster_merge)) {
     const WorkspaceLayout layout = workspace_layout(max_partial_slots(shape));
     M3MSA_CHECK_ARG(workspace != nullptr && workspace_bytes >= layout.total,
                     "sparse attention workspace: need ", layout.total, " bytes, got ",

@@ -62,11 +62,17 @@ struct AttentionTuning {
   // The caller's promise: the previous kernel in the stream writes nothing the attention reads
   // but topk_idx (the indexer, launched after whatever wrote q and the cache). Off by default.
   bool early_prologue = false;
+  // The balanced plan (one row per CTA, a selection): a grid of exactly one wave of resident
+  // CTAs, each an equal share of the units' selected blocks (a unit cut by shares' boundaries
+  // merges its parts through the workspace). 1: where the units exceed one wave; 2: also within
+  // one wave where each share holds at least 4 blocks; 0: never (one CTA per unit
+  // beyond one wave, two clustered splits per unit up to 4/3 of it), for comparisons.
+  int balance = 1;
 
-  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows4", "-early" off
-                             // default)
-  // Parses "splitp=1,cluster=2,pdl=0,splits=8,rows=4,early=1" (any subset; the rest default);
-  // throws naming the text.
+  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows4", "-early",
+                             // "-balance0" off default)
+  // Parses "splitp=1,cluster=2,pdl=0,splits=8,rows=4,early=1,balance=0" (any subset; the rest
+  // default); throws naming the text.
   static AttentionTuning parse(const std::string& text);
 };
 
@@ -86,6 +92,7 @@ struct AttentionPlanInfo {
   int groups_per_req = 1;  // row groups of a request (row_tiles > 1)
   int splits = 1;          // CTAs per (row group, kv head)
   bool cluster = false;    // splits merged through a thread-block cluster (else global memory)
+  bool balanced = false;   // one wave of CTAs, each an equal share of the units' blocks
   int64_t ctas = 0;
   int slots = 0;  // CTAs of one wave: resident at once on the device
 };

@@ -12,7 +12,10 @@
 // is split over several CTAs, the splits merge either through a thread-block cluster (DSMEM, each
 // rank merging a share of the output dims) or through (O, max, sum) partials in the workspace that
 // the last CTA to arrive (an atomic counter it resets) merges. Both merge in split order, so
-// results are deterministic.
+// results are deterministic. In the balanced plan (one wave of one-row CTAs) a CTA takes an equal
+// share of the flattened (unit, selection entry) list instead, one unit's segment after another
+// (balanced_segment); a unit cut by shares' boundaries merges its parts through the workspace the
+// same way.
 //
 // Several decode rows of one request (speculative tokens, q_len > 1) share a CTA: kTiles rows,
 // one m16 tile each, 4 / kTiles warps per tile, each warp taking 16 * kTiles tokens of a chunk.
@@ -254,15 +257,40 @@ __device__ __forceinline__ void resolve_row(const AttentionRowLayoutParams& layo
 
 // ---- the kernel ----
 
+// Timeline marks (kAttentionMarks; skipped unless a recorder set p.timeline).
+enum Mark : int { kStart, kPages, kFirstChunk, kChunksDone, kPublished, kEnd };
+
+// One CTA's share of one (row group, kv head) unit, and how its result leaves the CTA.
+struct UnitWork {
+  int64_t unit = 0;
+  int split = 0;   // the static plan's split of the unit (< num_splits)
+  int first = -1;  // the balanced plan: the unit's selection entries [first, last); -1: the
+  int last = -1;   //   static split's share
+  // The balanced plan's merge (the static plan's follows from unit and split):
+  int parts = 1;        // CTAs sharing the unit: 1 stores the output, more merge their partials
+  int64_t slot = 0;     // this CTA's partial slot (parts > 1)
+  int64_t slot0 = 0;    // the unit's first part's slot; part i > 0 is at 2 (counter + i)
+  int64_t counter = 0;  // the unit's arrival counter: its first CTA, c0
+};
+
+// A UnitWork field. kShared (the balanced plan's segments, in shared memory): a fresh load where
+// it is used, so the body does not hold it in a register from the start (the fp8 body has none
+// to spare); otherwise the value itself (the static plan's work, computed from blockIdx).
+template <bool kShared, typename T>
+__device__ __forceinline__ T field(const T& value) {
+  if constexpr (kShared) {
+    return *const_cast<const volatile T*>(&value);
+  } else {
+    return value;
+  }
+}
+
 // kSplitP (bf16 KV only): P = P_hi + P_lo, two bf16 PV mmas, so the softmax weights keep ~16
 // bits (a bf16 P alone has 8, which costs ~2^-9 relative error in the output).
-// kTiles: decode rows per CTA (1, 2 or 4; see the file comment).
-// fp8: 3 CTAs per SM (<= 170 registers; its 64 KB of stages fit three times), bf16: 2.
-template <bool kFp8, bool kSplitP, int kTiles>
-__global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
-    attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
-  static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
-  static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
+// kTiles: decode rows per CTA (1, 2 or 4; see the file comment). kBalanced: a segment of the
+// balanced plan (no cluster merge).
+template <bool kFp8, bool kSplitP, int kTiles, bool kBalanced>
+__device__ __forceinline__ void attend_unit(const AttentionParams& p, const UnitWork& w) {
   constexpr int kWarpsPerTile = kWarps / kTiles;
   constexpr int kSliceTokens = kChunkTokens / kWarpsPerTile;  // a warp's tokens of a chunk
   constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;         // candidates of a CTA's rows
@@ -277,19 +305,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   __shared__ uint32_t s_union_rows[kTiles > 1 ? kMaxUnion : 1];
   __shared__ int s_warp_count[kWarps];
   __shared__ int s_last;
-  // Timeline marks (kAttentionMarks; skipped unless a recorder set p.timeline).
-  enum { kStart, kPages, kFirstChunk, kChunksDone, kPublished, kEnd };
-  timeline::mark(p.timeline, kStart);
-  const timeline::MarkOnExit end_mark{p.timeline, kEnd};
-  // One row per CTA in a cluster: a rank may write into another's shared memory only once that
-  // one has started; this arrival (waited for before the first push) says so.
-  if (kTiles == 1 && p.cluster_merge) cluster_arrive_relaxed();
-
-  // Programmatic dependent launch: everything this kernel reads may come from the previous kernel
-  // in the stream, so wait for it before the first load (a no-op without a programmatic edge);
-  // with early_prologue only the selection may, and the wait comes right before its first read.
   const bool early = p.early_prologue != 0 && p.topk_idx != nullptr;
-  if (!early) asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -298,10 +314,13 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   const int c = lane & 3;   // thread in group
 
   const float scale_log2 = logit_scale_log2(p);
-  const int split = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_splits));
+  const int split = field<kBalanced>(w.split);
   // unit = row group * kv_heads + kvh; a group is one row (kTiles == 1) or rows j0 .. j0 +
   // kTiles - 1 of one decode request (those < q_len are live).
-  const int64_t unit = blockIdx.x / static_cast<unsigned>(p.num_splits);
+  const int64_t unit = field<kBalanced>(w.unit);
+  // The static plan's merge: the unit's splits, its slots from unit * num_splits, its counter.
+  auto parts_of = [&] { return kBalanced ? field<true>(w.parts) : p.num_splits; };
+  auto counter_of = [&] { return kBalanced ? field<true>(w.counter) : unit; };
   const int kvh = static_cast<int>(unit % p.kv_heads);
   const int64_t row_group = unit / p.kv_heads;
   int64_t row0 = row_group;  // the CTA's first row
@@ -400,7 +419,10 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   // a dead request. Scalars, so that no lambda captures an array (which would put it on the stack).
   int64_t pos0 = -1;
   if constexpr (kTiles == 1) {
-    if (entries != nullptr) {
+    if (entries != nullptr && field<kBalanced>(w.first) >= 0) {
+      first = field<kBalanced>(w.first);
+      last = field<kBalanced>(w.last);
+    } else if (entries != nullptr) {
       const int per_split = (p.topk + p.num_splits - 1) / p.num_splits;
       first = min(p.topk, split * per_split);
       last = min(p.topk, first + per_split);
@@ -822,7 +844,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     store_out(out_row, l_total > 0.0f ? output_v_scale(p) / l_total : 0.0f);
   };
 
-  if (p.num_splits == 1) {
+  if (parts_of() == 1) {
 #pragma unroll 1
     for (int t = 0; t < live_tiles; ++t) {
       float m_cta, l_cta;
@@ -832,7 +854,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     return;
   }
 
-  if (kTiles == 1 && p.cluster_merge) {
+  if (!kBalanced && kTiles == 1 && p.cluster_merge) {
     // ---- one row, the splits in one cluster: rank r owns the output dims [r span, (r + 1)
     // span); each rank pushes its partial's slices (and its (max, sum) per head) into the owners'
     // receive areas, then one barrier, then each owner merges its dims from its own shared
@@ -907,7 +929,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     return;
   }
 
-  if (p.cluster_merge) {
+  if (!kBalanced && p.cluster_merge) {
     // ---- several rows per CTA, the splits in one cluster: each rank publishes its partials in
     // its own shared memory and, after a barrier, merges a share of the output dims from every
     // rank's ----
@@ -990,7 +1012,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
 
   // ---- split-K: publish this split's partials (slot * kTiles + tile); the last CTA of the unit
   // merges ----
-  const int64_t slot = blockIdx.x;
+  const int64_t slot = kBalanced ? field<true>(w.slot) : int64_t{blockIdx.x};
 #pragma unroll 1
   for (int t = 0; t < live_tiles; ++t) {
     float m_cta, l_cta;
@@ -1013,8 +1035,8 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   // sequentially consistent fence in every thread before and after the arrival.
   __syncthreads();
   if (tid == 0) {
-    const unsigned prev = arrive_acq_rel(&p.counters[unit]);
-    s_last = prev == static_cast<unsigned>(p.num_splits - 1);
+    const unsigned prev = arrive_acq_rel(&p.counters[counter_of()]);
+    s_last = prev == static_cast<unsigned>(parts_of() - 1);
   }
   __syncthreads();
   timeline::mark(p.timeline, kPublished);
@@ -1024,7 +1046,14 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   // Per tile: every (split, head) max and sum in one round of loads; the per-split weights, with
   // the normalization and v_scale folded in, in shared memory; then the partial outputs with
   // independent loads, four splits at a time, summed in split order (deterministic).
-  const int64_t slot0 = unit * p.num_splits;
+  const int64_t slot0 = kBalanced ? field<true>(w.slot0) : unit * p.num_splits;
+  const int parts = parts_of();
+  // Part sp's slot: the static plan's follow slot0; the balanced plan's after the first are the
+  // first segments of CTAs c0 + sp (slot 2 (c0 + sp), c0 the unit's counter).
+  const int64_t slot_base = kBalanced ? 2 * field<true>(w.counter) : slot0;
+  auto part_slot = [&](int sp) -> int64_t {
+    return kBalanced ? (sp == 0 ? slot0 : slot_base + 2 * sp) : slot0 + sp;
+  };
   float* s_weight = reinterpret_cast<float*>(smem);        // [splits][16]: max, then weight
   float* s_sum = s_weight + kMaxMergeSplits * kTileHeads;  // [splits][16]
   constexpr int kSplitStride4 = kTiles * kTileHeads * kHeadDim / 4;  // float4s per split
@@ -1040,56 +1069,135 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   };
 #pragma unroll 1
   for (int t = 0; t < live_tiles; ++t) {
-    for (int i = tid; i < p.num_splits * kTileHeads; i += kThreads) {
+    for (int i = tid; i < parts * kTileHeads; i += kThreads) {
       const int sp = i / kTileHeads;
       const float2 ml = __ldcg(reinterpret_cast<const float2*>(p.partial_ml) +
-                               ((slot0 + sp) * kTiles + t) * kTileHeads + (i - sp * kTileHeads));
+                               (part_slot(sp) * kTiles + t) * kTileHeads + (i - sp * kTileHeads));
       s_weight[i] = ml.x;
       s_sum[i] = ml.y;
     }
     __syncthreads();
     if (tid < kTileHeads) {
       float m_all = -INFINITY;
-      for (int sp = 0; sp < p.num_splits; ++sp) {
+      for (int sp = 0; sp < parts; ++sp) {
         m_all = fmaxf(m_all, s_weight[sp * kTileHeads + tid]);
       }
       const float ref = m_all == -INFINITY ? 0.0f : m_all;
       float l_all = 0.0f;
-      for (int sp = 0; sp < p.num_splits; ++sp) {
+      for (int sp = 0; sp < parts; ++sp) {
         l_all += s_sum[sp * kTileHeads + tid] * fast_exp2(s_weight[sp * kTileHeads + tid] - ref);
       }
       const float scale = l_all > 0.0f ? output_v_scale(p) / l_all : 0.0f;
-      for (int sp = 0; sp < p.num_splits; ++sp) {
+      for (int sp = 0; sp < parts; ++sp) {
         s_weight[sp * kTileHeads + tid] = fast_exp2(s_weight[sp * kTileHeads + tid] - ref) * scale;
       }
     }
     __syncthreads();
 #pragma unroll
     for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
-    const float4* src = reinterpret_cast<const float4*>(
-                            p.partial_o + ((slot0 * kTiles + t) * kTileHeads + head) * kHeadDim) +
-                        u0;
+    const float4* src =
+        reinterpret_cast<const float4*>(p.partial_o + (t * kTileHeads + head) * kHeadDim) + u0;
     int sp = 0;
-    for (; sp + 4 <= p.num_splits; sp += 4) {
+    for (; sp + 4 <= parts; sp += 4) {
       float4 v[4][4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) v[u][j] = __ldcg(src + (sp + u) * kSplitStride4 + 8 * j);
+        for (int j = 0; j < 4; ++j) {
+          v[u][j] = __ldcg(src + part_slot(sp + u) * kSplitStride4 + 8 * j);
+        }
       }
 #pragma unroll
       for (int u = 0; u < 4; ++u) accumulate(v[u], s_weight[(sp + u) * kTileHeads + head]);
     }
-    for (; sp < p.num_splits; ++sp) {
+    for (; sp < parts; ++sp) {
       float4 v[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = __ldcg(src + sp * kSplitStride4 + 8 * j);
+      for (int j = 0; j < 4; ++j) v[j] = __ldcg(src + part_slot(sp) * kSplitStride4 + 8 * j);
       accumulate(v, s_weight[sp * kTileHeads + head]);
     }
     store_out(row0 + t, 1.0f);
     __syncthreads();  // the next tile rewrites s_weight / s_sum
   }
-  if (tid == 0) p.counters[unit] = 0;  // ready for the next launch (stream order)
+  if (tid == 0) p.counters[counter_of()] = 0;  // ready for the next launch (stream order)
+}
+
+// The balanced plan's segment of CTA `cta` of `ctas` that starts at entry `at` of the flattened
+// (unit, selection entry) list of `items` = units * topk entries, the CTA's share being [cta
+// items / ctas, (cta + 1) items / ctas) = [lo, hi). A unit cut by shares' boundaries spans CTAs
+// c0 .. c1, one part each; a CTA's first segment publishes to slot 2 cta, a later one (only its
+// last can be cut) to 2 cta + 1, and the last part to arrive on counter c0 merges them all.
+__device__ __forceinline__ UnitWork balanced_segment(int64_t at, int64_t items, int topk,
+                                                     int64_t cta, int64_t ctas) {
+  // The CTA whose share holds entry i: the largest c with c items / ctas <= i.
+  auto cta_of = [&](int64_t i) { return ((i + 1) * ctas - 1) / items; };
+  const int64_t lo = cta * items / ctas;
+  const int64_t hi = (cta + 1) * items / ctas;
+  UnitWork w;
+  w.unit = at / topk;
+  const int64_t begin = w.unit * topk;
+  const int64_t end = begin + topk;
+  w.first = static_cast<int>(at - begin);
+  w.last = static_cast<int>(min(end, hi) - begin);
+  if (begin < lo || end > hi) {
+    const int64_t c0 = cta_of(begin);
+    w.parts = static_cast<int>(cta_of(end - 1) - c0 + 1);
+    w.slot = 2 * cta + (at == lo ? 0 : 1);
+    w.slot0 = 2 * c0 + (begin == c0 * items / ctas ? 0 : 1);
+    w.counter = c0;
+  }
+  return w;
+}
+
+// fp8: 3 CTAs per SM (<= 170 registers; its 64 KB of stages fit three times), bf16: 2.
+template <bool kFp8, bool kSplitP, int kTiles>
+__global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
+    attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
+  static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
+  static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
+  timeline::mark(p.timeline, kStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kEnd};
+  // One row per CTA in a cluster: a rank may write into another's shared memory only once that
+  // one has started; this arrival (waited for before the first push) says so.
+  if (kTiles == 1 && p.cluster_merge) cluster_arrive_relaxed();
+
+  // Programmatic dependent launch: everything this kernel reads may come from the previous kernel
+  // in the stream, so wait for it before the first load (a no-op without a programmatic edge);
+  // with early_prologue only the selection may, and the wait comes right before its first read.
+  const bool early = p.early_prologue != 0 && p.topk_idx != nullptr;
+  if (!early) asm volatile("griddepcontrol.wait;\n" ::: "memory");
+
+  if constexpr (kTiles == 1) {
+    if (p.balanced != 0) {
+      // The segment in shared memory, not in registers the body needs (field()).
+      __shared__ UnitWork s_work;
+      // One segment of the CTA's share after another: the body's one call site, in a loop whose
+      // state (the share's next entry) is in shared memory too; the cluster merge, which this
+      // plan never takes and which a loop around it makes spill, is compiled out of this copy.
+      __shared__ int64_t s_at;  // -1: the share's last segment is running
+      if (threadIdx.x == 0)
+        s_at = static_cast<int64_t>(blockIdx.x) * p.num_rows * p.kv_heads * p.topk / gridDim.x;
+#pragma unroll 1
+      while (true) {
+        if (threadIdx.x == 0) {
+          const int64_t items = p.num_rows * p.kv_heads * p.topk;
+          s_work = balanced_segment(s_at, items, p.topk, blockIdx.x, gridDim.x);
+          s_at = s_work.unit * p.topk + s_work.last;
+          if (s_at >= (blockIdx.x + int64_t{1}) * items / gridDim.x) s_at = -1;
+        }
+        __syncthreads();
+        attend_unit<kFp8, kSplitP, kTiles, true>(p, s_work);
+        const bool done = field<true>(s_at) < 0;
+        __syncthreads();  // the next segment rewrites s_work and reuses the shared memory
+        if (done) break;
+      }
+      return;
+    }
+  }
+  UnitWork w;  // the static plan: unit and split from blockIdx (the merge's slots follow them)
+  w.unit = blockIdx.x / static_cast<unsigned>(p.num_splits);
+  w.split = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_splits));
+  attend_unit<kFp8, kSplitP, kTiles, false>(p, w);
 }
 
 }  // namespace m3msa::cuda::attention

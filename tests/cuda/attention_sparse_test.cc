@@ -240,37 +240,62 @@ TEST(CudaSparseAttention, ClusterPlansMatchCpuReference) {
   }
 }
 
-// Grids of more than one wave of resident CTAs: two splits in clusters of two just beyond one wave
-// (~1.1 waves of units), one split per unit at two whole waves, and one split whatever the waves
-// without clusters (the workspace holds one wave of partials); every plan against the CPU
-// reference.
-TEST(CudaSparseAttention, PlansBeyondOneWaveMatchCpuReference) {
+// The balanced plan (one wave of CTAs, each an equal share of the flattened (unit, entry) list, a
+// unit cut by shares' boundaries merged from its parts) against the CPU reference and against the
+// plans without it (balance 0), as the default takes it (balance 1: more units than one wave) and
+// within one wave (balance 2: shares of >= 4 blocks, a unit cut into up to 5 parts): exactly one
+// wave, just beyond it, 1.1 / 1.5 / 2 waves (2: every share whole units), 0.3 and 0.03 waves
+// (the latter too few blocks per share), q_len 4 rows with their own selections, a top-7
+// selection (shares cut units at odd entries), short rows whose selections end early, and
+// padding requests. Each balanced run is repeated: the arrival counters must be left at zero for
+// the next launch (bit-identical).
+TEST(CudaSparseAttention, BalancedPlanMatchesCpuReference) {
   M3MSA_REQUIRE_GPU();
-  const SparseConfig cfg;  // M3 at TP 1: 4 KV heads
+  struct Case {
+    int waves_x100;  // rows * kv heads = waves_x100 / 100 of the slots, rounded down,
+    int extra_reqs;  // then this many requests more
+    int q_len;
+    int topk;
+    int padding;  // requests of length 0 among them
+  };
   for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
     const bool fp8 = kv == DType::kFP8E4M3;
-    const int slots = cuda::attention_plan_info(cfg, 1, 1, false, fp8, {}).slots;
-    ASSERT_GT(slots, 0);
-    const int whole_waves_reqs = 2 * slots / cfg.kv_heads;
-    const int partial_wave_reqs = (slots + slots / 10) / cfg.kv_heads;
-    for (int reqs : {whole_waves_reqs, partial_wave_reqs}) {
-      const DecodeShape s{reqs, 1, 1100, 2200, 0, kv, 0.75f, 1.25f, 83};
-      const SyntheticCase c = decode_case(s);
+    for (const Case& k : {Case{100, 0, 1, 16, 0}, Case{100, 1, 1, 16, 1}, Case{110, 0, 1, 16, 0},
+                          Case{150, 0, 1, 16, 3}, Case{200, 0, 1, 16, 0}, Case{130, 0, 4, 16, 0},
+                          Case{130, 0, 1, 7, 2}, Case{30, 0, 1, 16, 1}, Case{30, 0, 4, 16, 0},
+                          Case{60, 0, 1, 7, 0}, Case{3, 0, 1, 16, 0}}) {
+      SparseConfig cfg;  // M3 at TP 1: 4 KV heads
+      cfg.topk = k.topk;
+      const int slots = cuda::attention_plan_info(cfg, 1, 1, false, fp8, {}).slots;
+      ASSERT_GT(slots, 0);
+      const int rows = std::max(1, slots * k.waves_x100 / 100 / cfg.kv_heads);
+      const int reqs = (rows + k.q_len - 1) / k.q_len + k.extra_reqs;
+      const DecodeShape s{reqs, k.q_len, 1100, 2200, k.padding, kv, 0.75f, 1.25f, 83};
+      const SyntheticCase c = decode_case(s, cfg);
       const HostTensor topk = random_selection(c, 89);
       const HostTensor ref = run_ref(c, &topk, false);
-      for (int max_cluster : {0, 16}) {
+      const int64_t units = c.num_rows() * cfg.kv_heads;
+      for (int balance : {1, 2, 0}) {
         cuda::AttentionTuning tuning;
-        tuning.max_cluster = max_cluster;
+        tuning.balance = balance;
         const cuda::AttentionPlanInfo plan =
-            cuda::attention_plan_info(cfg, c.num_rows(), 1, false, fp8, tuning);
-        const std::string what =
-            describe(s) + " cluster " + std::to_string(max_cluster) + ": plan " +
-            std::to_string(plan.splits) + " splits" + (plan.cluster ? " in a cluster" : "") + ", " +
-            std::to_string(plan.ctas) + " CTAs on " + std::to_string(slots) + " slots";
-        const bool two = reqs == partial_wave_reqs && max_cluster >= 2;
-        EXPECT_EQ(plan.splits, two ? 2 : 1) << what;
-        EXPECT_EQ(plan.cluster, two) << what;
-        expect_close(RunOut{run_gpu(c, &topk, tuning), ref}, what);
+            cuda::attention_plan_info(cfg, c.num_rows(), k.q_len, false, fp8, tuning);
+        const std::string what = describe(s) + " topk " + std::to_string(k.topk) + " balance " +
+                                 std::to_string(balance) + ": " + std::to_string(units) +
+                                 " units on " + std::to_string(slots) + " slots, " +
+                                 (plan.balanced ? "balanced" : "not balanced") + ", " +
+                                 std::to_string(plan.ctas) + " CTAs";
+        const bool beyond = units > slots;
+        const bool within = units * k.topk >= int64_t{4} * slots;
+        const bool expect_balanced = (balance == 1 && beyond) || (balance == 2 && within);
+        EXPECT_EQ(plan.balanced, expect_balanced) << what;
+        EXPECT_EQ(plan.ctas, expect_balanced ? slots : plan.ctas) << what;
+        const HostTensor gpu = run_gpu(c, &topk, tuning);
+        expect_close(RunOut{gpu, ref}, what);
+        if (plan.balanced) {
+          EXPECT_TRUE(attntest::bitwise_equal(gpu, run_gpu(c, &topk, tuning)))
+              << what << ": a second run";
+        }
       }
     }
   }

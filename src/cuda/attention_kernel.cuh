@@ -273,6 +273,26 @@ struct UnitWork {
   int64_t counter = 0;  // the unit's arrival counter: its first CTA, c0
 };
 
+// The body's static shared memory, one instance per kTiles (not per copy of the body: the
+// balanced plan's copy shares it, since more static shared memory would cost fp8 its third CTA
+// per SM).
+template <int kTiles>
+struct UnitScratch {
+  static constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;  // candidates of a CTA's rows
+  int page[kMaxRoundBlocks];
+  int block[kMaxRoundBlocks];
+  uint32_t rows[kTiles > 1 ? kMaxRoundBlocks : 1];  // tiles that selected the block
+  int union_blocks[kTiles > 1 ? kMaxUnion : 1];
+  uint32_t union_rows[kTiles > 1 ? kMaxUnion : 1];
+  int warp_count[kWarps];
+  int last;
+};
+template <int kTiles>
+__device__ __forceinline__ UnitScratch<kTiles>& unit_scratch() {
+  __shared__ UnitScratch<kTiles> scratch;
+  return scratch;
+}
+
 // A UnitWork field. kShared (the balanced plan's segments, in shared memory): a fresh load where
 // it is used, so the body does not hold it in a register from the start (the fp8 body has none
 // to spare); otherwise the value itself (the static plan's work, computed from blockIdx).
@@ -298,13 +318,14 @@ __device__ __forceinline__ void attend_unit(const AttentionParams& p, const Unit
   using L = KvLayout<kFp8, kTiles>;
   constexpr bool kF16 = kFp8;  // operand type of both mmas
   extern __shared__ __align__(128) uint8_t smem[];
-  __shared__ int s_page[kMaxRoundBlocks];
-  __shared__ int s_block[kMaxRoundBlocks];
-  __shared__ uint32_t s_rows[kTiles > 1 ? kMaxRoundBlocks : 1];  // tiles that selected the block
-  __shared__ int s_union[kTiles > 1 ? kMaxUnion : 1];
-  __shared__ uint32_t s_union_rows[kTiles > 1 ? kMaxUnion : 1];
-  __shared__ int s_warp_count[kWarps];
-  __shared__ int s_last;
+  UnitScratch<kTiles>& scratch = unit_scratch<kTiles>();
+  int* s_page = scratch.page;
+  int* s_block = scratch.block;
+  uint32_t* s_rows = scratch.rows;
+  int* s_union = scratch.union_blocks;
+  uint32_t* s_union_rows = scratch.union_rows;
+  int* s_warp_count = scratch.warp_count;
+  int& s_last = scratch.last;
   const bool early = p.early_prologue != 0 && p.topk_idx != nullptr;
 
   const int tid = threadIdx.x;
@@ -1127,7 +1148,7 @@ __device__ __forceinline__ void attend_unit(const AttentionParams& p, const Unit
 // items / ctas, (cta + 1) items / ctas) = [lo, hi). A unit cut by shares' boundaries spans CTAs
 // c0 .. c1, one part each; a CTA's first segment publishes to slot 2 cta, a later one (only its
 // last can be cut) to 2 cta + 1, and the last part to arrive on counter c0 merges them all.
-__device__ __forceinline__ UnitWork balanced_segment(int64_t at, int64_t items, int topk,
+__host__ __device__ inline UnitWork balanced_segment(int64_t at, int64_t items, int topk,
                                                      int64_t cta, int64_t ctas) {
   // The CTA whose share holds entry i: the largest c with c items / ctas <= i.
   auto cta_of = [&](int64_t i) { return ((i + 1) * ctas - 1) / items; };
@@ -1138,7 +1159,7 @@ __device__ __forceinline__ UnitWork balanced_segment(int64_t at, int64_t items, 
   const int64_t begin = w.unit * topk;
   const int64_t end = begin + topk;
   w.first = static_cast<int>(at - begin);
-  w.last = static_cast<int>(min(end, hi) - begin);
+  w.last = static_cast<int>((end < hi ? end : hi) - begin);
   if (begin < lo || end > hi) {
     const int64_t c0 = cta_of(begin);
     w.parts = static_cast<int>(cta_of(end - 1) - c0 + 1);
@@ -1169,12 +1190,17 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
 
   if constexpr (kTiles == 1) {
     if (p.balanced != 0) {
-      // The segment in shared memory, not in registers the body needs (field()).
-      __shared__ UnitWork s_work;
-      // One segment of the CTA's share after another: the body's one call site, in a loop whose
-      // state (the share's next entry) is in shared memory too; the cluster merge, which this
-      // plan never takes and which a loop around it makes spill, is compiled out of this copy.
-      __shared__ int64_t s_at;  // -1: the share's last segment is running
+      // One segment of the CTA's share after another: the body's one call site, in a loop; the
+      // cluster merge, which this plan never takes and which a loop around it makes spill, is
+      // compiled out of this copy. The segment and the loop's state (the share's next entry) are
+      // in shared memory, not in registers the body needs (field()): in the cluster merge's
+      // receive area, since static shared memory would cost fp8 its third CTA per SM.
+      using L = KvLayout<kFp8, kTiles>;
+      static_assert(sizeof(UnitWork) + sizeof(int64_t) <= L::kRecvBytes, "the receive area");
+      extern __shared__ __align__(128) uint8_t smem[];
+      UnitWork& s_work = *reinterpret_cast<UnitWork*>(smem + L::kRecvOffset);
+      int64_t& s_at = *reinterpret_cast<int64_t*>(smem + L::kRecvOffset + sizeof(UnitWork));
+      // s_at: -1 once the share's last segment is running
       if (threadIdx.x == 0)
         s_at = static_cast<int64_t>(blockIdx.x) * p.num_rows * p.kv_heads * p.topk / gridDim.x;
 #pragma unroll 1

@@ -1,6 +1,7 @@
-// Invariants of two kernel building blocks that the end-to-end tests would only show as speed or
-// as rare bits: the attention's warp merge reads and writes shared memory without bank conflicts
-// (a host model of the 16-byte accesses, both accumulator layouts), and the streamed MXFP8 tile's
+// Invariants of kernel building blocks that the end-to-end tests would only show as speed or as
+// rare bits: the attention's warp merge reads and writes shared memory without bank conflicts
+// (a host model of the 16-byte accesses, both accumulator layouts), the balanced attention plan's
+// shares cover every unit once and its parts meet in distinct slots, and the streamed MXFP8 tile's
 // block scale folded into the e4m3 widening gives the bits of the widening then the scale multiply
 // for every byte and every code it takes (on the device).
 #include <cuda_runtime.h>
@@ -81,6 +82,68 @@ void expect_conflict_free_merge() {
 TEST(AttentionWarpMerge, SharedMemoryAccessesAreConflictFree) {
   expect_conflict_free_merge<false>();
   expect_conflict_free_merge<true>();
+}
+
+// The balanced attention plan's shares, walked as the kernel walks them (each CTA's segments from
+// its share's first entry on): every unit's entries covered once, in order, by consecutive CTAs;
+// the parts of a cut unit agree on their count, first slot and counter, part i sits in the slot
+// the merging CTA reads for it, no two parts share a slot (< 2 per CTA) or two cut units a
+// counter; beyond one wave of units (the plan's only use) a unit has at most two parts.
+TEST(AttentionBalancedPlan, SharesCoverEveryUnitOnce) {
+  struct Part {
+    int64_t cta;
+    attn::UnitWork w;
+  };
+  uint64_t state = 12345;
+  auto next = [&](int64_t n) {  // uniform in [0, n)
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    return static_cast<int64_t>((state >> 33) % static_cast<uint64_t>(n));
+  };
+  for (int trial = 0; trial < 3000; ++trial) {
+    const int64_t ctas = 1 + next(400);
+    const int topk = 1 + static_cast<int>(next(40));
+    const int64_t units = trial % 2 == 0 ? ctas + 1 + next(2 * ctas + 5) : 1 + next(3 * ctas + 5);
+    const int64_t items = units * topk;
+    if (items < ctas) continue;  // the launcher never plans an empty share
+    const std::string what = std::to_string(units) + " units x " + std::to_string(topk) + " on " +
+                             std::to_string(ctas) + " CTAs";
+    std::vector<std::vector<Part>> parts(static_cast<size_t>(units));
+    for (int64_t cta = 0; cta < ctas; ++cta) {
+      const int64_t hi = (cta + 1) * items / ctas;
+      for (int64_t at = cta * items / ctas; at < hi;) {
+        const attn::UnitWork w = attn::balanced_segment(at, items, topk, cta, ctas);
+        ASSERT_LT(w.first, w.last) << what;
+        ASSERT_EQ(at, w.unit * topk + w.first) << what;
+        parts[static_cast<size_t>(w.unit)].push_back(Part{cta, w});
+        at = w.unit * topk + w.last;
+      }
+    }
+    std::set<int64_t> slots;
+    std::set<int64_t> counters;
+    for (int64_t u = 0; u < units; ++u) {
+      const std::vector<Part>& ps = parts[static_cast<size_t>(u)];
+      ASSERT_FALSE(ps.empty()) << what << ": unit " << u;
+      EXPECT_EQ(ps.front().w.first, 0) << what;
+      EXPECT_EQ(ps.back().w.last, topk) << what;
+      for (size_t i = 0; i < ps.size(); ++i) {
+        const attn::UnitWork& w = ps[i].w;
+        EXPECT_EQ(w.parts, static_cast<int>(ps.size())) << what << ": unit " << u;
+        if (i > 0) {
+          EXPECT_EQ(w.first, ps[i - 1].w.last) << what;
+          EXPECT_EQ(ps[i].cta, ps[i - 1].cta + 1) << what;
+        }
+        if (ps.size() == 1) continue;
+        EXPECT_EQ(w.slot0, ps[0].w.slot0) << what;
+        EXPECT_EQ(w.counter, ps[0].cta) << what;
+        const int64_t read_at = i == 0 ? w.slot0 : 2 * w.counter + 2 * static_cast<int64_t>(i);
+        EXPECT_EQ(w.slot, read_at) << what << ": unit " << u << " part " << i;
+        EXPECT_TRUE(slots.insert(w.slot).second) << what << ": slot " << w.slot;
+        EXPECT_LT(w.slot, 2 * ctas) << what;
+      }
+      if (ps.size() > 1) EXPECT_TRUE(counters.insert(ps[0].w.counter).second) << what;
+      if (units > ctas) EXPECT_LE(ps.size(), 2u) << what;
+    }
+  }
 }
 
 // out[code][byte] = {folded lo, folded hi, two-step lo, two-step hi, folded nan bits, two-step

@@ -71,8 +71,16 @@ int tile_variant(int tiles) {
 struct DeviceShape {
   int sm_count = 0;
   int per_sm[kKernels][kTileVariants] = {};
+  int balanced_per_sm[kKernels] = {};  // the balanced plan's kernel (one row per CTA)
   bool cluster_ok[kKernels][kTileVariants][kClusterSizes] = {};
 };
+
+// The balanced plan's kernel uses the shared memory of the one-row kernel's body, without the
+// cluster receive area.
+template <bool kFp8>
+constexpr int balanced_smem_bytes() {
+  return attention::KvLayout<kFp8, 1>::kSharedBytes;
+}
 
 template <bool kFp8, bool kSplitP, int kTiles>
 void configure_kernel(int sms, DeviceShape& shape, KernelId id) {
@@ -118,6 +126,11 @@ void configure_kernels(int sms, DeviceShape& shape, KernelId id) {
   configure_kernel<kFp8, kSplitP, 1>(sms, shape, id);
   configure_kernel<kFp8, kSplitP, 2>(sms, shape, id);
   configure_kernel<kFp8, kSplitP, 4>(sms, shape, id);
+  auto balanced = attention::attention_balanced_kernel<kFp8, kSplitP>;
+  const int smem = balanced_smem_bytes<kFp8>();
+  CUDA_CHECK(cudaFuncSetAttribute(balanced, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&shape.balanced_per_sm[id], balanced,
+                                                           attention::kThreads, smem));
 }
 
 const DeviceShape& device_shape() {
@@ -150,9 +163,9 @@ int max_partial_slots(const DeviceShape& shape) {
   int slots = 0;
   for (int id = 0; id < kKernels; ++id) {
     for (int tiles : {1, 2, 4}) {
-      const int per_cta = tiles == 1 ? 2 : tiles;
-      slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), tiles) * per_cta);
+      slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), tiles) * tiles);
     }
+    slots = std::max(slots, 2 * shape.sm_count * shape.balanced_per_sm[id]);
   }
   return slots;
 }
@@ -211,6 +224,22 @@ void launch_kernel(const AttentionParams& p, unsigned ctas, bool pdl, cudaStream
   }
   cfg.attrs = attrs;
   cfg.numAttrs = count;
+  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+}
+
+template <bool kFp8, bool kSplitP>
+void launch_balanced(const AttentionParams& p, unsigned ctas, bool pdl, cudaStream_t stream) {
+  auto kernel = attention::attention_balanced_kernel<kFp8, kSplitP>;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(ctas);
+  cfg.blockDim = dim3(attention::kThreads);
+  cfg.dynamicSmemBytes = balanced_smem_bytes<kFp8>();
+  cfg.stream = stream;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = &attr;
+  cfg.numAttrs = pdl ? 1 : 0;
   CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
 }
 
@@ -384,10 +413,12 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   // and clustered halves three of 8). Measured on an H100 (bf16): -8.5 % at 1.09 waves, -0.7 %
   // at 1.64, +2.2 % at 1.94 (a fuller last wave's CTAs run faster; the balanced shares pay the
   // cut units' merges); balance 2 takes it at any count beyond one wave, for comparisons.
+  const int balanced_slots = shape.sm_count * shape.balanced_per_sm[id];
   if (!dense && tuning.balance >= 1 && tuning.max_splits == 0 && info.row_tiles == 1 &&
-      units > info.slots && (tuning.balance == 2 || 2 * units <= int64_t{3} * info.slots)) {
+      balanced_slots > 0 && units > info.slots && units > balanced_slots &&
+      (tuning.balance == 2 || 2 * units <= int64_t{3} * info.slots)) {
     info.balanced = true;
-    info.ctas = info.slots;
+    info.ctas = balanced_slots;  // fewer CTAs than units: a unit has at most two parts
     return info;
   }
   // More units than one wave of resident CTAs with the second wave at most a third full (fp8 at
@@ -494,7 +525,6 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
   p.groups_per_req = plan.groups_per_req;
   p.num_splits = plan.splits;
   p.cluster_merge = plan.cluster ? 1 : 0;
-  p.balanced = plan.balanced ? 1 : 0;
   const int64_t ctas = plan.ctas;
   narrow_int(ctas, "sparse attention grid (rows * kv_heads * splits)");
   if (plan.balanced || (p.num_splits > 1 && !p.cluster_merge)) {
@@ -512,6 +542,14 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
                                      timeline::names(kAttentionKinds));
 
   const auto grid = static_cast<unsigned>(ctas);
+  if (plan.balanced) {
+    switch (id) {
+      case kFp8Kernel: launch_balanced<true, false>(p, grid, tuning.pdl, stream); break;
+      case kBf16SingleP: launch_balanced<false, false>(p, grid, tuning.pdl, stream); break;
+      default: launch_balanced<false, true>(p, grid, tuning.pdl, stream); break;
+    }
+    return;
+  }
   switch (plan.row_tiles) {
     case 4: launch_kind<4>(id, p, grid, tuning.pdl, stream); break;
     case 2: launch_kind<2>(id, p, grid, tuning.pdl, stream); break;

@@ -273,26 +273,6 @@ struct UnitWork {
   int64_t counter = 0;  // the unit's arrival counter: its first CTA, c0
 };
 
-// The body's static shared memory, one instance per kTiles (not per copy of the body: the
-// balanced plan's copy shares it, since more static shared memory would cost fp8 its third CTA
-// per SM).
-template <int kTiles>
-struct UnitScratch {
-  static constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;  // candidates of a CTA's rows
-  int page[kMaxRoundBlocks];
-  int block[kMaxRoundBlocks];
-  uint32_t rows[kTiles > 1 ? kMaxRoundBlocks : 1];  // tiles that selected the block
-  int union_blocks[kTiles > 1 ? kMaxUnion : 1];
-  uint32_t union_rows[kTiles > 1 ? kMaxUnion : 1];
-  int warp_count[kWarps];
-  int last;
-};
-template <int kTiles>
-__device__ __forceinline__ UnitScratch<kTiles>& unit_scratch() {
-  __shared__ UnitScratch<kTiles> scratch;
-  return scratch;
-}
-
 // A UnitWork field. kShared (the balanced plan's segments, in shared memory): a fresh load where
 // it is used, so the body does not hold it in a register from the start (the fp8 body has none
 // to spare); otherwise the value itself (the static plan's work, computed from blockIdx).
@@ -318,15 +298,25 @@ __device__ __forceinline__ void attend_unit(const AttentionParams& p, const Unit
   using L = KvLayout<kFp8, kTiles>;
   constexpr bool kF16 = kFp8;  // operand type of both mmas
   extern __shared__ __align__(128) uint8_t smem[];
-  UnitScratch<kTiles>& scratch = unit_scratch<kTiles>();
-  int* s_page = scratch.page;
-  int* s_block = scratch.block;
-  uint32_t* s_rows = scratch.rows;
-  int* s_union = scratch.union_blocks;
-  uint32_t* s_union_rows = scratch.union_rows;
-  int* s_warp_count = scratch.warp_count;
-  int& s_last = scratch.last;
+  __shared__ int s_page[kMaxRoundBlocks];
+  __shared__ int s_block[kMaxRoundBlocks];
+  __shared__ uint32_t s_rows[kTiles > 1 ? kMaxRoundBlocks : 1];  // tiles that selected the block
+  __shared__ int s_union[kTiles > 1 ? kMaxUnion : 1];
+  __shared__ uint32_t s_union_rows[kTiles > 1 ? kMaxUnion : 1];
+  __shared__ int s_warp_count[kWarps];
+  __shared__ int s_last;
+  // The static plan's CTA runs the body once: it is the kernel's start and end (the timeline's
+  // marks, the cluster arrival, the programmatic wait); the balanced kernel does those itself.
+  if (!kBalanced) timeline::mark(p.timeline, kStart);
+  const timeline::MarkOnExit end_mark{kBalanced ? nullptr : p.timeline, kEnd};
+  // One row per CTA in a cluster: a rank may write into another's shared memory only once that
+  // one has started; this arrival (waited for before the first push) says so.
+  if (!kBalanced && kTiles == 1 && p.cluster_merge) cluster_arrive_relaxed();
+  // Programmatic dependent launch: everything this kernel reads may come from the previous kernel
+  // in the stream, so wait for it before the first load (a no-op without a programmatic edge);
+  // with early_prologue only the selection may, and the wait comes right before its first read.
   const bool early = p.early_prologue != 0 && p.topk_idx != nullptr;
+  if (!kBalanced && !early) asm volatile("griddepcontrol.wait;\n" ::: "memory");
 
   const int tid = threadIdx.x;
   const int warp = tid >> 5;
@@ -335,10 +325,12 @@ __device__ __forceinline__ void attend_unit(const AttentionParams& p, const Unit
   const int c = lane & 3;   // thread in group
 
   const float scale_log2 = logit_scale_log2(p);
-  const int split = field<kBalanced>(w.split);
+  const int split = kBalanced ? field<true>(w.split)
+                              : static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_splits));
   // unit = row group * kv_heads + kvh; a group is one row (kTiles == 1) or rows j0 .. j0 +
   // kTiles - 1 of one decode request (those < q_len are live).
-  const int64_t unit = field<kBalanced>(w.unit);
+  const int64_t unit =
+      kBalanced ? field<true>(w.unit) : blockIdx.x / static_cast<unsigned>(p.num_splits);
   // The static plan's merge: the unit's splits, its slots from unit * num_splits, its counter.
   auto parts_of = [&] { return kBalanced ? field<true>(w.parts) : p.num_splits; };
   auto counter_of = [&] { return kBalanced ? field<true>(w.counter) : unit; };
@@ -440,9 +432,9 @@ __device__ __forceinline__ void attend_unit(const AttentionParams& p, const Unit
   // a dead request. Scalars, so that no lambda captures an array (which would put it on the stack).
   int64_t pos0 = -1;
   if constexpr (kTiles == 1) {
-    if (entries != nullptr && field<kBalanced>(w.first) >= 0) {
-      first = field<kBalanced>(w.first);
-      last = field<kBalanced>(w.last);
+    if (kBalanced && entries != nullptr) {
+      first = field<true>(w.first);
+      last = field<true>(w.last);
     } else if (entries != nullptr) {
       const int per_split = (p.topk + p.num_splits - 1) / p.num_splits;
       first = min(p.topk, split * per_split);
@@ -1116,8 +1108,19 @@ __device__ __forceinline__ void attend_unit(const AttentionParams& p, const Unit
     __syncthreads();
 #pragma unroll
     for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
+    // Part sp's float4s at part_src(sp) (the static plan's parts follow slot0's).
+    const int64_t src_slot = kBalanced ? 0 : slot0;
     const float4* src =
-        reinterpret_cast<const float4*>(p.partial_o + (t * kTileHeads + head) * kHeadDim) + u0;
+        reinterpret_cast<const float4*>(p.partial_o +
+                                        ((src_slot * kTiles + t) * kTileHeads + head) * kHeadDim) +
+        u0;
+    auto part_src = [&](int sp) {
+      if constexpr (kBalanced) {
+        return src + part_slot(sp) * kSplitStride4;
+      } else {
+        return src + sp * kSplitStride4;
+      }
+    };
     int sp = 0;
     for (; sp + 4 <= parts; sp += 4) {
       float4 v[4][4];
@@ -1125,7 +1128,7 @@ __device__ __forceinline__ void attend_unit(const AttentionParams& p, const Unit
       for (int u = 0; u < 4; ++u) {
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-          v[u][j] = __ldcg(src + part_slot(sp + u) * kSplitStride4 + 8 * j);
+          v[u][j] = __ldcg(part_src(sp + u) + 8 * j);
         }
       }
 #pragma unroll
@@ -1134,7 +1137,7 @@ __device__ __forceinline__ void attend_unit(const AttentionParams& p, const Unit
     for (; sp < parts; ++sp) {
       float4 v[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = __ldcg(src + part_slot(sp) * kSplitStride4 + 8 * j);
+      for (int j = 0; j < 4; ++j) v[j] = __ldcg(part_src(sp) + 8 * j);
       accumulate(v, s_weight[sp * kTileHeads + head]);
     }
     store_out(row0 + t, 1.0f);
@@ -1170,60 +1173,49 @@ __host__ __device__ inline UnitWork balanced_segment(int64_t at, int64_t items, 
   return w;
 }
 
-// fp8: 3 CTAs per SM (<= 170 registers; its 64 KB of stages fit three times), bf16: 2.
+// The static plan: CTA = (unit, split). fp8: 3 CTAs per SM (<= 170 registers; its 64 KB of stages
+// fit three times), bf16: 2.
 template <bool kFp8, bool kSplitP, int kTiles>
 __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
+  attend_unit<kFp8, kSplitP, kTiles, false>(p, UnitWork{});  // the unit and split: blockIdx
+}
+
+// The balanced plan (one row per CTA, a selection, no cluster): one wave of CTAs, each running
+// the segments of its share one after another. A kernel of its own, so the static plan's code is
+// not compiled around a loop. The segment and the loop's cursor live in shared memory, not in
+// registers the body needs (field()); the body's dynamic shared memory ends before the cluster
+// receive area (KvLayout::kSharedBytes). Same residency as the static one-row kernel.
+template <bool kFp8, bool kSplitP>
+__global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
+    attention_balanced_kernel(const __grid_constant__ AttentionParams p) {
+  static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   timeline::mark(p.timeline, kStart);
   const timeline::MarkOnExit end_mark{p.timeline, kEnd};
-  // One row per CTA in a cluster: a rank may write into another's shared memory only once that
-  // one has started; this arrival (waited for before the first push) says so.
-  if (kTiles == 1 && p.cluster_merge) cluster_arrive_relaxed();
-
-  // Programmatic dependent launch: everything this kernel reads may come from the previous kernel
-  // in the stream, so wait for it before the first load (a no-op without a programmatic edge);
-  // with early_prologue only the selection may, and the wait comes right before its first read.
-  const bool early = p.early_prologue != 0 && p.topk_idx != nullptr;
-  if (!early) asm volatile("griddepcontrol.wait;\n" ::: "memory");
-
-  if constexpr (kTiles == 1) {
-    if (p.balanced != 0) {
-      // One segment of the CTA's share after another: the body's one call site, in a loop; the
-      // cluster merge, which this plan never takes and which a loop around it makes spill, is
-      // compiled out of this copy. The segment and the loop's state (the share's next entry) are
-      // in shared memory, not in registers the body needs (field()): in the cluster merge's
-      // receive area, since static shared memory would cost fp8 its third CTA per SM.
-      using L = KvLayout<kFp8, kTiles>;
-      static_assert(sizeof(UnitWork) + sizeof(int64_t) <= L::kRecvBytes, "the receive area");
-      extern __shared__ __align__(128) uint8_t smem[];
-      UnitWork& s_work = *reinterpret_cast<UnitWork*>(smem + L::kRecvOffset);
-      int64_t& s_at = *reinterpret_cast<int64_t*>(smem + L::kRecvOffset + sizeof(UnitWork));
-      // s_at: -1 once the share's last segment is running
-      if (threadIdx.x == 0)
-        s_at = static_cast<int64_t>(blockIdx.x) * p.num_rows * p.kv_heads * p.topk / gridDim.x;
-#pragma unroll 1
-      while (true) {
-        if (threadIdx.x == 0) {
-          const int64_t items = p.num_rows * p.kv_heads * p.topk;
-          s_work = balanced_segment(s_at, items, p.topk, blockIdx.x, gridDim.x);
-          s_at = s_work.unit * p.topk + s_work.last;
-          if (s_at >= (blockIdx.x + int64_t{1}) * items / gridDim.x) s_at = -1;
-        }
-        __syncthreads();
-        attend_unit<kFp8, kSplitP, kTiles, true>(p, s_work);
-        const bool done = field<true>(s_at) < 0;
-        __syncthreads();  // the next segment rewrites s_work and reuses the shared memory
-        if (done) break;
-      }
-      return;
-    }
+  // The programmatic dependent launch's wait, as attend_unit's (never early: one row is not
+  // balanced).
+  if (!(p.early_prologue != 0 && p.topk_idx != nullptr)) {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
   }
-  UnitWork w;  // the static plan: unit and split from blockIdx (the merge's slots follow them)
-  w.unit = blockIdx.x / static_cast<unsigned>(p.num_splits);
-  w.split = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_splits));
-  attend_unit<kFp8, kSplitP, kTiles, false>(p, w);
+  __shared__ UnitWork s_work;
+  __shared__ int64_t s_at;  // the share's next entry; -1 once its last segment is running
+  const int64_t items = p.num_rows * p.kv_heads * p.topk;
+  if (threadIdx.x == 0) s_at = static_cast<int64_t>(blockIdx.x) * items / gridDim.x;
+#pragma unroll 1
+  while (true) {
+    if (threadIdx.x == 0) {
+      s_work = balanced_segment(s_at, items, p.topk, blockIdx.x, gridDim.x);
+      s_at = s_work.unit * p.topk + s_work.last;
+      if (s_at >= (blockIdx.x + int64_t{1}) * items / gridDim.x) s_at = -1;
+    }
+    __syncthreads();
+    attend_unit<kFp8, kSplitP, 1, true>(p, s_work);
+    const bool done = field<true>(s_at) < 0;
+    __syncthreads();  // the next segment rewrites s_work and reuses the shared memory
+    if (done) break;
+  }
 }
 
 }  // namespace m3msa::cuda::attention

@@ -48,14 +48,10 @@ struct AttentionParams {
   int kv_heads = 0;
   int group = 0;  // q_heads / kv_heads, <= 16
   int topk = 0;
-  int groups_per_req = 1;  // decode rows of a request per CTA > 1: ceil(q_len / rows per CTA)
-  int num_splits = 1;      // CTAs per (row group, kv head); > 1 merges the splits' partials:
-  int cluster_merge = 0;   //   1: the splits form one cluster (DSMEM merge on rank 0);
-                           //   0: partial_* + counters in global memory, last CTA merges
-  // 1: the balanced plan (one row per CTA, a selection, more units than CTAs): each CTA takes an
-  // equal share of the flattened (unit, selection entry) list; a unit cut by a CTA boundary
-  // merges its two parts through partial_* and counters (for_each_balanced_segment).
-  int balanced = 0;
+  int groups_per_req = 1;   // decode rows of a request per CTA > 1: ceil(q_len / rows per CTA)
+  int num_splits = 1;       // CTAs per (row group, kv head); > 1 merges the splits' partials:
+  int cluster_merge = 0;    //   1: the splits form one cluster (DSMEM merge on rank 0);
+                            //   0: partial_* + counters in global memory, last CTA merges
   float scale_log2 = 0.0f;  // softmax_scale * k_scale * log2(e): logits in the exp2 domain
   float v_scale = 1.0f;     // applied to the normalized output (1 for bf16)
   // fp8 scales read at run time (null: the two floats above). Given, the kernel forms scale_log2

@@ -8,9 +8,11 @@
 // knobs (attention.h); unset, the default tuning of launch_attention is tested.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "attention_test_util.h"
@@ -274,13 +276,18 @@ TEST(CudaSparseAttention, BalancedPlanMatchesCpuReference) {
       const HostTensor topk = random_selection(c, 89);
       const HostTensor ref = run_ref(c, &topk, false);
       const int64_t units = c.num_rows() * cfg.kv_heads;
-      for (int balance : {1, 2, 0}) {
+      // (balance, max_cluster): without the balanced plan, beyond one wave, two splits in
+      // clusters of two up to 4/3 of a wave, else (or without clusters) one CTA per unit.
+      for (const auto& [balance, max_cluster] :
+           {std::pair{1, 16}, std::pair{2, 16}, std::pair{0, 16}, std::pair{0, 0}}) {
         cuda::AttentionTuning tuning;
         tuning.balance = balance;
+        tuning.max_cluster = max_cluster;
         const cuda::AttentionPlanInfo plan =
             cuda::attention_plan_info(cfg, c.num_rows(), k.q_len, false, fp8, tuning);
         const std::string what = describe(s) + " topk " + std::to_string(k.topk) + " balance " +
-                                 std::to_string(balance) + ": " + std::to_string(units) +
+                                 std::to_string(balance) + " cluster " +
+                                 std::to_string(max_cluster) + ": " + std::to_string(units) +
                                  " units on " + std::to_string(slots) + " slots, " +
                                  (plan.balanced ? "balanced" : "not balanced") + ", " +
                                  std::to_string(plan.ctas) + " CTAs";
@@ -289,6 +296,11 @@ TEST(CudaSparseAttention, BalancedPlanMatchesCpuReference) {
             beyond && (balance == 2 || (balance == 1 && 2 * units <= int64_t{3} * slots));
         EXPECT_EQ(plan.balanced, expect_balanced) << what;
         EXPECT_EQ(plan.ctas, expect_balanced ? slots : plan.ctas) << what;
+        if (beyond && !expect_balanced) {
+          const bool two = max_cluster >= 2 && k.topk >= 4 && 3 * units <= int64_t{4} * slots;
+          EXPECT_EQ(plan.splits, two ? 2 : 1) << what;
+          EXPECT_EQ(plan.cluster, two) << what;
+        }
         const HostTensor gpu = run_gpu(c, &topk, tuning);
         expect_close(RunOut{gpu, ref}, what);
         if (plan.balanced) {

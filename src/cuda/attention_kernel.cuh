@@ -260,13 +260,12 @@ __device__ __forceinline__ void resolve_row(const AttentionRowLayoutParams& layo
 // Timeline marks (kAttentionMarks; skipped unless a recorder set p.timeline).
 enum Mark : int { kStart, kPages, kFirstChunk, kChunksDone, kPublished, kEnd };
 
-// One CTA's share of one (row group, kv head) unit, and how its result leaves the CTA.
+// A balanced-plan CTA's segment of one (row, kv head) unit, and how its result leaves the CTA
+// (the static plan's unit, split and merge slots follow from blockIdx).
 struct UnitWork {
   int64_t unit = 0;
-  int split = 0;   // the static plan's split of the unit (< num_splits)
-  int first = -1;  // the balanced plan: the unit's selection entries [first, last); -1: the
-  int last = -1;   //   static split's share
-  // The balanced plan's merge (the static plan's follows from unit and split):
+  int first = 0;  // the unit's selection entries [first, last)
+  int last = 0;
   int parts = 1;        // CTAs sharing the unit: 1 stores the output, more merge their partials
   int64_t slot = 0;     // this CTA's partial slot (parts > 1)
   int64_t slot0 = 0;    // the unit's first part's slot; part i > 0 is at 2 (counter + i)
@@ -325,8 +324,8 @@ __device__ __forceinline__ void attend_unit(const AttentionParams& p, const Unit
   const int c = lane & 3;   // thread in group
 
   const float scale_log2 = logit_scale_log2(p);
-  const int split = kBalanced ? field<true>(w.split)
-                              : static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_splits));
+  const int split =
+      kBalanced ? 0 : static_cast<int>(blockIdx.x % static_cast<unsigned>(p.num_splits));
   // unit = row group * kv_heads + kvh; a group is one row (kTiles == 1) or rows j0 .. j0 +
   // kTiles - 1 of one decode request (those < q_len are live).
   const int64_t unit =
@@ -1180,7 +1179,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
-  attend_unit<kFp8, kSplitP, kTiles, false>(p, UnitWork{});  // the unit and split: blockIdx
+  attend_unit<kFp8, kSplitP, kTiles, false>(p, UnitWork{});  // unused: unit, split from blockIdx
 }
 
 // The balanced plan (one row per CTA, a selection, no cluster): one wave of CTAs, each running

@@ -407,16 +407,17 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   info.slots = resident_slots(shape, id, info.row_tiles);
   info.splits =
       choose_splits(units, config.topk, dense, shape.sm_count, info.slots, tuning.max_splits);
-  // More units than one wave of resident CTAs, up to 3/2 of it: one wave, each CTA an equal share
+  // More units than one wave of resident CTAs, up to 4/3 of it: one wave, each CTA an equal share
   // of the units' blocks, so no CTA waits for a mostly empty last wave (fp8 at 128 requests: 512
   // units x 16 blocks on 396 slots, 20-21 blocks each where whole units take two rounds of 16
-  // and clustered halves three of 8). Measured on an H100 (bf16): -8.5 % at 1.09 waves, -0.7 %
-  // at 1.64, +2.2 % at 1.94 (a fuller last wave's CTAs run faster; the balanced shares pay the
-  // cut units' merges); balance 2 takes it at any count beyond one wave, for comparisons.
+  // and clustered halves three of 8). Measured on an H100 against two clustered splits: -6 to
+  // -10 % at 1.09 waves, -2 % at 1.29; against whole units: +1.4 % at 1.52, +2.6 % at 1.64 (a
+  // fuller last wave's CTAs run faster; the balanced shares pay the cut units' merges). balance 2
+  // takes it at any count beyond one wave, for comparisons.
   const int balanced_slots = shape.sm_count * shape.balanced_per_sm[id];
   if (!dense && tuning.balance >= 1 && tuning.max_splits == 0 && info.row_tiles == 1 &&
       balanced_slots > 0 && units > info.slots && units > balanced_slots &&
-      (tuning.balance == 2 || 2 * units <= int64_t{3} * info.slots)) {
+      (tuning.balance == 2 || 3 * units <= int64_t{4} * info.slots)) {
     info.balanced = true;
     info.ctas = balanced_slots;  // fewer CTAs than units: a unit has at most two parts
     return info;

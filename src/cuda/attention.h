@@ -64,8 +64,8 @@ struct AttentionTuning {
   bool early_prologue = false;
   // The balanced plan (one row per CTA, a selection): a grid of exactly one wave of resident
   // CTAs, each an equal share of the units' selected blocks (a unit cut by shares' boundaries
-  // merges its parts through the workspace). 1: where the units exceed one wave by at most half
-  // of it; 2: wherever they exceed one wave; 0: never (one CTA per unit beyond one wave, two
+  // merges its parts through the workspace). 1: where the units exceed one wave by at most a
+  // third of it; 2: wherever they exceed one wave; 0: never (one CTA per unit beyond one wave, two
   // clustered splits per unit up to 4/3 of it). 2 and 0 for comparisons.
   int balance = 1;
 

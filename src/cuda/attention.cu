@@ -411,7 +411,7 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   // of the units' blocks, so no CTA waits for a mostly empty last wave (fp8 at 128 requests: 512
   // units x 16 blocks on 396 slots, 20-21 blocks each where whole units take two rounds of 16
   // and clustered halves three of 8). Measured on an H100 against two clustered splits: -6 to
-  // -10 % at 1.09 waves, -2 % at 1.29; against whole units: +1.4 % at 1.52, +2.6 % at 1.64 (a
+  // -10 % at 1.09 waves, -2 % at 1.29; against whole units: +1.2 % at 1.52, +2.6 % at 1.64 (a
   // fuller last wave's CTAs run faster; the balanced shares pay the cut units' merges). balance 2
   // takes it at any count beyond one wave, for comparisons.
   const int balanced_slots = shape.sm_count * shape.balanced_per_sm[id];

@@ -1193,8 +1193,8 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   timeline::mark(p.timeline, kStart);
   const timeline::MarkOnExit end_mark{p.timeline, kEnd};
-  // The programmatic dependent launch's wait, as attend_unit's (never early: one row is not
-  // balanced).
+  // The programmatic dependent launch's wait, as attend_unit's: with early_prologue each segment
+  // waits right before its selection's read instead.
   if (!(p.early_prologue != 0 && p.topk_idx != nullptr)) {
     asm volatile("griddepcontrol.wait;\n" ::: "memory");
   }

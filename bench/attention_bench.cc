@@ -268,11 +268,11 @@ int run_attention_bench(int argc, char** argv) {
                  "2 hd] (docs/spec.md section 3)");
   app.add_option("--reps", reps, "graph replays per configuration (median over them)");
   app.add_option("--launches", launches, "launches per graph (at least the number of input sets)");
-  app.add_option(
-      "--tunings", tunings,
-      "';'-separated launcher tunings to time side by side (attention.h: "
-      "splitp, cluster, pdl, splits, rows, early, balance; 'default' = the library default); configurations where "
-      "two tunings give the same launch are timed once");
+  app.add_option("--tunings", tunings,
+                 "';'-separated launcher tunings to time side by side (attention.h: "
+                 "splitp, cluster, pdl, splits, rows, early, balance; 'default' = the library "
+                 "default); configurations where "
+                 "two tunings give the same launch are timed once");
   bool quick = false;
   app.add_flag("--quick", quick, "subset: batch 1,32 x q_len 1 x 128K, default tuning only");
   app.add_option("--json", json_path, "write the results as JSON here");

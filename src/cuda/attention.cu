@@ -229,18 +229,8 @@ void launch_kernel(const AttentionParams& p, unsigned ctas, bool pdl, cudaStream
 
 template <bool kFp8, bool kSplitP>
 void launch_balanced(const AttentionParams& p, unsigned ctas, bool pdl, cudaStream_t stream) {
-  auto kernel = attention::attention_balanced_kernel<kFp8, kSplitP>;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(ctas);
-  cfg.blockDim = dim3(attention::kThreads);
-  cfg.dynamicSmemBytes = balanced_smem_bytes<kFp8>();
-  cfg.stream = stream;
-  cudaLaunchAttribute attr{};
-  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr.val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = &attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, p));
+  launch_kernel_ex(attention::attention_balanced_kernel<kFp8, kSplitP>, dim3(ctas),
+                   dim3(attention::kThreads), balanced_smem_bytes<kFp8>(), stream, pdl, p);
 }
 
 template <int kTiles>

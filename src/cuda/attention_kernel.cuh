@@ -287,9 +287,13 @@ __device__ __forceinline__ T field(const T& value) {
 // kSplitP (bf16 KV only): P = P_hi + P_lo, two bf16 PV mmas, so the softmax weights keep ~16
 // bits (a bf16 P alone has 8, which costs ~2^-9 relative error in the output).
 // kTiles: decode rows per CTA (1, 2 or 4; see the file comment). kBalanced: a segment of the
-// balanced plan (no cluster merge).
+// balanced plan (no cluster merge). The params come as a restrict pointer to the kernel's
+// parameter: taken by reference, the inlined body spilled 4-8 bytes in the fp8 kernels (ptxas),
+// which the body written in the kernel itself did not.
 template <bool kFp8, bool kSplitP, int kTiles, bool kBalanced>
-__device__ __forceinline__ void attend_unit(const AttentionParams& p, const UnitWork& w) {
+__device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ params,
+                                            const UnitWork& w) {
+  const AttentionParams& p = *params;
   constexpr int kWarpsPerTile = kWarps / kTiles;
   constexpr int kSliceTokens = kChunkTokens / kWarpsPerTile;  // a warp's tokens of a chunk
   constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;         // candidates of a CTA's rows
@@ -1179,7 +1183,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
     attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
-  attend_unit<kFp8, kSplitP, kTiles, false>(p, UnitWork{});  // unused: unit, split from blockIdx
+  attend_unit<kFp8, kSplitP, kTiles, false>(&p, UnitWork{});  // unused: unit, split from blockIdx
 }
 
 // The balanced plan (one row per CTA, a selection, no cluster): one wave of CTAs, each running
@@ -1210,7 +1214,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
       if (s_at >= (blockIdx.x + int64_t{1}) * items / gridDim.x) s_at = -1;
     }
     __syncthreads();
-    attend_unit<kFp8, kSplitP, 1, true>(p, s_work);
+    attend_unit<kFp8, kSplitP, 1, true>(&p, s_work);
     const bool done = field<true>(s_at) < 0;
     __syncthreads();  // the next segment rewrites s_work and reuses the shared memory
     if (done) break;

@@ -219,9 +219,9 @@ int run_moe_bench(int argc, char** argv) {
                "tokens 1,16 and mma only (unless given), at most 20 reps: every TP, dtype, what");
   app.add_option("--reps", opt.reps, "graph replays per measurement (at most)");
   app.add_flag("--timeline", opt.timeline,
-               "after timing, record one more launch's stage stamps (mma-persistent: every work "
-               "item's start, inputs ready and end, by kind of item) and print when each stage "
-               "ended (bench/timeline.h); also in the JSON");
+               "after timing, record one more launch's stage stamps (every kernel's CTAs: start, "
+               "inputs ready and end, by kind of CTA; mma-persistent: the same per work item) and "
+               "print when each stage ended (bench/timeline.h); also in the JSON");
   app.add_option("--x-copies", opt.x_copies, "distinct token inputs the launches cycle through");
   app.add_option("--min-launches", opt.min_launches,
                  "at least this many launches per graph (a multiple of --x-copies)");

@@ -68,6 +68,17 @@ void launch_kernel(void (*kernel)(MoeParams), dim3 grid, unsigned threads, const
   launch_kernel_ex(kernel, grid, dim3(threads), smem, stream, p.pdl, p);
 }
 
+// One launch of the sequence (not the persistent kernel), its CTAs recorded as `name` on an active
+// timeline recorder (kMoeLaunchMarks; kinds kMoeRouterKinds for the router's launch, else
+// kMoeExpertKinds).
+void launch_stage(const char* name, bool router, void (*kernel)(MoeParams), dim3 grid,
+                  unsigned threads, MoeParams p, cudaStream_t stream, std::size_t smem = 0) {
+  p.timeline = timeline::records_for(
+      name, timeline::names(kMoeLaunchMarks), int64_t{grid.x} * grid.y * grid.z,
+      router ? timeline::names(kMoeRouterKinds) : timeline::names(kMoeExpertKinds));
+  launch_kernel(kernel, grid, threads, p, stream, smem);
+}
+
 // Whether the router launch's last CTA takes the top-k (MoeParams::router_picks_max_rows).
 bool picks_in_router(const MoeParams& p) {
   return p.rows <= p.router_picks_max_rows;
@@ -111,10 +122,11 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
     if (gate_up_sets > 0) {
       if (stream_gate_up) {
         const auto kernel = moe::moe_gate_up_mma_kernel<true, false, true>;  // MXFP8 (use_stream)
-        launch_kernel(kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream,
-                      stream_smem(kernel, p.hidden, p.fp8));
+        launch_stage("moe gate/up", false, kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream,
+                     stream_smem(kernel, p.hidden, p.fp8));
       } else {
-        launch_kernel(gate_up_kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream);
+        launch_stage("moe gate/up", false, gate_up_kernel, gate_up_grid, moe::kMmaThreads, gate_up,
+                     stream);
       }
     }
     if (down_combine) {
@@ -122,25 +134,27 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
           p.down_combine == 2 ? moe::moe_down_combine_kernel<2> : moe::moe_down_combine_kernel<3>;
       const int smem = moe::down_combine_smem_bytes(p.down_combine);
       raise_dynamic_smem_limit(reinterpret_cast<const void*>(kernel), smem);
-      launch_kernel(kernel, dim3(static_cast<unsigned>(p.hidden / gemm::kColsPerCta)),
-                    moe::kMmaThreads, down, stream, static_cast<std::size_t>(smem));
+      launch_stage("moe down + combine", false, kernel,
+                   dim3(static_cast<unsigned>(p.hidden / gemm::kColsPerCta)), moe::kMmaThreads,
+                   down, stream, static_cast<std::size_t>(smem));
     } else if (stream_down) {
       const auto kernel = moe::moe_down_mma_kernel<true, false, 1, true>;
       const int k = std::max(routed > 0 ? p.experts.inter : 0,  // the slots' largest K
                              down.shared_slot ? p.shared.inter : 0);
-      launch_kernel(kernel, down_grid, moe::kMmaThreads, down, stream,
-                    stream_smem(kernel, k, p.fp8));
+      launch_stage("moe down", false, kernel, down_grid, moe::kMmaThreads, down, stream,
+                   stream_smem(kernel, k, p.fp8));
     } else {
-      launch_kernel(down_kernel, down_grid, moe::kMmaThreads, down, stream);
+      launch_stage("moe down", false, down_kernel, down_grid, moe::kMmaThreads, down, stream);
     }
     return;
   }
   M3MSA_CHECK_INTERNAL(shared_gate_up || !has_shared,
                        "the FMA path takes the shared expert's gate/up");
   const dim3 gate_up_grid((inter + moe::kGateUpTile - 1) / moe::kGateUpTile, gate_up_sets);
-  launch_kernel(moe::moe_gate_up_kernel, gate_up_grid, moe::kThreads, gate_up, stream);
+  launch_stage("moe gate/up", false, moe::moe_gate_up_kernel, gate_up_grid, moe::kThreads, gate_up,
+               stream);
   const dim3 down_grid((p.hidden + moe::kDownTile - 1) / moe::kDownTile, down_sets);
-  launch_kernel(moe::moe_down_kernel, down_grid, moe::kThreads, down, stream);
+  launch_stage("moe down", false, moe::moe_down_kernel, down_grid, moe::kThreads, down, stream);
 }
 
 // MoeParams::persistent: one wave at most (a CTA past it would only draw an exit ticket), no more
@@ -329,26 +343,30 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
     if (streamed) {
       const auto kernel = pick ? moe::moe_route_and_shared_kernel<true, true, true>
                                : moe::moe_route_and_shared_kernel<true, true, false>;
-      launch_kernel(kernel, grid, moe::kMmaThreads, p, stream,
-                    stream_smem(kernel, p.hidden, p.fp8));
+      launch_stage("moe router", true, kernel, grid, moe::kMmaThreads, p, stream,
+                   stream_smem(kernel, p.hidden, p.fp8));
     } else {
       const auto kernel = p.fp8 ? (pick ? moe::moe_route_and_shared_kernel<true, false, true>
                                         : moe::moe_route_and_shared_kernel<true, false, false>)
                                 : (pick ? moe::moe_route_and_shared_kernel<false, false, true>
                                         : moe::moe_route_and_shared_kernel<false, false, false>);
-      launch_kernel(kernel, grid, moe::kMmaThreads, p, stream);
+      launch_stage("moe router", true, kernel, grid, moe::kMmaThreads, p, stream);
     }
   } else {
-    launch_kernel(pick ? moe::moe_route_logits_kernel<true> : moe::moe_route_logits_kernel<false>,
-                  dim3(static_cast<unsigned>(p.num_experts)), moe::kRouteThreads, p, stream);
+    launch_stage("moe router", true,
+                 pick ? moe::moe_route_logits_kernel<true> : moe::moe_route_logits_kernel<false>,
+                 dim3(static_cast<unsigned>(p.num_experts)), moe::kRouteThreads, p, stream);
   }
-  if (!pick) launch_kernel(moe::moe_route_topk_kernel, dim3(1), moe::kThreads, p, stream);
+  if (!pick) {
+    launch_stage("moe top-k", true, moe::moe_route_topk_kernel, dim3(1), moe::kThreads, p, stream);
+  }
   const bool down_combine = use_down_combine(p, streamed);
   launch_expert_projections(p, routed, !shared_beside_router, streamed, down_combine, stream);
   if (down_combine) return;
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 1024);
-  launch_kernel(moe::moe_combine_kernel, dim3(static_cast<unsigned>(blocks)), 256, p, stream);
+  launch_stage("moe combine", false, moe::moe_combine_kernel, dim3(static_cast<unsigned>(blocks)),
+               256, p, stream);
 }
 
 std::size_t dense_mlp_workspace_bytes(int intermediate, int rows) {

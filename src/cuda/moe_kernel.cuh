@@ -68,6 +68,12 @@ __device__ __forceinline__ void release_next_kernel() {
   asm volatile("griddepcontrol.launch_dependents;" :::);
 }
 
+// The launch sequence's timeline marks (kMoeLaunchMarks) and CTA kinds (kMoeRouterKinds,
+// kMoeExpertKinds); skipped unless a recorder set p.timeline.
+enum LaunchMark : int { kLaunchStart, kLaunchInputs, kLaunchEnd };
+enum RouterKind : uint32_t { kRouterLogits, kRouterSharedGateUp, kRouterTopk };
+enum ExpertKind : uint32_t { kExpertRouted, kExpertShared, kExpertIdle };
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
@@ -358,6 +364,7 @@ __device__ __forceinline__ void route_and_pick(const MoeParams& p, int e,
   }
   __syncthreads();  // the last CTA's threads read the other CTAs' logits after the acquire
   if (!last) return;
+  timeline::set_kind(p.timeline, kRouterTopk);
   route_topk_apart(p, s_pick, s_used);
 }
 
@@ -366,7 +373,10 @@ template <bool kPick>
 __global__ void __launch_bounds__(kRouteThreads)
     moe_route_logits_kernel(const __grid_constant__ MoeParams p) {
   __shared__ float partial[kRouteWarps][kMoeMaxRows];
+  timeline::mark(p.timeline, kLaunchStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kLaunchEnd};
   wait_previous_kernel();
+  timeline::mark(p.timeline, kLaunchInputs);
   release_next_kernel();
   if constexpr (kPick) {
     route_and_pick(p, blockIdx.x, partial);
@@ -381,7 +391,11 @@ __global__ void __launch_bounds__(kThreads)
   static_assert(kMoeMaxRows * kMoeMaxTopk <= kThreads, "one thread per pick");
   __shared__ int s_pick[kMoeMaxRows * kMoeMaxTopk];
   __shared__ uint32_t s_used[kMoeMaxExperts / 32];
+  timeline::mark(p.timeline, kLaunchStart);
+  timeline::set_kind(p.timeline, kRouterTopk);
+  const timeline::MarkOnExit end_mark{p.timeline, kLaunchEnd};
   wait_previous_kernel();
+  timeline::mark(p.timeline, kLaunchInputs);
   release_next_kernel();
   route_topk(p, s_pick, s_used);
 }
@@ -437,8 +451,11 @@ __device__ __forceinline__ int list_tokens(const MoeParams& p, int* tok_row, int
                                            int& ex) {
   wait_previous_kernel();  // the routing and the activations come from earlier kernels
   const int y = blockIdx.y;
-  const int count = slot_tokens(p, y, p.shared_slot != 0 && y == static_cast<int>(gridDim.y) - 1,
-                                tok_row, tok_slot, ex);
+  const bool shared = p.shared_slot != 0 && y == static_cast<int>(gridDim.y) - 1;
+  const int count = slot_tokens(p, y, shared, tok_row, tok_slot, ex);
+  timeline::mark(p.timeline, kLaunchInputs);
+  timeline::set_kind(p.timeline,
+                     count == 0 ? kExpertIdle : (shared ? kExpertShared : kExpertRouted));
   release_next_kernel();
   return count;
 }
@@ -447,6 +464,8 @@ __global__ void __launch_bounds__(kThreads)
     moe_gate_up_kernel(const __grid_constant__ MoeParams p) {
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
+  timeline::mark(p.timeline, kLaunchStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kLaunchEnd};
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
   if (ntok == 0) return;
@@ -505,6 +524,8 @@ __global__ void __launch_bounds__(kThreads)
 __global__ void __launch_bounds__(kThreads) moe_down_kernel(const __grid_constant__ MoeParams p) {
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
+  timeline::mark(p.timeline, kLaunchStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kLaunchEnd};
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
   if (ntok == 0) return;
@@ -661,6 +682,8 @@ __global__ void __launch_bounds__(kMmaThreads, (kDeep || kStream) ? kMmaDeepMinC
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  timeline::mark(p.timeline, kLaunchStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kLaunchEnd};
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
   if (ntok == 0) return;
@@ -686,9 +709,13 @@ __global__ void __launch_bounds__(kMmaThreads)
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  timeline::mark(p.timeline, kLaunchStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kLaunchEnd};
   wait_previous_kernel();
+  timeline::mark(p.timeline, kLaunchInputs);
   release_next_kernel();
   const int cta = blockIdx.x;
+  if (cta >= p.num_experts) timeline::set_kind(p.timeline, kRouterSharedGateUp);
   if (cta < p.num_experts) {
     if constexpr (kPick) {
       route_and_pick(p, cta, partial);
@@ -789,6 +816,8 @@ __global__ void __launch_bounds__(kMmaThreads,
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float s_red[kTiles][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
+  timeline::mark(p.timeline, kLaunchStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kLaunchEnd};
   int ex = -1;
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
   if (ntok == 0) return;
@@ -858,6 +887,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
   const int t = lane & 3;
   const int H = p.hidden;
   const int n0 = static_cast<int>(blockIdx.x) * gemm::kColsPerCta;
+  timeline::mark(p.timeline, kLaunchStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kLaunchEnd};
   wait_previous_kernel();  // the slots and the activations come from earlier kernels
   // The segments: the slots with an expert (a prefix: slot y is the y-th smallest picked expert),
   // then the shared expert with every row at pick slot topk.
@@ -889,6 +920,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
   }
   const int segments = used + (has_shared ? 1 : 0);
   __syncthreads();
+  timeline::mark(p.timeline, kLaunchInputs);
 
   uint64_t* full = reinterpret_cast<uint64_t*>(s_stream);
   uint8_t* ring = s_stream + gemm::kStreamBarrierBytes;
@@ -964,7 +996,10 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
 }
 
 __global__ void moe_combine_kernel(const __grid_constant__ MoeParams p) {
+  timeline::mark(p.timeline, kLaunchStart);
+  const timeline::MarkOnExit end_mark{p.timeline, kLaunchEnd};
   wait_previous_kernel();
+  timeline::mark(p.timeline, kLaunchInputs);
   release_next_kernel();
   const int64_t total = static_cast<int64_t>(p.rows) * p.hidden;
   for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < total;

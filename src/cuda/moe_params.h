@@ -113,10 +113,19 @@ struct MoeParams {
   // kernel's status word (moe_kernel.cuh, kSync*): zero before the first launch
   // (moe_workspace_bytes' contract); each launch leaves the counters zero.
   uint32_t* sync = nullptr;
-  // Stage timeline (timeline.h) of the persistent kernel: one record per work item (ticket
-  // order), marks kMoePersistentMarks, kinds kMoePersistentKinds; null: not recorded.
+  // Stage timeline (timeline.h) of the launch: per CTA (marks kMoeLaunchMarks; kinds
+  // kMoeRouterKinds in the router's launch, else kMoeExpertKinds), or in the persistent kernel
+  // one record per work item (ticket order; kMoePersistentMarks, kMoePersistentKinds); null: not
+  // recorded.
   uint64_t* timeline = nullptr;
 };
+
+// The launch sequence's timeline (every kernel but the persistent one): when each CTA started,
+// had its inputs (the previous kernels' outputs it waits for: the programmatic wait and, for the
+// expert kernels, their slot's token list) and ended, by kind of CTA.
+inline constexpr const char* kMoeLaunchMarks[] = {"start", "inputs ready", "end"};
+inline constexpr const char* kMoeRouterKinds[] = {"router logits", "shared gate/up", "top-k"};
+inline constexpr const char* kMoeExpertKinds[] = {"routed", "shared expert", "no tokens"};
 
 // The persistent kernel's timeline: when each work item started, had its inputs (the counters
 // it waits on complete) and ended, by kind of item.

@@ -214,6 +214,69 @@ void expect_recorded_persistent_launch(const cuda::MoeParams& p, cudaStream_t st
   EXPECT_FALSE(cuda::timeline::summarize(rec.launches(), words).empty());
 }
 
+// The launch sequence under a timeline recorder: `eager`'s bits, one recorded launch per kernel
+// (cuda::moe_launches), every CTA started, had its inputs and ended in that order, of the kinds
+// its launch has (the router's launch: a CTA per expert's logits, one of them or a launch of its
+// own taking the top-k, the shared expert's gate/up tiles beside them; the expert launches:
+// routed, shared expert or no tokens), and every launch's CTAs had their inputs only after every
+// CTA of the launch before it ended (the programmatic wait, or stream order).
+void expect_recorded_launch_sequence(const cuda::MoeParams& p, cudaStream_t stream,
+                                     const TensorView& out, const HostTensor& eager) {
+  cuda::timeline::Recorder rec;
+  CUDA_CHECK(cudaMemsetAsync(out.data, 0xFF, eager.nbytes(), stream));
+  {
+    cuda::timeline::Scope scope(rec);
+    cuda::launch_moe(p, stream);
+  }
+  CUDA_CHECK(cudaStreamSynchronize(stream));
+  HostTensor again(eager.dtype(), eager.shape());
+  CUDA_CHECK(cudaMemcpy(again.data(), out.data, again.nbytes(), cudaMemcpyDeviceToHost));
+  EXPECT_EQ(std::memcmp(again.data(), eager.data(), eager.nbytes()), 0)
+      << "a recorded launch changed the output";
+  const auto& launches = rec.launches();
+  ASSERT_EQ(launches.size(), static_cast<std::size_t>(cuda::moe_launches(p)));
+  const std::vector<uint64_t> words = rec.read();
+  uint64_t previous_end = 0;
+  int topk_ctas = 0;
+  for (std::size_t i = 0; i < launches.size(); ++i) {
+    const cuda::timeline::Launch& l = launches[i];
+    SCOPED_TRACE(l.kernel);
+    ASSERT_EQ(l.marks.size(), 3u);
+    const bool router = l.kernel == "moe router" || l.kernel == "moe top-k";
+    EXPECT_EQ(i == 0, l.kernel == "moe router") << "launch " << i;
+    std::vector<int64_t> per_kind(l.kinds.size(), 0);
+    uint64_t first_inputs = ~uint64_t{0};
+    uint64_t last_end = 0;
+    for (int64_t u = 0; u < l.units; ++u) {
+      const uint64_t* r = words.data() + (l.first + u) * cuda::timeline::kWords;
+      ASSERT_NE(r[0], 0u) << "CTA " << u << " has no start";
+      ASSERT_NE(r[1], 0u) << "CTA " << u << " has no inputs mark";
+      ASSERT_NE(r[2], 0u) << "CTA " << u << " has no end";
+      EXPECT_LE(r[0], r[1]) << "CTA " << u;
+      EXPECT_LE(r[1], r[2]) << "CTA " << u;
+      first_inputs = std::min(first_inputs, r[1]);
+      last_end = std::max(last_end, r[2]);
+      const uint64_t kind = r[cuda::timeline::kMarks] >> 32;
+      ASSERT_LT(kind, l.kinds.size()) << "CTA " << u;
+      ++per_kind[static_cast<std::size_t>(kind)];
+    }
+    if (router) {
+      topk_ctas += static_cast<int>(per_kind[2]);
+      if (l.kernel == "moe router") {
+        EXPECT_EQ(per_kind[0] + per_kind[2], p.num_experts) << "logits CTAs";
+        EXPECT_EQ(per_kind[0] + per_kind[1] + per_kind[2], l.units);
+      }
+    }
+    if (i > 0) {
+      EXPECT_GE(first_inputs, previous_end)
+          << "a CTA had its inputs before the launch before it ended";
+    }
+    previous_end = last_end;
+  }
+  EXPECT_EQ(topk_ctas, 1) << "one CTA takes the top-k";
+  EXPECT_FALSE(cuda::timeline::summarize(launches, words).empty());
+}
+
 void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) {
   ModelConfig m;
   m.hidden = c.hidden;
@@ -374,6 +437,11 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       EXPECT_EQ(status, 0u) << kernels.name << ": a persistent wait gave up";
       if (cuda::moe_runs_persistent(p)) {
         expect_recorded_persistent_launch(p, stream.get(), dout.view, got);
+      } else if (std::string(kernels.name) == "mma" || std::string(kernels.name) == "fma" ||
+                 std::string(kernels.name) == "mma-topk-apart" ||
+                 std::string(kernels.name) == "mma-down-apart") {
+        // Every kernel of the launch sequence stamps its CTAs (these choices launch each one).
+        expect_recorded_launch_sequence(p, stream.get(), dout.view, got);
       }
     }
   }

@@ -154,7 +154,9 @@ __device__ __forceinline__ void route_logits(const MoeParams& p, int e,
   float acc[kMoeMaxRows];
 #pragma unroll
   for (int r = 0; r < kMoeMaxRows; ++r) acc[r] = 0.0f;
-  // kRouteLoads gate float4s in flight per lane, then consumed in the order of i: the same sums.
+  // kRouteLoads gate float4s in flight per lane, then per row its kRouteLoads pieces of x in
+  // flight at once (a load per piece after the previous one's use was a round trip each), consumed
+  // in the order of i: the same sums.
   for (int base = begin + lane; base < end; base += 32 * kRouteLoads) {
     float4 w[kRouteLoads];
 #pragma unroll
@@ -163,18 +165,23 @@ __device__ __forceinline__ void route_logits(const MoeParams& p, int e,
       w[u] = i < end ? __ldg(g + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
 #pragma unroll
-    for (int u = 0; u < kRouteLoads; ++u) {
-      const int i = base + 32 * u;
-      if (i >= end) break;
+    for (int r = 0; r < kMoeMaxRows; ++r) {
+      if (r < p.rows) {
+        const uint2* x = reinterpret_cast<const uint2*>(p.x + static_cast<int64_t>(r) * p.hidden);
+        uint2 xr[kRouteLoads];
 #pragma unroll
-      for (int r = 0; r < kMoeMaxRows; ++r) {
-        if (r < p.rows) {
-          const uint2 xr =
-              __ldg(reinterpret_cast<const uint2*>(p.x + static_cast<int64_t>(r) * p.hidden) + i);
-          acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.x)), w[u].x, acc[r]);
-          acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.x >> 16)), w[u].y, acc[r]);
-          acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.y)), w[u].z, acc[r]);
-          acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr.y >> 16)), w[u].w, acc[r]);
+        for (int u = 0; u < kRouteLoads; ++u) {
+          const int i = base + 32 * u;
+          xr[u] = i < end ? __ldg(x + i) : make_uint2(0u, 0u);
+        }
+#pragma unroll
+        for (int u = 0; u < kRouteLoads; ++u) {
+          if (base + 32 * u < end) {
+            acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr[u].x)), w[u].x, acc[r]);
+            acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr[u].x >> 16)), w[u].y, acc[r]);
+            acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr[u].y)), w[u].z, acc[r]);
+            acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr[u].y >> 16)), w[u].w, acc[r]);
+          }
         }
       }
     }

@@ -23,8 +23,7 @@
 // (copy 0, input 0): every output finite, a guard row after it still poisoned; with both kernel
 // kinds requested, mma against fma within |a - b| <= max|fma row| / 128 + 1e-6 (the bound of
 // tests/cuda/moe_kernel_test.cc against the CPU oracle); mma-ring, mma-shared-late, mma-deep,
-// mma-down4, mma-persistent, mma-down-apart, mma-down-combine, mma-no-prefetch and
-// mma-prefetch-down give mma's bits; one
+// mma-down4, mma-persistent, mma-down-apart and mma-down-combine give mma's bits; one
 // launch captured in a graph and replayed over the poisoned output gives the eager bits. A failure
 // exits 1 after the run.
 #include <cuda_runtime.h>
@@ -212,9 +211,7 @@ int run_moe_bench(int argc, char** argv) {
       "mma-persistent (the whole MoE in one launch: MoeParams::persistent; the dense "
       "MLP runs mma), mma-down-apart (the down projection and the combine in two launches at "
       "every row count: MoeParams::down_combine 0), mma-down-combine (in one launch "
-      "at every row count: MoeParams::down_combine_max_rows), mma-no-prefetch (no weight "
-      "bytes asked into L2 ahead of the rings: MoeParams::prefetch off), mma-prefetch-down (the "
-      "gate/up CTAs also ask their expert's down weights into L2: MoeParams::prefetch_down)");
+      "at every row count: MoeParams::down_combine_max_rows)");
   app.add_option("--what", opt.what_text,
                  "comma-separated: moe (router + routed + shared experts), dense (the MLP of "
                  "layers 0-2)");
@@ -243,8 +240,7 @@ int run_moe_bench(int argc, char** argv) {
   opt.kernels = choice_list(
       "--kernels", opt.kernels_text,
       {"mma", "mma-ring", "mma-shared-late", "mma-topk-apart", "mma-topk-in-router", "fma",
-       "mma+pdl", "mma-deep", "mma-down4", "mma-persistent", "mma-down-apart", "mma-down-combine",
-       "mma-no-prefetch", "mma-prefetch-down"});
+       "mma+pdl", "mma-deep", "mma-down4", "mma-persistent", "mma-down-apart", "mma-down-combine"});
   opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
   require_range("--reps", opt.reps, 1);
   require_range("--min-launches", opt.min_launches, 1);
@@ -410,8 +406,6 @@ int run_moe_bench(int argc, char** argv) {
             if (kernels == "mma-topk-in-router") p.router_picks_max_rows = cuda::kMoeMaxRows;
             if (kernels == "mma-down-apart") p.down_combine = 0;
             if (kernels == "mma-down-combine") p.down_combine_max_rows = cuda::kMoeMaxRows;
-            p.prefetch = kernels != "mma-no-prefetch";
-            p.prefetch_down = kernels == "mma-prefetch-down";
             return p;
           };
           auto launch = [&](const cuda::MoeParams& p) {
@@ -502,8 +496,7 @@ int run_moe_bench(int argc, char** argv) {
               const std::string& k = opt.kernels[ki];
               if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-topk-apart" &&
                   k != "mma-topk-in-router" && k != "mma-deep" && k != "mma-down4" &&
-                  k != "mma-persistent" && k != "mma-down-apart" && k != "mma-down-combine" &&
-                  k != "mma-no-prefetch" && k != "mma-prefetch-down")
+                  k != "mma-persistent" && k != "mma-down-apart" && k != "mma-down-combine")
                 continue;
               checks[ki].same_as_mma =
                   std::memcmp(checks[ki].eager.data(), mma.eager.data(), mma.eager.size() * 4) == 0;

@@ -54,11 +54,4 @@ __device__ __forceinline__ void bulk_copy(void* dst, const void* src, uint32_t b
       : "memory");
 }
 
-// Asks the bulk-copy engine to bring `bytes` (a multiple of 16) from global `src` (16-byte
-// aligned) into L2, with no completion to wait for: the DRAM reads of a stream start at once, and
-// the ring's later copies of those bytes then wait an L2 round trip instead of a DRAM one.
-__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-}
-
 }  // namespace m3msa::cuda

@@ -477,14 +477,6 @@ struct StreamOperands {
   const uint8_t* w_first[2] = {nullptr, nullptr};
   const uint8_t* scale_first[2] = {nullptr, nullptr};
   int k = 0;
-  // With the first fill, the rest of every present row (past the ring's first slots) is asked
-  // into L2 (bulk_prefetch_l2): the tile's DRAM reads all start at once, and its later stages
-  // wait on L2 instead of a DRAM round trip each. The same bits.
-  bool prefetch_l2 = false;
-  // Other bytes asked into L2 with the first fill, after the tile's own (null: none; 16-byte
-  // aligned, sizes multiples of 16).
-  const void* also_l2[2] = {nullptr, nullptr};
-  uint32_t also_l2_bytes[2] = {0u, 0u};
 };
 
 // Stages of k per weight row, and the dynamic shared memory a streamed tile of that k takes: the
@@ -578,27 +570,11 @@ __device__ __forceinline__ void tile_accumulate_streamed(
       }
     }
   };
-  // The rows' bytes past the first `slots` stages (op.prefetch_l2).
-  const auto prefetch_rest = [&] {
-    const int64_t head = static_cast<int64_t>(slots) * kStreamStageBytes;
-    if (!op.prefetch_l2 || row_bytes <= head) return;
-    const auto rest = static_cast<uint32_t>(row_bytes - head);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      if (!col_ok[j]) continue;
-      for (int r = 0; r < 8; ++r) bulk_prefetch_l2(op.w_first[j] + r * row_bytes + head, rest);
-    }
-  };
   if (tid == 0) {
     for (int i = 0; i < slots; ++i) mbar_init(&full[i], 1);
     mbar_init_fence();
     if (tiles_present > 0) {
       for (int s = 0; s < slots; ++s) fill(s);
-      prefetch_rest();
-    }
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      if (op.also_l2[i] != nullptr) bulk_prefetch_l2(op.also_l2[i], op.also_l2_bytes[i]);
     }
   }
   __syncthreads();  // the barriers' inits before anyone waits on them

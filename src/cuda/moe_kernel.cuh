@@ -607,31 +607,10 @@ __device__ __forceinline__ const uint8_t* scale_row(const uint8_t* scales, int64
   return scales + row * (k / kMxfp8Block);
 }
 
-// Piece `index` of `pieces` of expert e's down weights and of their scales (MXFP8), as ranges for
-// StreamOperands::also_l2 (MoeParams::prefetch_down): H x I bytes and H x I / 32 bytes, each a
-// multiple of 16 (H % 16 == 0, I % 64 == 0), cut at multiples of 16.
-__device__ __forceinline__ void down_prefetch_piece(const MoeExpertSet& set, int64_t e, int H,
-                                                    int index, int pieces,
-                                                    gemm::StreamOperands& op) {
-  const int64_t bytes = static_cast<int64_t>(H) * set.inter;
-  const uint8_t* bases[2] = {static_cast<const uint8_t*>(set.w2) + e * bytes,
-                             set.w2_scale + e * (bytes / kMxfp8Block)};
-  const int64_t totals[2] = {bytes, bytes / kMxfp8Block};
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int64_t each = (totals[i] / pieces + 15) / 16 * 16;
-    const int64_t begin = each * index;
-    if (begin >= totals[i] || each == 0) continue;
-    op.also_l2[i] = bases[i] + begin;
-    op.also_l2_bytes[i] = static_cast<uint32_t>(min(each, totals[i] - begin));
-  }
-}
-
 // One gate/up tile (rows j0 .. j0 + 7 of gate and up) of expert e (the shared expert: e = 0 of
 // p.shared) for the ntok listed tokens, with the activation stored.
 // kStream: the weights stream through `stream_smem` (gemm::tile_accumulate_streamed, the same
-// bits; intermediates a multiple of 8, so every tile is whole), else the register ring; with
-// MoeParams::prefetch_down it also asks its piece of the expert's down weights into L2.
+// bits; intermediates a multiple of 8, so every tile is whole), else the register ring.
 template <bool kFp8, int kInFlight, bool kStream = false>
 __device__ __forceinline__ void gate_up_tile(
     const MoeParams& p, bool shared, int64_t e, int ntok, const int* tok_row, const int* tok_slot,
@@ -657,11 +636,6 @@ __device__ __forceinline__ void gate_up_tile(
       op.scale_first[1] = scale_row(set.w13_scale, up, H);
     }
     op.k = H;
-    op.prefetch_l2 = p.prefetch;
-    if (kFp8 && p.prefetch_down) {  // piece j0 / 8 of the expert's I / 8 tiles
-      down_prefetch_piece(set, e, H, j0 / kMmaGateUpRows,
-                          (I + kMmaGateUpRows - 1) / kMmaGateUpRows, op);
-    }
     gemm::tile_accumulate_streamed<kFp8, kMmaWarps, kFp8>(op, stream_smem, s_red);
   } else {
     gemm::TileOperands op;
@@ -812,7 +786,6 @@ __device__ __forceinline__ void down_tiles(
       if constexpr (kFp8) so.scale_first[j] = scale_row(set.w2_scale, e * H + n, I);
     }
     so.k = I;
-    so.prefetch_l2 = p.prefetch;
     gemm::tile_accumulate_streamed<kFp8, kMmaWarps, kFp8>(so, stream_smem, s_red[0]);
   } else if constexpr (kTiles == 1 && !kFresh) {
     gemm::tile_accumulate<kFp8, kInFlight, false, kMmaWarps, 1, kFp8>(op, s_red[0]);
@@ -981,17 +954,6 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     for (int i = 0; i < kSlots; ++i) mbar_init(&full[i], 1);
     mbar_init_fence();
     for (int seg = 0; seg < segments && seg < kSlots; ++seg) fill(seg);
-    // The later segments' 16 consecutive rows and their scales into L2 (MoeParams::prefetch).
-    for (int seg = kSlots; p.prefetch && seg < segments; ++seg) {
-      const bool shared = s_seg_expert[seg] == p.num_experts;
-      const MoeExpertSet& set = shared ? p.shared : p.experts;
-      const int K = set.inter;
-      const int64_t first = (shared ? 0 : int64_t{s_seg_expert[seg]}) * H + n0;
-      bulk_prefetch_l2(static_cast<const uint8_t*>(set.w2) + first * K,
-                       static_cast<uint32_t>(gemm::kColsPerCta * K));
-      bulk_prefetch_l2(set.w2_scale + first * (K / kMxfp8Block),
-                       static_cast<uint32_t>(gemm::kColsPerCta * (K / kMxfp8Block)));
-    }
   }
   __syncthreads();  // the barriers' inits before anyone waits on them
 

@@ -87,13 +87,6 @@ struct MoeParams {
   // tokens 8 % faster at TP 8 and 2 % slower at TP 4 (a CTA's 16 experts in series).
   int down_combine = kMoeDownCombineSlots;
   int down_combine_max_rows = kMoeDownCombineMaxRows;
-  // The streamed kernels ask each CTA's weight bytes past its ring's first stages into L2 when
-  // the CTA starts (bulk_prefetch_l2: the gate/up tiles' rows, the down + combine launch's later
-  // experts), so the DRAM reads start at once and the ring's stages wait on L2; the same bits.
-  bool prefetch = true;
-  // The streamed gate/up CTAs of each expert also ask that expert's down weights (and scales)
-  // into L2, a 1 / gridDim.x piece each, so the down launch reads them from L2; the same bits.
-  bool prefetch_down = false;
   // Set by the launcher per launch: 1 when the expert grid's last row is the shared expert.
   int shared_slot = 0;
   int rows = 0;

@@ -57,9 +57,7 @@ HostTensor host_of(const TensorView& v) {
 // launches, tensor cores with more chunks in flight (MoeParams::deep), the down
 // projection's tiles sharing one load ring (MoeParams::down_tiles), and the whole MoE in one
 // persistent launch (MoeParams::persistent, twice, so a launch after one that ran finds the
-// counters reset), no weight bytes asked into L2 ahead of the rings (MoeParams::prefetch off) and
-// the experts' down weights asked into L2 by the gate/up CTAs (MoeParams::prefetch_down); the
-// register ring and the last ones must give mma's bits (the first choice).
+// counters reset); the register ring and the last ones must give mma's bits (the first choice).
 struct KernelChoice {
   bool tensor_cores;
   bool pdl;
@@ -72,13 +70,11 @@ struct KernelChoice {
   int router_picks_max_rows = cuda::kMoeRouterPicksMaxRows;
   int down_combine = cuda::kMoeDownCombineSlots;  // MoeParams::down_combine
   int down_combine_max_rows = cuda::kMoeDownCombineMaxRows;
-  bool prefetch = true;        // MoeParams::prefetch
-  bool prefetch_down = false;  // MoeParams::prefetch_down
   bool same_bits_as_mma() const {
     return deep || down_tiles > 1 || persistent || !stream || !shared_with_router ||
            router_picks_max_rows != cuda::kMoeRouterPicksMaxRows ||
            down_combine != cuda::kMoeDownCombineSlots ||
-           down_combine_max_rows != cuda::kMoeDownCombineMaxRows || !prefetch || prefetch_down;
+           down_combine_max_rows != cuda::kMoeDownCombineMaxRows;
   }
 };
 constexpr KernelChoice kKernelChoices[] = {
@@ -97,11 +93,7 @@ constexpr KernelChoice kKernelChoices[] = {
     {true, false, true, 1, false, "mma-deep"},
     {true, false, false, cuda::kMoeDownTiles, false, "mma-down4"},
     {true, false, false, 1, true, "mma-persistent"},
-    {true, true, false, 1, true, "mma-persistent+pdl"},
-    {true, false, false, 1, false, "mma-no-prefetch", true, true, cuda::kMoeRouterPicksMaxRows,
-     cuda::kMoeDownCombineSlots, cuda::kMoeDownCombineMaxRows, false},
-    {true, false, false, 1, false, "mma-prefetch-down", true, true, cuda::kMoeRouterPicksMaxRows,
-     cuda::kMoeDownCombineSlots, cuda::kMoeDownCombineMaxRows, true, true}};
+    {true, true, false, 1, true, "mma-persistent+pdl"}};
 
 // Records the "mma" choice's output; the deep, tiled and persistent choices must give its bits
 // (the same k order).
@@ -389,8 +381,6 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       p.router_picks_max_rows = kernels.router_picks_max_rows;
       p.down_combine = kernels.down_combine;
       p.down_combine_max_rows = kernels.down_combine_max_rows;
-      p.prefetch = kernels.prefetch;
-      p.prefetch_down = kernels.prefetch_down;
       cuda::Stream stream;
       cuda::launch_moe(p, stream.get());
       if (kernels.persistent) {  // again, on counters the first launch reset

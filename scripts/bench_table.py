@@ -5,10 +5,15 @@ files") as a markdown table, so the tables of docs/benchmarks.md can be regenera
   scripts/bench_table.py bench/results/indexer.json
   scripts/bench_table.py bench/results/attention.json --where kv=fp8 --where q_len=1
   scripts/bench_table.py bench/results/layer.json --columns weights,tokens,q_len,context,median_us
+  scripts/bench_table.py bench/results/moe-timeline-h100.json --where tp=4 --timeline
 
 Columns: the benchmark's default set (DEFAULT_COLUMNS), or --columns (comma list of row keys;
 `key=Heading` renames one). A column no row has is left out; a row without a value shows "-".
 Above the table a line gives the command, card, date and commit (--no-header leaves it out).
+--timeline: instead, per row that has one (`--timeline` runs), its stage timeline as the bench
+printed it: per kernel, kind and stage, the records that reached it, on how many SMs, the first,
+median and last time after the first recorded start, and the medians since each record's start
+and of the stage itself.
 Python 3 standard library only.
 """
 
@@ -30,7 +35,16 @@ DEFAULT_COLUMNS = {
     "speedup_vs_torch,torch_op,check",
     "allreduce": "mode,rows,kib_per_rank,oneshot_us,oneshot_noise,nccl_us,nccl_over_oneshot,"
     "floor_us,oneshot_over_floor",
+    "moe": "what,tp,dtype,tokens,kernels,distinct_experts_mean,median_us,noise,bytes,floor_us,"
+    "pct_of_floor,check",
 }
+
+# The columns of a timeline (one entry per kernel, kind and stage) and their headings.
+TIMELINE_COLUMNS = [("kernel", "kernel"), ("kind", "kind"), ("mark", "stage"),
+                    ("reached", "reached"), ("sms", "SMs"), ("first_us", "first us"),
+                    ("median_us", "median us"), ("last_us", "last us"),
+                    ("median_since_start_us", "median since own start"),
+                    ("median_stage_us", "median stage us")]
 
 HEADINGS = {
     "median_us": "median us",
@@ -57,6 +71,7 @@ HEADINGS = {
     "nccl_over_oneshot": "nccl / one-shot",
     "oneshot_over_floor": "one-shot / floor",
     "torch_op": "torch op",
+    "distinct_experts_mean": "experts read",
 }
 
 
@@ -113,6 +128,47 @@ def matches(row, where):
     return True
 
 
+def header(doc, benchmark):
+    return "`%s` on %s, %s, commit %s%s" % (
+        doc.get("command", "m3msa bench " + benchmark), doc.get("card", "?"),
+        str(doc.get("date", "?"))[:10], doc.get("commit", "unknown"),
+        "" if doc.get("complete", True) else " (incomplete: stopped by a time limit)")
+
+
+def print_timelines(doc, rows, spec, no_header):
+    """Each row's timeline (rows without one are skipped), under a line naming the row."""
+    timed = [r for r in rows if r.get("timeline")]
+    if not timed:
+        raise SystemExit("bench_table.py: no selected row has a timeline (run the bench with "
+                         "--timeline)")
+    keys = [item.partition("=")[0] for item in spec.split(",")]
+    out = []
+    if not no_header:
+        out.append(header(doc, doc.get("benchmark", "?")))
+        out.append("")
+    for r in timed:
+        label = ", ".join("%s %s" % (k, cell(k, r[k])) for k in keys
+                          if isinstance(r.get(k), (int, str, bool)) and k != "check")
+        out.append("%s: %s us" % (label, cell("median_us", r.get("median_us"))))
+        out.append("")
+        out.append("| " + " | ".join(h for _, h in TIMELINE_COLUMNS) + " |")
+        out.append("|" + "---|" * len(TIMELINE_COLUMNS))
+        for t in r["timeline"]:
+            values = []
+            for k, _ in TIMELINE_COLUMNS:
+                v = t.get(k)
+                if k == "reached" and "units" in t:
+                    values.append("%s/%s" % (v, t["units"]))
+                elif isinstance(v, float):
+                    values.append("%.2f" % v)
+                else:
+                    values.append("-" if v is None else str(v).replace("|", "\\|"))
+            out.append("| " + " | ".join(values) + " |")
+        out.append("")
+    sys.stdout.write("\n".join(out))
+    return 0
+
+
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("file", help="a result file written by `m3msa bench NAME --json FILE`")
@@ -121,6 +177,8 @@ def main(argv):
                         help="keep rows whose KEY prints as VALUE (repeatable)")
     parser.add_argument("--no-header", action="store_true",
                         help="only the table, without the command / card / date / commit line")
+    parser.add_argument("--timeline", action="store_true",
+                        help="print each selected row's stage timeline instead of the table")
     args = parser.parse_args(argv)
 
     with open(args.file, encoding="utf-8") as f:
@@ -140,12 +198,12 @@ def main(argv):
         if any(key in r for r in rows):
             columns.append((key, heading or HEADINGS.get(key, key)))
 
+    if args.timeline:
+        return print_timelines(doc, rows, spec, args.no_header)
+
     out = []
     if not args.no_header:
-        out.append("`%s` on %s, %s, commit %s%s" % (
-            doc.get("command", "m3msa bench " + benchmark), doc.get("card", "?"),
-            str(doc.get("date", "?"))[:10], doc.get("commit", "unknown"),
-            "" if doc.get("complete", True) else " (incomplete: stopped by a time limit)"))
+        out.append(header(doc, benchmark))
         out.append("")
     out.append("| " + " | ".join(h for _, h in columns) + " |")
     out.append("|" + "---|" * len(columns))

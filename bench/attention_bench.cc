@@ -271,8 +271,8 @@ int run_attention_bench(int argc, char** argv) {
   app.add_option("--tunings", tunings,
                  "';'-separated launcher tunings to time side by side (attention.h: "
                  "splitp, cluster, pdl, splits, rows, early, balance; 'default' = the library "
-                 "default); configurations where "
-                 "two tunings give the same launch are timed once");
+                 "default); configurations where two tunings give the same launch are timed "
+                 "once");
   bool quick = false;
   app.add_flag("--quick", quick, "subset: batch 1,32 x q_len 1 x 128K, default tuning only");
   app.add_option("--json", json_path, "write the results as JSON here");

@@ -135,11 +135,14 @@ __device__ __forceinline__ bool key_before(float ka, int a, float kb, int b) {
 // Warps of a logits CTA: each takes a contiguous 1/kRouteWarps of K.
 inline constexpr int kRouteWarps = 4;
 inline constexpr int kRouteThreads = kRouteWarps * 32;
-// Gate-row float4 loads in flight per lane (M3's hidden 6144: 12 per lane, two round trips; 12 at
-// once raised the persistent kernel's spills).
-inline constexpr int kRouteLoads = 6;
+// Gate-row float4 loads in flight per lane: M3's hidden 6144 is 12 per lane, one round trip in the
+// launch sequence's router kernels; the persistent kernel takes two of 6 (12 at once raised its
+// spills).
+inline constexpr int kRouteLoads = 12;
+inline constexpr int kRouteLoadsPersistent = 6;
 
 // Expert e's logit for every row (a CTA of kRouteThreads): s and key into the workspace.
+template <int kLoads = kRouteLoads>
 __device__ __forceinline__ void route_logits(const MoeParams& p, int e,
                                              float (&partial)[kRouteWarps][kMoeMaxRows]) {
   const int warp = threadIdx.x / 32;
@@ -154,13 +157,13 @@ __device__ __forceinline__ void route_logits(const MoeParams& p, int e,
   float acc[kMoeMaxRows];
 #pragma unroll
   for (int r = 0; r < kMoeMaxRows; ++r) acc[r] = 0.0f;
-  // kRouteLoads gate float4s in flight per lane, then per row its kRouteLoads pieces of x in
+  // kLoads gate float4s in flight per lane, then per row its kLoads pieces of x in
   // flight at once (a load per piece after the previous one's use was a round trip each), consumed
   // in the order of i: the same sums.
-  for (int base = begin + lane; base < end; base += 32 * kRouteLoads) {
-    float4 w[kRouteLoads];
+  for (int base = begin + lane; base < end; base += 32 * kLoads) {
+    float4 w[kLoads];
 #pragma unroll
-    for (int u = 0; u < kRouteLoads; ++u) {
+    for (int u = 0; u < kLoads; ++u) {
       const int i = base + 32 * u;
       w[u] = i < end ? __ldg(g + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     }
@@ -168,14 +171,14 @@ __device__ __forceinline__ void route_logits(const MoeParams& p, int e,
     for (int r = 0; r < kMoeMaxRows; ++r) {
       if (r < p.rows) {
         const uint2* x = reinterpret_cast<const uint2*>(p.x + static_cast<int64_t>(r) * p.hidden);
-        uint2 xr[kRouteLoads];
+        uint2 xr[kLoads];
 #pragma unroll
-        for (int u = 0; u < kRouteLoads; ++u) {
+        for (int u = 0; u < kLoads; ++u) {
           const int i = base + 32 * u;
           xr[u] = i < end ? __ldg(x + i) : make_uint2(0u, 0u);
         }
 #pragma unroll
-        for (int u = 0; u < kRouteLoads; ++u) {
+        for (int u = 0; u < kLoads; ++u) {
           if (base + 32 * u < end) {
             acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr[u].x)), w[u].x, acc[r]);
             acc[r] = fmaf(bf16_to_float(static_cast<uint16_t>(xr[u].x >> 16)), w[u].y, acc[r]);
@@ -224,11 +227,34 @@ __device__ __forceinline__ void warp_best_expert(int& best, float& best_key, flo
   }
 }
 
+// What the top-k reads and writes of MoeParams, as values: the out-of-line call would otherwise
+// reach the kernel's parameters through a generic pointer, one dependent load per use (PTX: the
+// expert count reloaded before every key load).
+struct TopkOperands {
+  const float* route_s;
+  const float* route_key;
+  int32_t* topk_ids;
+  float* topk_weights;
+  int32_t* slot_expert;
+  int32_t* slot_count;
+  int32_t* slot_picks;
+  int num_experts;
+  int rows;
+  int topk;
+  float routed_scaling;
+};
+
+__device__ __forceinline__ TopkOperands topk_operands(const MoeParams& p) {
+  return {p.route_s,     p.route_key,  p.topk_ids, p.topk_weights, p.slot_expert,
+          p.slot_count,  p.slot_picks, p.num_experts, p.rows,      p.topk,
+          p.routed_scaling};
+}
+
 // The top-k picks of every row and the step's expert slots (MoeParams::slot_*), by one CTA of any
 // whole number of warps (the picks are warp-local, the slots one thread per pick, <= 128 picks:
 // the same bits for every CTA size). Reads the router's outputs through L2: the persistent kernel
 // writes them earlier in the same launch. s_pick / s_used: CTA-shared scratch.
-__device__ __forceinline__ void route_topk(const MoeParams& p,
+__device__ __forceinline__ void route_topk(const TopkOperands& p,
                                            int (&s_pick)[kMoeMaxRows * kMoeMaxTopk],
                                            uint32_t (&s_used)[kMoeMaxExperts / 32]) {
   const int tid = static_cast<int>(threadIdx.x);
@@ -342,7 +368,7 @@ __device__ __forceinline__ void route_topk(const MoeParams& p,
 
 // route_topk out of line: inlined into the router's kernels it took the registers of the shared
 // expert's gate/up tiles beside it (ptxas: 168 -> 128 registers and spills).
-__device__ __noinline__ void route_topk_apart(const MoeParams& p,
+__device__ __noinline__ void route_topk_apart(const TopkOperands p,
                                               int (&s_pick)[kMoeMaxRows * kMoeMaxTopk],
                                               uint32_t (&s_used)[kMoeMaxExperts / 32]) {
   route_topk(p, s_pick, s_used);
@@ -372,7 +398,7 @@ __device__ __forceinline__ void route_and_pick(const MoeParams& p, int e,
   __syncthreads();  // the last CTA's threads read the other CTAs' logits after the acquire
   if (!last) return;
   timeline::set_kind(p.timeline, kRouterTopk);
-  route_topk_apart(p, s_pick, s_used);
+  route_topk_apart(topk_operands(p), s_pick, s_used);
 }
 
 // kPick: the last CTA takes the top-k (route_and_pick); else moe_route_topk_kernel follows.
@@ -404,7 +430,7 @@ __global__ void __launch_bounds__(kThreads)
   wait_previous_kernel();
   timeline::mark(p.timeline, kLaunchInputs);
   release_next_kernel();
-  route_topk(p, s_pick, s_used);
+  route_topk(topk_operands(p), s_pick, s_used);
 }
 
 // The shared expert's token list: every row, at pick slot k (its place in y).
@@ -1160,7 +1186,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     }
     item_mark(0);
     if (item < it.shared_gate_up) {
-      route_logits(p, item, partial);
+      route_logits<kRouteLoadsPersistent>(p, item, partial);
       count_done(sync + kSyncRouter);
     } else if (item < it.topk) {
       list_every_row(p, tok_row, tok_slot);
@@ -1171,7 +1197,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     } else if (item == it.topk) {
       wait_count(p, sync + kSyncRouter, static_cast<uint32_t>(E));
       item_mark(1);
-      route_topk(p, s_pick, s_used);
+      route_topk(topk_operands(p), s_pick, s_used);
       count_done(sync + kSyncTopk);
     } else if (item < it.routed_gate_up) {
       const int group = item - it.shared_down;

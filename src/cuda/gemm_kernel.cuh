@@ -80,11 +80,21 @@ __device__ __forceinline__ void mma_bf16_16x8x16(float (&c)[4], uint32_t a0, uin
 // kFresh: x was written earlier in the same launch (the persistent moe kernel), so it is read
 // through L2 (ld.global.cg), not the read-only path, which may only serve data the launch never
 // writes.
-template <bool kFp8, bool kFresh = false>
+// kSharedX: the row is in shared memory (a CTA that staged its activations there).
+template <bool kFp8, bool kFresh = false, bool kSharedX = false>
 __device__ __forceinline__ void load_x(const uint16_t* row_chunk, int t, uint32_t (&a)[8]) {
   const auto load = [](const uint16_t* p) {
-    if constexpr (kFresh) return __ldcg(reinterpret_cast<const uint4*>(p));
-    return __ldg(reinterpret_cast<const uint4*>(p));
+    if constexpr (kSharedX) {
+      uint4 v;
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
+      return v;
+    } else if constexpr (kFresh) {
+      return __ldcg(reinterpret_cast<const uint4*>(p));
+    } else {
+      return __ldg(reinterpret_cast<const uint4*>(p));
+    }
   };
   const uint4 lo = load(row_chunk + (kFp8 ? t * 16 : t * 8));
   const uint4 hi = load(row_chunk + (kFp8 ? t * 16 + 8 : 32 + t * 8));
@@ -204,8 +214,10 @@ __device__ __forceinline__ void load_chunk_rows(const uint8_t* const (&w_row)[2]
 // as for load_x. kFoldScale (kMx): slot.scale holds e8m0 codes, and each block scale is folded
 // into the widening's multiply (one rounding either way, so the same bits) instead of a multiply
 // per weight pair; for the streamed tile, whose registers allow the code it takes (the register
-// rings' kernels measured 140 -> 170-180 registers with it).
-template <bool kFp8, int kSub, bool kMx, bool kFresh = false, bool kFoldScale = false>
+// rings' kernels measured 140 -> 170-180 registers with it). kSharedX: x_lo / x_hi point into
+// shared memory (load_x).
+template <bool kFp8, int kSub, bool kMx, bool kFresh = false, bool kFoldScale = false,
+          bool kSharedX = false>
 __device__ __forceinline__ void mma_chunk(const uint16_t* x_lo, const uint16_t* x_hi, int64_t k0,
                                           int t, const ChunkRegs<kFp8, kSub, kMx>& slot,
                                           float (&acc)[2][4], uint32_t (&nan_bits)[2]) {
@@ -213,8 +225,8 @@ __device__ __forceinline__ void mma_chunk(const uint16_t* x_lo, const uint16_t* 
   for (int u = 0; u < kSub; ++u) {
     const int64_t k = k0 + u * kChunk;
     uint32_t a_lo[8] = {}, a_hi[8] = {};
-    if (x_lo != nullptr) load_x<kFp8, kFresh>(x_lo + k, t, a_lo);
-    if (x_hi != nullptr) load_x<kFp8, kFresh>(x_hi + k, t, a_hi);
+    if (x_lo != nullptr) load_x<kFp8, kFresh, kSharedX>(x_lo + k, t, a_lo);
+    if (x_hi != nullptr) load_x<kFp8, kFresh, kSharedX>(x_hi + k, t, a_hi);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       uint32_t b[8];

@@ -130,9 +130,17 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
       }
     }
     if (down_combine) {
-      const auto kernel =
-          p.down_combine == 2 ? moe::moe_down_combine_kernel<2> : moe::moe_down_combine_kernel<3>;
-      const int smem = moe::down_combine_smem_bytes(p.down_combine);
+      // The activations staged in shared memory where they are small (one token row).
+      const int max_k = std::max(p.experts.inter, p.shared.inter);
+      const int segments = std::min(p.num_experts, p.rows * p.topk) + down.shared_slot;
+      const int act_bytes = moe::down_combine_act_bytes(segments, p.rows, max_k);
+      const bool stage = act_bytes <= moe::kDownCombineMaxActBytes;
+      const auto kernel = p.down_combine == 2 ? (stage ? moe::moe_down_combine_kernel<2, true>
+                                                       : moe::moe_down_combine_kernel<2, false>)
+                                              : (stage ? moe::moe_down_combine_kernel<3, true>
+                                                       : moe::moe_down_combine_kernel<3, false>);
+      const int smem =
+          moe::down_combine_smem_bytes(p.down_combine, p.rows, p.topk, stage ? act_bytes : 0);
       raise_dynamic_smem_limit(reinterpret_cast<const void*>(kernel), smem);
       launch_stage("moe down + combine", false, kernel,
                    dim3(static_cast<unsigned>(p.hidden / gemm::kColsPerCta)), moe::kMmaThreads,

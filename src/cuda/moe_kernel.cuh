@@ -245,9 +245,8 @@ struct TopkOperands {
 };
 
 __device__ __forceinline__ TopkOperands topk_operands(const MoeParams& p) {
-  return {p.route_s,     p.route_key,  p.topk_ids, p.topk_weights, p.slot_expert,
-          p.slot_count,  p.slot_picks, p.num_experts, p.rows,      p.topk,
-          p.routed_scaling};
+  return {p.route_s,    p.route_key,   p.topk_ids, p.topk_weights, p.slot_expert,   p.slot_count,
+          p.slot_picks, p.num_experts, p.rows,     p.topk,         p.routed_scaling};
 }
 
 // The top-k picks of every row and the step's expert slots (MoeParams::slot_*), by one CTA of any
@@ -895,24 +894,38 @@ __device__ __forceinline__ void combine_element(const MoeParams& p, int64_t r, i
 inline constexpr int kDownCombineMaxK = gemm::kStreamStageBytes;
 inline constexpr int kDownCombineScaleBytes = gemm::kColsPerCta * (kDownCombineMaxK / kMxfp8Block);
 inline constexpr int kDownCombineSlotBytes = gemm::kStreamSlotBytes + kDownCombineScaleBytes;
-// kSlots: ring stages (segments) in flight (MoeParams::down_combine).
-__host__ __device__ constexpr int down_combine_smem_bytes(int slots) {
-  return gemm::kStreamBarrierBytes + slots * kDownCombineSlotBytes;
+// The dynamic shared memory: the barriers, kSlots ring slots (segments in flight,
+// MoeParams::down_combine), the segments' sums s_y ([rows][topk + 1][16] f32) and, where they are
+// staged (act_bytes > 0, down_combine_act_bytes), the segments' activation rows.
+__host__ __device__ constexpr int down_combine_smem_bytes(int slots, int rows, int topk,
+                                                          int act_bytes) {
+  return gemm::kStreamBarrierBytes + slots * kDownCombineSlotBytes +
+         rows * (topk + 1) * gemm::kColsPerCta * 4 + act_bytes;
+}
+// The activations a CTA stages: every segment's (at most min(E, rows x topk) slots and the shared
+// expert) token rows of K bf16 each, at one pitch of the larger K. Staged where they take at most
+// kDownCombineMaxActBytes (one token row: 5 segments x 1.5 KB at TP 4), so the CTAs per SM stay.
+inline constexpr int kDownCombineMaxActBytes = 16 * 1024;
+__host__ __device__ constexpr int down_combine_act_bytes(int segments, int rows, int max_k) {
+  return segments * rows * max_k * 2;
 }
 inline constexpr int kMoeMaxSlots = kMoeMaxRows * kMoeMaxTopk;  // distinct experts of one step
 
-template <int kSlots>
+// kStageAct: the segments' activation rows are bulk-copied into shared memory with the ring's
+// first fills (one barrier, waited once before the first segment) instead of each warp loading
+// its first chunk's activations from L2 after every segment's wait; the same values, so the same
+// bits.
+template <int kSlots, bool kStageAct = false>
 __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     moe_down_combine_kernel(const __grid_constant__ MoeParams p) {
   static_assert(kMoeMaxSlots <= kMmaThreads, "a thread per slot");
-  static_assert(kSlots * 8 <= gemm::kStreamBarrierBytes, "a barrier per ring slot");
+  static_assert((kSlots + 1) * 8 <= gemm::kStreamBarrierBytes, "a barrier per ring slot + one");
   extern __shared__ __align__(128) uint8_t s_stream[];
   __shared__ int s_seg_expert[kMoeMaxSlots + 1];  // E: the shared expert
   __shared__ int s_seg_count[kMoeMaxSlots + 1];
   __shared__ uint8_t s_seg_row[kMoeMaxSlots + 1][kMoeMaxRows];   // token i's row
   __shared__ uint8_t s_seg_slot[kMoeMaxSlots + 1][kMoeMaxRows];  // its pick slot (topk: shared)
   __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
-  __shared__ float s_y[kMoeMaxRows][kMoeMaxTopk + 1][gemm::kColsPerCta];
   const int tid = static_cast<int>(threadIdx.x);
   const int warp = tid >> 5;
   const int lane = tid & 31;
@@ -957,6 +970,18 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
 
   uint64_t* full = reinterpret_cast<uint64_t*>(s_stream);
   uint8_t* ring = s_stream + gemm::kStreamBarrierBytes;
+  // s_y[row][pick slot][col] at (row * (topk + 1) + pick slot) * 16 + col; then the staged
+  // activations: segment seg's token i at (seg * rows + i) * max_k.
+  float* s_y = reinterpret_cast<float*>(ring + kSlots * kDownCombineSlotBytes);
+  uint16_t* s_act = reinterpret_cast<uint16_t*>(s_y + p.rows * (p.topk + 1) * gemm::kColsPerCta);
+  const int max_k = max(p.experts.inter, p.shared.inter);
+  // The activations of segment seg's token i (the MMA's row i), in global memory.
+  const auto act_row = [&](int seg, int i) -> const uint16_t* {
+    const bool shared = s_seg_expert[seg] == p.num_experts;
+    const int K = shared ? p.shared.inter : p.experts.inter;
+    const int64_t row = s_seg_row[seg][i];
+    return shared ? p.act_shared + row * K : p.act + (row * p.topk + s_seg_slot[seg][i]) * K;
+  };
   // Segment s into ring slot s % kSlots (thread 0): 16 weight rows of K bytes at the
   // ring's padded pitch, then the rows' K / 32 scale bytes each (16 consecutive rows: one copy).
   const auto fill = [&](int seg) {
@@ -977,24 +1002,41 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
               &full[slot]);
   };
   if (tid == 0) {
-    for (int i = 0; i < kSlots; ++i) mbar_init(&full[i], 1);
+    for (int i = 0; i <= kSlots; ++i) mbar_init(&full[i], 1);
     mbar_init_fence();
+    if constexpr (kStageAct) {  // the activations first: the first segment needs them too
+      uint32_t bytes = 0;
+      for (int seg = 0; seg < segments; ++seg) {
+        const bool shared = s_seg_expert[seg] == p.num_experts;
+        bytes += static_cast<uint32_t>(s_seg_count[seg] *
+                                       (shared ? p.shared.inter : p.experts.inter) * 2);
+      }
+      mbar_expect_tx(&full[kSlots], bytes);
+      for (int seg = 0; seg < segments; ++seg) {
+        const bool shared = s_seg_expert[seg] == p.num_experts;
+        const int K = shared ? p.shared.inter : p.experts.inter;
+        for (int i = 0; i < s_seg_count[seg]; ++i) {
+          bulk_copy(s_act + static_cast<int64_t>(seg * p.rows + i) * max_k, act_row(seg, i),
+                    static_cast<uint32_t>(K * 2), &full[kSlots]);
+        }
+      }
+    }
     for (int seg = 0; seg < segments && seg < kSlots; ++seg) fill(seg);
   }
   __syncthreads();  // the barriers' inits before anyone waits on them
+  if constexpr (kStageAct) mbar_wait(&full[kSlots], 0u);
 
   for (int seg = 0; seg < segments; ++seg) {
     const int slot = seg % kSlots;
     const bool shared = s_seg_expert[seg] == p.num_experts;
     const int K = shared ? p.shared.inter : p.experts.inter;
     const int count = s_seg_count[seg];
-    // The activations of the segment's token i (the MMA's row i).
-    const auto act_row = [&](int i) -> const uint16_t* {
-      const int64_t row = s_seg_row[seg][i];
-      return shared ? p.act_shared + row * K : p.act + (row * p.topk + s_seg_slot[seg][i]) * K;
+    const auto x_row = [&](int i) -> const uint16_t* {
+      if constexpr (kStageAct) return s_act + static_cast<int64_t>(seg * p.rows + i) * max_k;
+      return act_row(seg, i);
     };
-    const uint16_t* x_lo = g < count ? act_row(g) : nullptr;
-    const uint16_t* x_hi = g + 8 < count ? act_row(g + 8) : nullptr;
+    const uint16_t* x_lo = g < count ? x_row(g) : nullptr;
+    const uint16_t* x_hi = g + 8 < count ? x_row(g + 8) : nullptr;
     mbar_wait(&full[slot], static_cast<uint32_t>(seg / kSlots) & 1u);
     const uint8_t* stage = ring + slot * kDownCombineSlotBytes;
     const uint8_t* scales = stage + gemm::kStreamSlotBytes;
@@ -1006,8 +1048,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
       gemm::ChunkRegs<true, 1, true> regs;
       gemm::read_stage_chunk<true, 1, true>(stage, scales, scale_row_bytes, 0, c * gemm::kChunk,
                                             kPresent, g, t, regs);
-      gemm::mma_chunk<true, 1, true, false, true>(x_lo, x_hi, int64_t{c} * gemm::kChunk, t, regs,
-                                                  acc, nan_bits);
+      gemm::mma_chunk<true, 1, true, false, true, kStageAct>(x_lo, x_hi, int64_t{c} * gemm::kChunk,
+                                                             t, regs, acc, nan_bits);
     }
     gemm::store_warp_sums<true>(acc, nan_bits, s_red[warp]);
     __syncthreads();  // the slot's readers and the warps' sums are done
@@ -1015,7 +1057,8 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     for (int o = tid; o < count * gemm::kColsPerCta; o += kMmaThreads) {
       const int i = o / gemm::kColsPerCta;
       const int cc = o % gemm::kColsPerCta;
-      s_y[s_seg_row[seg][i]][s_seg_slot[seg][i]][cc] = gemm::warp_order_sum(s_red, i, cc);
+      s_y[(s_seg_row[seg][i] * (p.topk + 1) + s_seg_slot[seg][i]) * gemm::kColsPerCta + cc] =
+          gemm::warp_order_sum(s_red, i, cc);
     }
     __syncthreads();  // s_red is free again; s_y holds the segment
   }
@@ -1023,8 +1066,9 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
   for (int o = tid; o < p.rows * gemm::kColsPerCta; o += kMmaThreads) {
     const int r = o / gemm::kColsPerCta;
     const int cc = o % gemm::kColsPerCta;
+    const float* y_r = s_y + r * (p.topk + 1) * gemm::kColsPerCta + cc;
     p.out[static_cast<int64_t>(r) * H + n0 + cc] =
-        combine_sum(p, r, [&](int k) { return s_y[r][k][cc]; });
+        combine_sum(p, r, [&](int k) { return y_r[k * gemm::kColsPerCta]; });
   }
 }
 

@@ -326,11 +326,11 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                   "moe: null pointer");
   M3MSA_CHECK_ARG(!p.fp8 || (p.experts.w13_scale && p.experts.w2_scale),
                   "moe: MXFP8 weights without scales");
-  const void* aligned[] = {p.x,          p.router_weight, p.experts.w13,
-                           p.experts.w2, p.shared.w13,    p.shared.w2};
+  const void* aligned[] = {p.x,          p.router_weight, p.experts.w13, p.experts.w2,
+                           p.shared.w13, p.shared.w2,     p.act,         p.act_shared};
   for (const void* ptr : aligned) {
     M3MSA_CHECK_ARG(ptr == nullptr || aligned16(ptr),
-                    "moe: the activations and weights must be 16-byte aligned");
+                    "moe: the activations, weights and workspace must be 16-byte aligned");
   }
   if (p.rows == 0) return;
   if (moe_runs_persistent(p)) {

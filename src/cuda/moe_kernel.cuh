@@ -904,8 +904,10 @@ __host__ __device__ constexpr int down_combine_smem_bytes(int slots, int rows, i
 }
 // The activations a CTA stages: every segment's (at most min(E, rows x topk) slots and the shared
 // expert) token rows of K bf16 each, at one pitch of the larger K. Staged where they take at most
-// kDownCombineMaxActBytes (one token row: 5 segments x 1.5 KB at TP 4), so the CTAs per SM stay.
-inline constexpr int kDownCombineMaxActBytes = 16 * 1024;
+// kDownCombineMaxActBytes (one token row: 5 segments x 1.5 KB at TP 4): with s_y, within what the
+// smaller static s_y freed and the CTAs per SM allow (3 slots: 3 CTAs per SM up to ~15.3 KB of
+// s_y + activations; 2 slots: 4 up to ~13.0 KB).
+inline constexpr int kDownCombineMaxActBytes = 12 * 1024;
 __host__ __device__ constexpr int down_combine_act_bytes(int segments, int rows, int max_k) {
   return segments * rows * max_k * 2;
 }
@@ -1032,8 +1034,11 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     const int K = shared ? p.shared.inter : p.experts.inter;
     const int count = s_seg_count[seg];
     const auto x_row = [&](int i) -> const uint16_t* {
-      if constexpr (kStageAct) return s_act + static_cast<int64_t>(seg * p.rows + i) * max_k;
-      return act_row(seg, i);
+      if constexpr (kStageAct) {
+        return s_act + static_cast<int64_t>(seg * p.rows + i) * max_k;
+      } else {
+        return act_row(seg, i);
+      }
     };
     const uint16_t* x_lo = g < count ? x_row(g) : nullptr;
     const uint16_t* x_hi = g + 8 < count ? x_row(g + 8) : nullptr;

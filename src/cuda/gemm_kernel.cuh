@@ -489,6 +489,9 @@ struct StreamOperands {
   const uint8_t* w_first[2] = {nullptr, nullptr};
   const uint8_t* scale_first[2] = {nullptr, nullptr};
   int k = 0;
+  // kSharedX: x_lo / x_hi point into shared memory, filled by bulk copies that complete on this
+  // barrier (phase 0), waited once before the first stage's chunks.
+  uint64_t* x_ready = nullptr;
 };
 
 // Stages of k per weight row, and the dynamic shared memory a streamed tile of that k takes: the
@@ -538,8 +541,9 @@ __device__ __forceinline__ void read_stage_chunk(const uint8_t* stage, const uin
 // bytes of dynamic shared memory, 128-byte aligned); every thread of the CTA calls it. Leaves warp
 // w's sums in s_red[w][row][col], the block synchronized; kFresh as for load_x. kSub: a warp's
 // step is kSub consecutive 64-k sub-chunks, as tile_accumulate's (its bits for the same kSub;
-// op.k a multiple of 64 x kSub).
-template <bool kFp8, int kWarps, bool kMx = false, bool kFresh = false, int kSub = 1>
+// op.k a multiple of 64 x kSub). kSharedX: the activations are in shared memory (op.x_ready).
+template <bool kFp8, int kWarps, bool kMx = false, bool kFresh = false, int kSub = 1,
+          bool kSharedX = false>
 __device__ __forceinline__ void tile_accumulate_streamed(
     const StreamOperands& op, uint8_t* smem,
     float (&s_red)[kWarps][kSkinnyMaxRows][kColsPerCta + 1]) {
@@ -600,6 +604,9 @@ __device__ __forceinline__ void tile_accumulate_streamed(
   for (int s = 0; s < stages && tiles_present > 0; ++s) {
     const int slot = s % slots;
     mbar_wait(&full[slot], static_cast<uint32_t>(s / slots) & 1u);
+    if constexpr (kSharedX) {
+      if (s == 0) mbar_wait(op.x_ready, 0u);
+    }
     const int k0 = s * kStageK;
     const int steps = min(kStageK, k - k0) / kStepK;
     const uint8_t* stage = ring + slot * kStreamSlotBytes;
@@ -607,7 +614,7 @@ __device__ __forceinline__ void tile_accumulate_streamed(
       ChunkRegs<kFp8, kSub, kMx> regs;
       read_stage_chunk<kFp8, kSub, kMx>(stage, scales, scale_bytes, k0, c * kStepK, col_ok, g, t,
                                         regs);
-      mma_chunk<kFp8, kSub, kMx, kFresh, kMx>(
+      mma_chunk<kFp8, kSub, kMx, kFresh, kMx, kSharedX>(
           op.x_lo, op.x_hi, static_cast<int64_t>(k0) + c * kStepK, t, regs, acc, nan_bits);
     }
     __syncthreads();  // the slot's readers are done: it may be filled again

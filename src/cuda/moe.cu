@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "cuda/common.cuh"
@@ -59,6 +60,25 @@ std::size_t stream_smem(void (*kernel)(MoeParams), int k, bool fp8) {
   const int bytes = gemm::stream_smem_bytes(k, fp8, fp8);
   raise_dynamic_smem_limit(reinterpret_cast<const void*>(kernel), bytes);
   return static_cast<std::size_t>(bytes);
+}
+
+// CTAs of `kernel` resident at once on the current device with `smem` bytes of dynamic shared
+// memory each (its limit raised first); cached per device, kernel and size.
+int64_t resident_ctas(void (*kernel)(MoeParams), int threads, std::size_t smem) {
+  raise_dynamic_smem_limit(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
+  int device = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, std::size_t>, int64_t> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), smem);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int per_sm = 0;
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  int sms = 0;
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return cache[key] = int64_t{per_sm} * sms;
 }
 
 // One launch of a moe kernel; with p.pdl as a programmatic dependent of the previous kernel in the
@@ -121,9 +141,20 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
     const bool stream_down = streamed && !p.deep && !down_tiled;
     if (gate_up_sets > 0) {
       if (stream_gate_up) {
-        const auto kernel = moe::moe_gate_up_mma_kernel<true, false, true>;  // MXFP8 (use_stream)
+        // MXFP8 (use_stream). x staged in shared memory where it is one row of at most
+        // kMoeStageXMaxBytes and the grid stays resident in one wave with the larger CTAs.
+        const auto staged = moe::moe_gate_up_mma_kernel<true, false, true, true>;
+        const std::size_t x_bytes = static_cast<std::size_t>(p.hidden) * 2;
+        const std::size_t staged_smem = stream_smem(staged, p.hidden, p.fp8) + x_bytes;
+        const bool stage_x = p.rows == 1 &&
+                             x_bytes <= static_cast<std::size_t>(kMoeStageXMaxBytes) &&
+                             int64_t{gate_up_grid.x} * gate_up_grid.y <=
+                                 resident_ctas(staged, moe::kMmaThreads, staged_smem);
+        const auto kernel = stage_x ? staged : moe::moe_gate_up_mma_kernel<true, false, true>;
+        const std::size_t smem = stage_x ? staged_smem : stream_smem(kernel, p.hidden, p.fp8);
+        raise_dynamic_smem_limit(reinterpret_cast<const void*>(kernel), static_cast<int>(smem));
         launch_stage("moe gate/up", false, kernel, gate_up_grid, moe::kMmaThreads, gate_up, stream,
-                     stream_smem(kernel, p.hidden, p.fp8));
+                     smem);
       } else {
         launch_stage("moe gate/up", false, gate_up_kernel, gate_up_grid, moe::kMmaThreads, gate_up,
                      stream);

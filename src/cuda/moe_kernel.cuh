@@ -636,11 +636,15 @@ __device__ __forceinline__ const uint8_t* scale_row(const uint8_t* scales, int64
 // p.shared) for the ntok listed tokens, with the activation stored.
 // kStream: the weights stream through `stream_smem` (gemm::tile_accumulate_streamed, the same
 // bits; intermediates a multiple of 8, so every tile is whole), else the register ring.
-template <bool kFp8, int kInFlight, bool kStream = false>
+// kStageX (kStream): the tokens' rows of x are bulk-copied into shared memory after the ring
+// (stream_smem + gemm::stream_smem_bytes(H, ...), ntok x H bf16) on `x_bar` before the weights'
+// first fills, and the chunks read them there; the same values, so the same bits.
+template <bool kFp8, int kInFlight, bool kStream = false, bool kStageX = false>
 __device__ __forceinline__ void gate_up_tile(
     const MoeParams& p, bool shared, int64_t e, int ntok, const int* tok_row, const int* tok_slot,
     int j0, float (&s_red)[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1],
-    uint8_t* stream_smem = nullptr) {
+    uint8_t* stream_smem = nullptr, uint64_t* x_bar = nullptr) {
+  static_assert(!kStageX || kStream, "x is staged beside the streamed ring");
   const MoeExpertSet& set = shared ? p.shared : p.experts;
   const int I = set.inter;
   if (j0 >= I) return;
@@ -652,6 +656,23 @@ __device__ __forceinline__ void gate_up_tile(
     gemm::StreamOperands op;
     op.x_lo = x_lo;
     op.x_hi = x_hi;
+    if constexpr (kStageX) {
+      uint16_t* s_x =
+          reinterpret_cast<uint16_t*>(stream_smem + gemm::stream_smem_bytes(H, kFp8, kFp8));
+      if (threadIdx.x == 0) {
+        mbar_init(x_bar, 1);
+        mbar_init_fence();
+        mbar_expect_tx(x_bar, static_cast<uint32_t>(ntok * H * 2));
+        for (int i = 0; i < ntok; ++i) {
+          bulk_copy(s_x + static_cast<int64_t>(i) * H, p.x + static_cast<int64_t>(tok_row[i]) * H,
+                    static_cast<uint32_t>(H * 2), x_bar);
+        }
+      }
+      // The ring's first barrier synchronization orders the init before anyone's wait.
+      op.x_lo = g < ntok ? s_x + static_cast<int64_t>(g) * H : nullptr;
+      op.x_hi = g + 8 < ntok ? s_x + static_cast<int64_t>(g + 8) * H : nullptr;
+      op.x_ready = x_bar;
+    }
     const int64_t gate = e * 2 * I + j0;  // the first n8 tile's rows: gate rows j0 ..
     const int64_t up = gate + I;          // the second's: the matching up rows
     op.w_first[0] = weight_row<kFp8>(set.w13, gate, H);
@@ -661,7 +682,8 @@ __device__ __forceinline__ void gate_up_tile(
       op.scale_first[1] = scale_row(set.w13_scale, up, H);
     }
     op.k = H;
-    gemm::tile_accumulate_streamed<kFp8, kMmaWarps, kFp8>(op, stream_smem, s_red);
+    gemm::tile_accumulate_streamed<kFp8, kMmaWarps, kFp8, false, 1, kStageX>(op, stream_smem,
+                                                                             s_red);
   } else {
     gemm::TileOperands op;
     op.x_lo = x_lo;
@@ -707,10 +729,13 @@ __device__ __forceinline__ void gate_up_tile(
 // gemm::stream_smem_bytes(hidden, ...)), the same bits; at most 128 registers (ptxas: ~70), so the
 // shared memory (a 2-slot ring of 16 weight rows x 1 KB, the tile's scales, the warps' sums:
 // ~41 KB for M3's hidden) sets how many CTAs fit an SM (5; more for the short down rows).
-template <bool kFp8, bool kDeep, bool kStream = false>
+// kStageX (kStream): the tokens' rows of x staged in shared memory after the ring (gate_up_tile);
+// the launcher adds ntok x hidden x 2 bytes to the dynamic shared memory.
+template <bool kFp8, bool kDeep, bool kStream = false, bool kStageX = false>
 __global__ void __launch_bounds__(kMmaThreads, (kDeep || kStream) ? kMmaDeepMinCtasPerSm : 1)
     moe_gate_up_mma_kernel(const __grid_constant__ MoeParams p) {
   extern __shared__ __align__(128) uint8_t s_stream[];
+  __shared__ uint64_t x_bar;
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float s_red[kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
@@ -720,9 +745,9 @@ __global__ void __launch_bounds__(kMmaThreads, (kDeep || kStream) ? kMmaDeepMinC
   const int ntok = list_tokens(p, tok_row, tok_slot, ex);
   if (ntok == 0) return;
   const bool shared = ex == p.num_experts;
-  gate_up_tile<kFp8, kMmaChunksInFlight<kFp8, kDeep>, kStream>(
+  gate_up_tile<kFp8, kMmaChunksInFlight<kFp8, kDeep>, kStream, kStageX>(
       p, shared, shared ? 0 : ex, ntok, tok_row, tok_slot, blockIdx.x * kMmaGateUpRows, s_red,
-      s_stream);
+      s_stream, &x_bar);
 }
 
 // The router's logits (CTAs 0 .. E - 1, one expert each) beside the shared expert's gate/up tiles

@@ -16,6 +16,9 @@ inline constexpr int kMoeDownTiles = 4;           // MoeParams::down_tiles above
 inline constexpr int kMoeRouterPicksMaxRows = 4;  // MoeParams::router_picks_max_rows
 inline constexpr int kMoeDownCombineSlots = 3;    // MoeParams::down_combine
 inline constexpr int kMoeDownCombineMaxRows = 1;  // MoeParams::down_combine_max_rows
+// The streamed gate/up CTAs stage one token row of x in shared memory up to this many bytes
+// (M3's hidden 6144: 12 KB), where the grid stays resident in one wave with the larger CTAs.
+inline constexpr int kMoeStageXMaxBytes = 12 * 1024;
 // MoeParams::stream: the largest hidden / intermediate the streamed kernels take.
 inline constexpr int kMoeStreamMaxK = 65536;
 // Sticky bits of the persistent kernel's status word (moe_status_word in moe.h).

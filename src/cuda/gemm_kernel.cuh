@@ -490,7 +490,9 @@ struct StreamOperands {
   const uint8_t* scale_first[2] = {nullptr, nullptr};
   int k = 0;
   // kSharedX: x_lo / x_hi point into shared memory, filled by bulk copies that complete on this
-  // barrier (phase 0), waited once before the first stage's chunks.
+  // barrier (phase 0), waited once before the first stage's chunks: the caller inits it before
+  // the call (the call's first __syncthreads orders that before every wait) and stages x only
+  // for a tile with weight rows, so the wait (inside the stage loop) always runs.
   uint64_t* x_ready = nullptr;
 };
 

@@ -174,12 +174,9 @@ void expect_replay_equals_eager(Launch launch, cudaStream_t stream, const Tensor
   cudaGraphDestroy(graph);
 }
 
-// The persistent launch under a timeline recorder (cuda/timeline.h): `eager`'s bits, and one
-// record per work item, each started and ended, of the item kinds the launch has (one router
-// item per expert, one top-k item).
-void expect_recorded_persistent_launch(const cuda::MoeParams& p, cudaStream_t stream,
-                                       const TensorView& out, const HostTensor& eager) {
-  cuda::timeline::Recorder rec;
+// One launch_moe recorded on `rec` over a poisoned output: it must give `eager`'s bits.
+void record_moe_launch(const cuda::MoeParams& p, cudaStream_t stream, const TensorView& out,
+                       const HostTensor& eager, cuda::timeline::Recorder& rec) {
   CUDA_CHECK(cudaMemsetAsync(out.data, 0xFF, eager.nbytes(), stream));
   {
     cuda::timeline::Scope scope(rec);
@@ -190,6 +187,15 @@ void expect_recorded_persistent_launch(const cuda::MoeParams& p, cudaStream_t st
   CUDA_CHECK(cudaMemcpy(again.data(), out.data, again.nbytes(), cudaMemcpyDeviceToHost));
   EXPECT_EQ(std::memcmp(again.data(), eager.data(), eager.nbytes()), 0)
       << "a recorded launch changed the output";
+}
+
+// The persistent launch under a timeline recorder (cuda/timeline.h): `eager`'s bits, and one
+// record per work item, each started and ended, of the item kinds the launch has (one router
+// item per expert, one top-k item).
+void expect_recorded_persistent_launch(const cuda::MoeParams& p, cudaStream_t stream,
+                                       const TensorView& out, const HostTensor& eager) {
+  cuda::timeline::Recorder rec;
+  record_moe_launch(p, stream, out, eager, rec);
   ASSERT_EQ(rec.launches().size(), 1u);
   const cuda::timeline::Launch& l = rec.launches()[0];
   EXPECT_EQ(l.kernel, "moe persistent");
@@ -223,16 +229,7 @@ void expect_recorded_persistent_launch(const cuda::MoeParams& p, cudaStream_t st
 void expect_recorded_launch_sequence(const cuda::MoeParams& p, cudaStream_t stream,
                                      const TensorView& out, const HostTensor& eager) {
   cuda::timeline::Recorder rec;
-  CUDA_CHECK(cudaMemsetAsync(out.data, 0xFF, eager.nbytes(), stream));
-  {
-    cuda::timeline::Scope scope(rec);
-    cuda::launch_moe(p, stream);
-  }
-  CUDA_CHECK(cudaStreamSynchronize(stream));
-  HostTensor again(eager.dtype(), eager.shape());
-  CUDA_CHECK(cudaMemcpy(again.data(), out.data, again.nbytes(), cudaMemcpyDeviceToHost));
-  EXPECT_EQ(std::memcmp(again.data(), eager.data(), eager.nbytes()), 0)
-      << "a recorded launch changed the output";
+  record_moe_launch(p, stream, out, eager, rec);
   const auto& launches = rec.launches();
   ASSERT_EQ(launches.size(), static_cast<std::size_t>(cuda::moe_launches(p)));
   const std::vector<uint64_t> words = rec.read();

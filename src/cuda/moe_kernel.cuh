@@ -249,25 +249,39 @@ __device__ __forceinline__ TopkOperands topk_operands(const MoeParams& p) {
           p.slot_picks, p.num_experts, p.rows,     p.topk,         p.routed_scaling};
 }
 
+// The top-k's CTA-shared scratch: every row's picks and their s in pick order, and the set of
+// picked experts.
+struct TopkScratch {
+  int pick[kMoeMaxRows * kMoeMaxTopk];
+  float pick_s[kMoeMaxRows * kMoeMaxTopk];
+  uint32_t used[kMoeMaxExperts / 32];
+};
+
 // The top-k picks of every row and the step's expert slots (MoeParams::slot_*), by one CTA of any
 // whole number of warps (the picks are warp-local, the slots one thread per pick, <= 128 picks:
 // the same bits for every CTA size). Reads the router's outputs through L2: the persistent kernel
-// writes them earlier in the same launch. s_pick / s_used: CTA-shared scratch.
-__device__ __forceinline__ void route_topk(const TopkOperands& p,
-                                           int (&s_pick)[kMoeMaxRows * kMoeMaxTopk],
-                                           uint32_t (&s_used)[kMoeMaxExperts / 32]) {
+// writes them earlier in the same launch.
+// Its code is kept short on purpose (the pick rounds not unrolled, the picks kept in shared
+// memory rather than in registers): it runs once per step on one SM whose instruction cache it
+// finds cold, so every 128-byte line of code it executes is a fetch from L2 or DRAM.
+__device__ __forceinline__ void route_topk(const TopkOperands& p, TopkScratch& scratch) {
   const int tid = static_cast<int>(threadIdx.x);
   const int threads = static_cast<int>(blockDim.x);
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int words = (p.num_experts + 31) / 32;
-  for (int w = tid; w < words; w += threads) s_used[w] = 0u;
+  for (int w = tid; w < words; w += threads) scratch.used[w] = 0u;
+  // Every slot's pick list -1 (the picks overwrite theirs after the barrier below), so an expert
+  // CTA may load its whole list beside the count.
+  const int slot_entries = min(p.num_experts, p.rows * p.topk) * kMoeMaxRows;
+  for (int i = tid; i < slot_entries; i += threads) p.slot_picks[i] = -1;
   __syncthreads();
+#pragma unroll 1
   for (int row = warp; row < p.rows; row += threads / 32) {
     const float* key = p.route_key + static_cast<int64_t>(row) * p.num_experts;
     const float* s = p.route_s + static_cast<int64_t>(row) * p.num_experts;
-    int picked[kMoeMaxTopk];
-    float picked_s[kMoeMaxTopk];
+    int* pick = scratch.pick + row * p.topk;
+    float* pick_s = scratch.pick_s + row * p.topk;
     float sum = 0.0f;
     if (p.num_experts <= 32 * kTopkRegisterExperts) {
       // The row's keys and s in registers (expert lane + 32 j), all loads in flight at once: one
@@ -283,6 +297,7 @@ __device__ __forceinline__ void route_topk(const TopkOperands& p,
         svals[j] = exists ? __ldcg(s + e) : 0.0f;
         left |= exists ? 1u << j : 0u;
       }
+#pragma unroll 1
       for (int i = 0; i < p.topk; ++i) {
         int best = -1;
         float best_key = 0.0f;
@@ -298,18 +313,24 @@ __device__ __forceinline__ void route_topk(const TopkOperands& p,
         }
         warp_best_expert(best, best_key, best_s);
         if (best % 32 == lane) left &= ~(1u << (best / 32));
-        picked[i] = best;  // topk <= num_experts: some expert is always left
-        picked_s[i] = best_s;
+        if (lane == 0) {
+          pick[i] = best;  // topk <= num_experts: some expert is always left
+          pick_s[i] = best_s;
+        }
         sum = __fadd_rn(sum, best_s);
       }
     } else {
+#pragma unroll 1
       for (int i = 0; i < p.topk; ++i) {
         // This lane's best expert not yet picked, then the warp's best of the lanes' bests.
+        __syncwarp();  // lane 0's earlier picks, before the lanes skip them
         int best = -1;
         float best_key = 0.0f;
+#pragma unroll 1
         for (int e = lane; e < p.num_experts; e += 32) {
           bool used = false;
-          for (int t = 0; t < i; ++t) used = used || picked[t] == e;
+#pragma unroll 1
+          for (int t = 0; t < i; ++t) used = used || pick[t] == e;
           if (used) continue;
           const float k = __ldcg(key + e);
           if (best < 0 || key_before(k, e, best_key, best)) {
@@ -319,19 +340,21 @@ __device__ __forceinline__ void route_topk(const TopkOperands& p,
         }
         float unused_s = 0.0f;
         warp_best_expert(best, best_key, unused_s);
-        picked[i] = best;
-        picked_s[i] = __ldcg(s + best);
-        sum = __fadd_rn(sum, picked_s[i]);
+        const float best_s = __ldcg(s + best);
+        if (lane == 0) {
+          pick[i] = best;
+          pick_s[i] = best_s;
+        }
+        sum = __fadd_rn(sum, best_s);
       }
     }
-    if (lane == 0) {
-      for (int i = 0; i < p.topk; ++i) {
-        p.topk_ids[row * p.topk + i] = picked[i];
-        p.topk_weights[row * p.topk + i] =
-            sum == 0.0f ? 0.0f : __fdiv_rn(__fmul_rn(p.routed_scaling, picked_s[i]), sum);
-        s_pick[row * p.topk + i] = picked[i];
-        atomicOr(&s_used[picked[i] / 32], 1u << (picked[i] % 32));
-      }
+    __syncwarp();  // lane 0's picks, before every lane writes one
+    if (lane < p.topk) {
+      const int e = pick[lane];
+      p.topk_ids[row * p.topk + lane] = e;
+      p.topk_weights[row * p.topk + lane] =
+          sum == 0.0f ? 0.0f : __fdiv_rn(__fmul_rn(p.routed_scaling, pick_s[lane]), sum);
+      atomicOr(&scratch.used[e / 32], 1u << (e % 32));
     }
   }
   __syncthreads();
@@ -340,13 +363,15 @@ __device__ __forceinline__ void route_topk(const TopkOperands& p,
   const int picks = p.rows * p.topk;
   const int max_slots = min(p.num_experts, picks);
   if (tid < picks) {
-    const int e = s_pick[tid];
-    int slot = __popc(s_used[e / 32] & ((1u << (e % 32)) - 1u));
-    for (int w = 0; w < e / 32; ++w) slot += __popc(s_used[w]);
+    const int e = scratch.pick[tid];
+    int slot = __popc(scratch.used[e / 32] & ((1u << (e % 32)) - 1u));
+#pragma unroll 1
+    for (int w = 0; w < e / 32; ++w) slot += __popc(scratch.used[w]);
     int place = 0;
     int count = 0;
+#pragma unroll 1
     for (int j = 0; j < picks; ++j) {
-      const bool same = s_pick[j] == e;
+      const bool same = scratch.pick[j] == e;
       place += same && j < tid;
       count += same;
     }
@@ -358,7 +383,8 @@ __device__ __forceinline__ void route_topk(const TopkOperands& p,
   }
   // Slots past the distinct experts: nothing to do.
   int distinct = 0;
-  for (int w = 0; w < words; ++w) distinct += __popc(s_used[w]);
+#pragma unroll 1
+  for (int w = 0; w < words; ++w) distinct += __popc(scratch.used[w]);
   for (int y = distinct + tid; y < max_slots; y += threads) {
     p.slot_expert[y] = -1;
     p.slot_count[y] = 0;
@@ -367,10 +393,8 @@ __device__ __forceinline__ void route_topk(const TopkOperands& p,
 
 // route_topk out of line: inlined into the router's kernels it took the registers of the shared
 // expert's gate/up tiles beside it (ptxas: 168 -> 128 registers and spills).
-__device__ __noinline__ void route_topk_apart(const TopkOperands p,
-                                              int (&s_pick)[kMoeMaxRows * kMoeMaxTopk],
-                                              uint32_t (&s_used)[kMoeMaxExperts / 32]) {
-  route_topk(p, s_pick, s_used);
+__device__ __noinline__ void route_topk_apart(const TopkOperands p, TopkScratch& scratch) {
+  route_topk(p, scratch);
 }
 
 // The router launch's CTAs count their arrivals in this word of MoeParams::sync (the persistent
@@ -384,8 +408,7 @@ inline constexpr int kSyncRouteArrivals = 5;
 __device__ __forceinline__ void route_and_pick(const MoeParams& p, int e,
                                                float (&partial)[kRouteWarps][kMoeMaxRows]) {
   static_assert(kMoeMaxRows * kMoeMaxTopk <= kRouteThreads, "one thread per pick");
-  __shared__ int s_pick[kMoeMaxRows * kMoeMaxTopk];
-  __shared__ uint32_t s_used[kMoeMaxExperts / 32];
+  __shared__ TopkScratch s_topk;
   __shared__ bool last;
   route_logits(p, e, partial);
   __syncthreads();  // this CTA's logits, before its arrival (arrive_acq_rel)
@@ -397,7 +420,8 @@ __device__ __forceinline__ void route_and_pick(const MoeParams& p, int e,
   __syncthreads();  // the last CTA's threads read the other CTAs' logits after the acquire
   if (!last) return;
   timeline::set_kind(p.timeline, kRouterTopk);
-  route_topk_apart(topk_operands(p), s_pick, s_used);
+  timeline::mark(p.timeline, kLaunchInputs);  // every CTA's logits: the top-k's inputs
+  route_topk_apart(topk_operands(p), s_topk);
 }
 
 // kPick: the last CTA takes the top-k (route_and_pick); else moe_route_topk_kernel follows.
@@ -421,15 +445,14 @@ __global__ void __launch_bounds__(kRouteThreads)
 __global__ void __launch_bounds__(kThreads)
     moe_route_topk_kernel(const __grid_constant__ MoeParams p) {
   static_assert(kMoeMaxRows * kMoeMaxTopk <= kThreads, "one thread per pick");
-  __shared__ int s_pick[kMoeMaxRows * kMoeMaxTopk];
-  __shared__ uint32_t s_used[kMoeMaxExperts / 32];
+  __shared__ TopkScratch s_topk;
   timeline::mark(p.timeline, kLaunchStart);
   timeline::set_kind(p.timeline, kRouterTopk);
   const timeline::MarkOnExit end_mark{p.timeline, kLaunchEnd};
   wait_previous_kernel();
   timeline::mark(p.timeline, kLaunchInputs);
   release_next_kernel();
-  route_topk(topk_operands(p), s_pick, s_used);
+  route_topk(topk_operands(p), s_topk);
 }
 
 // The shared expert's token list: every row, at pick slot k (its place in y).
@@ -458,16 +481,18 @@ __device__ __forceinline__ int slot_tokens(const MoeParams& p, int y, bool share
       expert = p.num_experts;
     }
   } else {
-    // The slot's list, made once by the top-k kernel.
+    // The slot's list, made once by the top-k: its count, picks and expert loaded together (one
+    // L2 round trip; the top-k writes every entry of the slot's row, -1 past its count).
     const int n = __ldcg(p.slot_count + y);
+    const int pick = tid < kMoeMaxRows ? __ldcg(p.slot_picks + y * kMoeMaxRows + tid) : -1;
+    const int e = tid == 0 ? __ldcg(p.slot_expert + y) : -1;
     if (tid < n) {
-      const int pick = __ldcg(p.slot_picks + y * kMoeMaxRows + tid);
       tok_row[tid] = pick / p.topk;
       tok_slot[tid] = pick % p.topk;
     }
     if (tid == 0) {
       count = n;
-      expert = __ldcg(p.slot_expert + y);
+      expert = e;
     }
   }
   __syncthreads();
@@ -968,13 +993,15 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
   const int slots = min(p.num_experts, p.rows * p.topk);
   int expert = -1;
   if (tid < slots) {
+    // The slot's expert, count and first pick loaded together (one L2 round trip at one token).
     expert = __ldg(p.slot_expert + tid);
+    const int count = __ldg(p.slot_count + tid);
+    const int first = __ldg(p.slot_picks + tid * kMoeMaxRows);
     if (expert >= 0) {
-      const int count = __ldg(p.slot_count + tid);
       s_seg_expert[tid] = expert;
       s_seg_count[tid] = count;
       for (int i = 0; i < count; ++i) {
-        const int pick = __ldg(p.slot_picks + tid * kMoeMaxRows + i);
+        const int pick = i == 0 ? first : __ldg(p.slot_picks + tid * kMoeMaxRows + i);
         s_seg_row[tid][i] = static_cast<uint8_t>(pick / p.topk);
         s_seg_slot[tid][i] = static_cast<uint8_t>(pick % p.topk);
       }
@@ -1219,8 +1246,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
   __shared__ int tok_row[kMoeMaxRows];
   __shared__ int tok_slot[kMoeMaxRows];
   __shared__ float partial[kRouteWarps][kMoeMaxRows];
-  __shared__ int s_pick[kMoeMaxRows * kMoeMaxTopk];
-  __shared__ uint32_t s_used[kMoeMaxExperts / 32];
+  __shared__ TopkScratch s_topk;
   __shared__ float s_red[kMoeDownTiles][kMmaWarps][kSkinnyMaxRows][gemm::kColsPerCta + 1];
   __shared__ int s_item;
   wait_previous_kernel();  // x comes from the previous kernel
@@ -1271,7 +1297,7 @@ __global__ void __launch_bounds__(kMmaThreads, kMmaDeepMinCtasPerSm)
     } else if (item == it.topk) {
       wait_count(p, sync + kSyncRouter, static_cast<uint32_t>(E));
       item_mark(1);
-      route_topk(topk_operands(p), s_pick, s_used);
+      route_topk(topk_operands(p), s_topk);
       count_done(sync + kSyncTopk);
     } else if (item < it.routed_gate_up) {
       const int group = item - it.shared_down;

@@ -200,26 +200,9 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
 // CTAs than items. The wave of each device and kernel is queried once, not on every launch.
 void launch_persistent(MoeParams p, cudaStream_t stream) {
   const auto kernel = p.fp8 ? moe::moe_persistent_kernel<true> : moe::moe_persistent_kernel<false>;
-  int device = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  int wave = 0;
-  {
-    static std::mutex mutex;
-    static std::map<std::pair<int, bool>, int> waves;
-    std::lock_guard<std::mutex> lock(mutex);
-    int& known = waves[{device, p.fp8}];
-    if (known == 0) {
-      int sms = 0;
-      CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-      int per_sm = 0;
-      CUDA_CHECK(
-          cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, moe::kMmaThreads, 0));
-      known = std::max(1, per_sm) * sms;
-    }
-    wave = known;
-  }
+  const int64_t wave = std::max<int64_t>(1, resident_ctas(kernel, moe::kMmaThreads, 0));
   const int items = moe::persistent_items(p).total;
-  const int ctas = std::max(1, std::min(items, wave));
+  const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, wave)));
   p.timeline = timeline::records_for("moe persistent", timeline::names(kMoePersistentMarks), items,
                                      timeline::names(kMoePersistentKinds));
   launch_kernel(kernel, dim3(static_cast<unsigned>(ctas)), moe::kMmaThreads, p, stream);

@@ -22,10 +22,10 @@
 // Check (per configuration, before timing): the output poisoned (NaN bits), one eager launch on
 // (copy 0, input 0): every output finite, a guard row after it still poisoned; with both kernel
 // kinds requested, mma against fma within |a - b| <= max|fma row| / 128 + 1e-6 (the bound of
-// tests/cuda/moe_kernel_test.cc against the CPU oracle); mma-ring, mma-shared-late, mma-deep,
-// mma-down4, mma-persistent, mma-down-apart and mma-down-combine give mma's bits; one
-// launch captured in a graph and replayed over the poisoned output gives the eager bits. A failure
-// exits 1 after the run.
+// tests/cuda/moe_kernel_test.cc against the CPU oracle); mma-ring, mma-shared-late,
+// mma-shared-early, mma-deep, mma-down4, mma-persistent, mma-down-apart and mma-down-combine give
+// mma's bits; one launch captured in a graph and replayed over the poisoned output gives the eager
+// bits. A failure exits 1 after the run.
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -200,7 +200,8 @@ int run_moe_bench(int argc, char** argv) {
       "comma-separated expert projections: mma (tensor cores, the weights streamed "
       "through shared memory), mma-ring (tensor cores, the weights in a register "
       "ring: MoeParams::stream off), mma-shared-late (tensor cores, the shared expert's "
-      "gate/up in the gate/up launch: MoeParams::shared_with_router off), "
+      "gate/up in the gate/up launch at every row count), mma-shared-early (beside the "
+      "router's logits at every row count: MoeParams::shared_with_router_min_rows 0), "
       "mma-topk-apart (tensor cores, the top-k in a launch of its own at every row "
       "count: MoeParams::router_picks_max_rows 0), mma-topk-in-router (the top-k in the "
       "router's launch at every row count), fma (fp32 "
@@ -237,10 +238,10 @@ int run_moe_bench(int argc, char** argv) {
   for (int tp : opt.tp) require_ffn_split("--tp", tp);
   opt.tokens = int_list("--tokens", opt.tokens_text, 1, cuda::kMoeMaxRows);
   opt.dtypes = choice_list("--dtypes", opt.dtypes_text, {"bf16", "mxfp8"});
-  opt.kernels = choice_list(
-      "--kernels", opt.kernels_text,
-      {"mma", "mma-ring", "mma-shared-late", "mma-topk-apart", "mma-topk-in-router", "fma",
-       "mma+pdl", "mma-deep", "mma-down4", "mma-persistent", "mma-down-apart", "mma-down-combine"});
+  opt.kernels = choice_list("--kernels", opt.kernels_text,
+                            {"mma", "mma-ring", "mma-shared-late", "mma-shared-early",
+                             "mma-topk-apart", "mma-topk-in-router", "fma", "mma+pdl", "mma-deep",
+                             "mma-down4", "mma-persistent", "mma-down-apart", "mma-down-combine"});
   opt.what = choice_list("--what", opt.what_text, {"moe", "dense"});
   require_range("--reps", opt.reps, 1);
   require_range("--min-launches", opt.min_launches, 1);
@@ -401,7 +402,8 @@ int run_moe_bench(int argc, char** argv) {
             p.down_tiles = kernels == "mma-down4" ? cuda::kMoeDownTiles : 1;
             p.persistent = kernels == "mma-persistent";
             p.stream = kernels != "mma-ring";
-            p.shared_with_router = kernels != "mma-shared-late";
+            if (kernels == "mma-shared-late") p.shared_with_router_min_rows = cuda::kMoeMaxRows + 1;
+            if (kernels == "mma-shared-early") p.shared_with_router_min_rows = 0;
             if (kernels == "mma-topk-apart") p.router_picks_max_rows = 0;
             if (kernels == "mma-topk-in-router") p.router_picks_max_rows = cuda::kMoeMaxRows;
             if (kernels == "mma-down-apart") p.down_combine = 0;
@@ -494,9 +496,10 @@ int run_moe_bench(int argc, char** argv) {
             const KernelCheck& mma = checks[static_cast<std::size_t>(mma_it - opt.kernels.begin())];
             for (std::size_t ki = 0; ki < opt.kernels.size(); ++ki) {
               const std::string& k = opt.kernels[ki];
-              if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-topk-apart" &&
-                  k != "mma-topk-in-router" && k != "mma-deep" && k != "mma-down4" &&
-                  k != "mma-persistent" && k != "mma-down-apart" && k != "mma-down-combine")
+              if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-shared-early" &&
+                  k != "mma-topk-apart" && k != "mma-topk-in-router" && k != "mma-deep" &&
+                  k != "mma-down4" && k != "mma-persistent" && k != "mma-down-apart" &&
+                  k != "mma-down-combine")
                 continue;
               checks[ki].same_as_mma =
                   std::memcmp(checks[ki].eager.data(), mma.eager.data(), mma.eager.size() * 4) == 0;

@@ -200,7 +200,7 @@ void launch_expert_projections(const MoeParams& p, int routed, bool shared_gate_
 // CTAs than items. The wave of each device and kernel is queried once, not on every launch.
 void launch_persistent(MoeParams p, cudaStream_t stream) {
   const auto kernel = p.fp8 ? moe::moe_persistent_kernel<true> : moe::moe_persistent_kernel<false>;
-  const int64_t wave = std::max<int64_t>(1, resident_ctas(kernel, moe::kMmaThreads, 0));
+  const int64_t wave = resident_ctas(kernel, moe::kMmaThreads, 0);
   const int items = moe::persistent_items(p).total;
   const int ctas = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(items, wave)));
   p.timeline = timeline::records_for("moe persistent", timeline::names(kMoePersistentMarks), items,
@@ -329,6 +329,9 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
                   "moe: num_experts must be in [1, ", kMoeMaxExperts, "], got ", p.num_experts);
   M3MSA_CHECK_ARG(p.hidden > 0 && p.hidden % 8 == 0, "moe: hidden must be a multiple of 8, got ",
                   p.hidden);
+  M3MSA_CHECK_ARG(p.shared_with_router_min_rows >= 0,
+                  "moe: shared_with_router_min_rows must be >= 0, got ",
+                  p.shared_with_router_min_rows);
   M3MSA_CHECK_ARG(p.down_combine == 0 || p.down_combine == 2 || p.down_combine == 3,
                   "moe: down_combine must be 0, 2 or 3 ring slots, got ", p.down_combine);
   M3MSA_CHECK_ARG(p.experts.inter > 0 && p.experts.inter % 8 == 0 && p.shared.inter % 8 == 0,
@@ -353,10 +356,10 @@ void launch_moe(const MoeParams& p, cudaStream_t stream) {
   }
   // One slot per distinct expert the step can pick.
   const int routed = std::min(p.num_experts, p.rows * p.topk);
-  // On tensor cores the shared expert's gate/up tiles run in the router's launch
-  // (MoeParams::shared_with_router), else in the gate/up launch.
+  // On tensor cores the shared expert's gate/up tiles run in the router's launch from
+  // MoeParams::shared_with_router_min_rows rows, else in the gate/up launch.
   const bool shared_beside_router =
-      use_tensor_cores(p) && p.shared.inter > 0 && p.shared_with_router;
+      use_tensor_cores(p) && p.shared.inter > 0 && p.rows >= p.shared_with_router_min_rows;
   const bool pick = picks_in_router(p);
   const bool streamed = use_stream(p);
   if (shared_beside_router) {

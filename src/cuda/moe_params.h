@@ -7,15 +7,16 @@
 
 namespace m3msa::cuda {
 
-inline constexpr int kMoeMaxRows = 16;            // token rows of one step
-inline constexpr int kMoeMaxTopk = 8;             // experts_per_token the kernels take
-inline constexpr int kMoeMaxExperts = 4096;       // routed experts the kernels take
-inline constexpr int kMoeWarps = 8;               // warps per CTA of every moe kernel
-inline constexpr int kMoeRowsPerWarp = 2;         // output rows (j or n) per warp and pass
-inline constexpr int kMoeDownTiles = 4;           // MoeParams::down_tiles above 1
-inline constexpr int kMoeRouterPicksMaxRows = 4;  // MoeParams::router_picks_max_rows
-inline constexpr int kMoeDownCombineSlots = 3;    // MoeParams::down_combine
-inline constexpr int kMoeDownCombineMaxRows = 1;  // MoeParams::down_combine_max_rows
+inline constexpr int kMoeMaxRows = 16;                  // token rows of one step
+inline constexpr int kMoeMaxTopk = 8;                   // experts_per_token the kernels take
+inline constexpr int kMoeMaxExperts = 4096;             // routed experts the kernels take
+inline constexpr int kMoeWarps = 8;                     // warps per CTA of every moe kernel
+inline constexpr int kMoeRowsPerWarp = 2;               // output rows (j or n) per warp and pass
+inline constexpr int kMoeDownTiles = 4;                 // MoeParams::down_tiles above 1
+inline constexpr int kMoeRouterPicksMaxRows = 4;        // MoeParams::router_picks_max_rows
+inline constexpr int kMoeSharedWithRouterMinRows = 16;  // MoeParams::shared_with_router_min_rows
+inline constexpr int kMoeDownCombineSlots = 3;          // MoeParams::down_combine
+inline constexpr int kMoeDownCombineMaxRows = 1;        // MoeParams::down_combine_max_rows
 // The streamed gate/up CTAs stage one token row of x in shared memory up to this many bytes
 // (M3's hidden 6144: 12 KB), where the grid stays resident in one wave with the larger CTAs.
 inline constexpr int kMoeStageXMaxBytes = 12 * 1024;
@@ -52,10 +53,12 @@ struct MoeParams {
   // and the dense MLP keep the register ring (measured slower streamed); false: never streamed.
   bool stream = true;
   // On tensor cores, the shared expert's gate/up tiles run beside the router's logits in its
-  // launch (true), or in the routed experts' gate/up launch as its last slot (false; the same
-  // bits): the first keeps them off the gate/up launch, the second keeps the router's launch
-  // short. Measured in bench moe --kernels mma,mma-shared-late.
-  bool shared_with_router = true;
+  // launch where rows >= this, else in the routed experts' gate/up launch as its last slot (the
+  // same bits). Beside the router they keep the gate/up launch short but hold the router's
+  // launch open and slow the top-k that follows the logits (their weight streams): measured
+  // faster only at 16 rows (1-4 % slower at 1-14). 0: always beside the router; above
+  // kMoeMaxRows: never. Measured in bench moe --kernels mma-shared-early,mma-shared-late.
+  int shared_with_router_min_rows = kMoeSharedWithRouterMinRows;
   // The router launch's last logits CTA takes the top-k (no top-k launch) where rows <= this;
   // else a top-k launch of its own follows (one CTA, a warp per row; 0: always that). The in-launch
   // top-k caps the router kernel's registers, which the shared expert's gate/up tiles beside it

@@ -49,7 +49,8 @@ HostTensor host_of(const TensorView& v) {
 
 // The kernel choices every case runs: tensor cores (where the shapes allow; MXFP8 experts' weights
 // streamed through shared memory), the same with the register ring only (MoeParams::stream off),
-// the shared expert's gate/up in the gate/up launch (MoeParams::shared_with_router off), the
+// the shared expert's gate/up in the gate/up launch and beside the router at every row count
+// (MoeParams::shared_with_router_min_rows), the
 // top-k in a launch of its own at every row count and in the router's at every one
 // (MoeParams::router_picks_max_rows), the down projection and the combine in two launches at every
 // row count and in one at every row count with 3 and 2 ring slots (MoeParams::down_combine,
@@ -65,13 +66,14 @@ struct KernelChoice {
   int down_tiles;
   bool persistent;
   const char* name;
-  bool stream = true;              // MoeParams::stream (false: the register ring)
-  bool shared_with_router = true;  // MoeParams::shared_with_router
+  bool stream = true;  // MoeParams::stream (false: the register ring)
+  int shared_with_router_min_rows = cuda::kMoeSharedWithRouterMinRows;
   int router_picks_max_rows = cuda::kMoeRouterPicksMaxRows;
   int down_combine = cuda::kMoeDownCombineSlots;  // MoeParams::down_combine
   int down_combine_max_rows = cuda::kMoeDownCombineMaxRows;
   bool same_bits_as_mma() const {
-    return deep || down_tiles > 1 || persistent || !stream || !shared_with_router ||
+    return deep || down_tiles > 1 || persistent || !stream ||
+           shared_with_router_min_rows != cuda::kMoeSharedWithRouterMinRows ||
            router_picks_max_rows != cuda::kMoeRouterPicksMaxRows ||
            down_combine != cuda::kMoeDownCombineSlots ||
            down_combine_max_rows != cuda::kMoeDownCombineMaxRows;
@@ -80,14 +82,17 @@ struct KernelChoice {
 constexpr KernelChoice kKernelChoices[] = {
     {true, false, false, 1, false, "mma"},
     {true, false, false, 1, false, "mma-ring", false},
-    {true, false, false, 1, false, "mma-shared-late", true, false},
-    {true, false, false, 1, false, "mma-topk-apart", true, true, 0},
-    {true, false, false, 1, false, "mma-topk-in-router", true, true, cuda::kMoeMaxRows},
-    {true, false, false, 1, false, "mma-down-apart", true, true, cuda::kMoeRouterPicksMaxRows, 0},
-    {true, false, false, 1, false, "mma-down-combine", true, true, cuda::kMoeRouterPicksMaxRows,
-     cuda::kMoeDownCombineSlots, cuda::kMoeMaxRows},
-    {true, false, false, 1, false, "mma-down-combine2-topk-apart", true, true, 0, 2,
+    {true, false, false, 1, false, "mma-shared-late", true, cuda::kMoeMaxRows + 1},
+    {true, false, false, 1, false, "mma-shared-early", true, 0},
+    {true, false, false, 1, false, "mma-topk-apart", true, cuda::kMoeSharedWithRouterMinRows, 0},
+    {true, false, false, 1, false, "mma-topk-in-router", true, cuda::kMoeSharedWithRouterMinRows,
      cuda::kMoeMaxRows},
+    {true, false, false, 1, false, "mma-down-apart", true, cuda::kMoeSharedWithRouterMinRows,
+     cuda::kMoeRouterPicksMaxRows, 0},
+    {true, false, false, 1, false, "mma-down-combine", true, cuda::kMoeSharedWithRouterMinRows,
+     cuda::kMoeRouterPicksMaxRows, cuda::kMoeDownCombineSlots, cuda::kMoeMaxRows},
+    {true, false, false, 1, false, "mma-down-combine2-topk-apart", true,
+     cuda::kMoeSharedWithRouterMinRows, 0, 2, cuda::kMoeMaxRows},
     {false, false, false, 1, false, "fma"},
     {true, true, false, 1, false, "mma+pdl"},
     {true, false, true, 1, false, "mma-deep"},
@@ -374,7 +379,7 @@ void run_case(const Case& c, const std::vector<int>& row_counts, uint64_t seed) 
       p.down_tiles = kernels.down_tiles;
       p.persistent = kernels.persistent;
       p.stream = kernels.stream;
-      p.shared_with_router = kernels.shared_with_router;
+      p.shared_with_router_min_rows = kernels.shared_with_router_min_rows;
       p.router_picks_max_rows = kernels.router_picks_max_rows;
       p.down_combine = kernels.down_combine;
       p.down_combine_max_rows = kernels.down_combine_max_rows;
@@ -504,6 +509,24 @@ TEST(MoeKernel, RefusesADownCombineRingOfAnotherSize) {
     } catch (const Error& e) {
       EXPECT_NE(std::string(e.what()).find("down_combine"), std::string::npos) << e.what();
     }
+  }
+}
+
+// MoeParams::shared_with_router_min_rows takes 0 (always beside the router) and up: a negative
+// count is refused, naming the field, before any launch.
+TEST(MoeKernel, RefusesANegativeSharedWithRouterMinRows) {
+  cuda::MoeParams p;
+  p.rows = 1;
+  p.topk = 4;
+  p.num_experts = 8;
+  p.hidden = 64;
+  p.shared_with_router_min_rows = -1;
+  try {
+    cuda::launch_moe(p, nullptr);
+    ADD_FAILURE() << "shared_with_router_min_rows -1 was taken";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("shared_with_router_min_rows"), std::string::npos)
+        << e.what();
   }
 }
 

@@ -7,8 +7,9 @@
 // it), and the weighted sum in pick order. MXFP8 weights are
 // decoded in registers; the projections run on tensor cores (fp32 accumulation) where hidden and
 // the intermediates are multiples of 64 (MoeParams::tensor_cores), else as fp32 FMA.
-// On tensor cores the shared expert's gate/up tiles run in the router's launch, beside the
-// logits, since they need no routing (MoeParams::shared_with_router_min_rows).
+// On tensor cores the shared expert's gate/up tiles run in the gate/up launch, or from
+// MoeParams::shared_with_router_min_rows rows in the router's launch beside the logits (they need
+// no routing).
 // MoeParams::persistent runs the same work as ordered items of one launch (moe_kernel.cuh), with
 // the same bits. Validates on the host, allocates nothing, never synchronizes, CUDA-graph
 // capturable; deterministic run to run.

@@ -31,6 +31,7 @@
 #include "cuda/moe.h"
 #include "cuda/moe_params.h"
 #include "cuda/timeline.h"
+#include "indexer_test_util.h"
 #include "m3msa/moe.h"
 #include "m3msa/testing/moe_model.h"
 #include "m3msa/testing/random.h"
@@ -493,41 +494,36 @@ TEST(MoeKernel, TiedRoutingKeysPickTheLowerExpertIds) {
   }
 }
 
+// Parameters the launcher's validation takes up to the field a refusal test sets (it refuses
+// before any CUDA call, so these run without a GPU).
+cuda::MoeParams params_checked_before_launch() {
+  cuda::MoeParams p;
+  p.rows = 1;
+  p.topk = 4;
+  p.num_experts = 8;
+  p.hidden = 64;
+  return p;
+}
+
 // MoeParams::down_combine takes 0, 2 or 3 ring slots: anything else is refused, naming the field,
-// before any launch (checked without a GPU: the validation precedes every CUDA call).
+// before any launch.
 TEST(MoeKernel, RefusesADownCombineRingOfAnotherSize) {
   for (int slots : {1, 4, -1}) {
-    cuda::MoeParams p;
-    p.rows = 1;
-    p.topk = 4;
-    p.num_experts = 8;
-    p.hidden = 64;
+    SCOPED_TRACE(slots);
+    cuda::MoeParams p = params_checked_before_launch();
     p.down_combine = slots;
-    try {
-      cuda::launch_moe(p, nullptr);
-      ADD_FAILURE() << "down_combine " << slots << " was taken";
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find("down_combine"), std::string::npos) << e.what();
-    }
+    idxtest::expect_error([&] { cuda::launch_moe(p, nullptr); }, ErrorCode::kInvalidArgument,
+                          "down_combine");
   }
 }
 
 // MoeParams::shared_with_router_min_rows takes 0 (always beside the router) and up: a negative
 // count is refused, naming the field, before any launch.
 TEST(MoeKernel, RefusesANegativeSharedWithRouterMinRows) {
-  cuda::MoeParams p;
-  p.rows = 1;
-  p.topk = 4;
-  p.num_experts = 8;
-  p.hidden = 64;
+  cuda::MoeParams p = params_checked_before_launch();
   p.shared_with_router_min_rows = -1;
-  try {
-    cuda::launch_moe(p, nullptr);
-    ADD_FAILURE() << "shared_with_router_min_rows -1 was taken";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("shared_with_router_min_rows"), std::string::npos)
-        << e.what();
-  }
+  idxtest::expect_error([&] { cuda::launch_moe(p, nullptr); }, ErrorCode::kInvalidArgument,
+                        "shared_with_router_min_rows");
 }
 
 // More experts than the top-k holds in registers: the picks read the keys from memory, ties too.

@@ -30,6 +30,15 @@ M3MSA_HD float e8m0_to_float(uint8_t code) {
   return bits_float(static_cast<uint32_t>(code) << 23);
 }
 
+// The router's pick order as one unsigned key, the largest picked first: larger keys first, NaN
+// keys after every number, equal keys (-0 and +0 equal) by the lower expert id (0 <= id < 2^32 -
+// 1). One max per candidate instead of the rule's branches (the GPU top-k's warp arg-max).
+M3MSA_HD uint64_t moe_pick_order(float key, int id) {
+  const uint32_t u = float_bits(key == 0.0f ? 0.0f : key);
+  const uint32_t ord = key != key ? 0u : ((u & 0x80000000u) != 0u ? ~u : (u | 0x80000000u));
+  return (static_cast<uint64_t>(ord) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(id));
+}
+
 // The weights of one SwiGLU-OAI expert set: the routed experts (with a leading E axis) or one
 // expert (the shared expert, the dense MLP: no E axis). I = the intermediate on this rank.
 //   w13       [(E,) 2 I, hidden] bf16 | fp8_e4m3, rows [gate | up]

@@ -123,15 +123,6 @@ __device__ __forceinline__ uint16_t swiglu_oai(float g_sum, float u_sum, float l
   return float_to_bf16(__fmul_rn(glu, __fadd_rn(u, 1.0f)));
 }
 
-// Larger key first; NaN keys after every number; equal keys: the lower id.
-__device__ __forceinline__ bool key_before(float ka, int a, float kb, int b) {
-  const bool na = ka != ka;
-  const bool nb = kb != kb;
-  if (na != nb) return nb;
-  if (!na && ka != kb) return ka > kb;
-  return a < b;
-}
-
 // Warps of a logits CTA: each takes a contiguous 1/kRouteWarps of K.
 inline constexpr int kRouteWarps = 4;
 inline constexpr int kRouteThreads = kRouteWarps * 32;
@@ -212,19 +203,13 @@ __device__ __forceinline__ void route_logits(const MoeParams& p, int e,
 // Experts per lane whose keys the top-k holds in registers (rows of up to 256 experts; M3: 128).
 inline constexpr int kTopkRegisterExperts = 8;
 
-// The warp's best (key, id) of the lanes' candidates (id < 0: none), with its s, on every lane.
-__device__ __forceinline__ void warp_best_expert(int& best, float& best_key, float& best_s) {
+// The warp's largest pick-order key (moe_pick_order) on every lane.
+__device__ __forceinline__ uint64_t warp_max_order(uint64_t v) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
-    const int other = __shfl_xor_sync(0xFFFFFFFFu, best, offset);
-    const float other_key = __shfl_xor_sync(0xFFFFFFFFu, best_key, offset);
-    const float other_s = __shfl_xor_sync(0xFFFFFFFFu, best_s, offset);
-    if (other >= 0 && (best < 0 || key_before(other_key, other, best_key, best))) {
-      best = other;
-      best_key = other_key;
-      best_s = other_s;
-    }
+    v = max(v, __shfl_xor_sync(0xFFFFFFFFu, v, offset));
   }
+  return v;
 }
 
 // What the top-k reads and writes of MoeParams, as values: the out-of-line call would otherwise
@@ -284,37 +269,38 @@ __device__ __forceinline__ void route_topk(const TopkOperands& p, TopkScratch& s
     float* pick_s = scratch.pick_s + row * p.topk;
     float sum = 0.0f;
     if (p.num_experts <= 32 * kTopkRegisterExperts) {
-      // The row's keys and s in registers (expert lane + 32 j), all loads in flight at once: one
-      // L2 round trip for the row, then the k rounds on registers.
-      float keys[kTopkRegisterExperts];
+      // The row's keys as pick-order keys in registers (expert lane + 32 j; 0: no candidate), all
+      // loads in flight at once: one L2 round trip for the row, then k rounds of branch-free
+      // maxima (moe_pick_order: the rule's order as one u64) and a five-step warp maximum.
+      uint64_t order[kTopkRegisterExperts];
       float svals[kTopkRegisterExperts];
-      uint32_t left = 0u;  // bit j: expert lane + 32 j exists and is not picked yet
 #pragma unroll
       for (int j = 0; j < kTopkRegisterExperts; ++j) {
         const int e = lane + 32 * j;
         const bool exists = e < p.num_experts;
-        keys[j] = exists ? __ldcg(key + e) : 0.0f;
+        const float k = exists ? __ldcg(key + e) : 0.0f;
         svals[j] = exists ? __ldcg(s + e) : 0.0f;
-        left |= exists ? 1u << j : 0u;
+        order[j] = exists ? moe_pick_order(k, e) : 0ull;  // a candidate's key is never 0
       }
 #pragma unroll 1
       for (int i = 0; i < p.topk; ++i) {
-        int best = -1;
-        float best_key = 0.0f;
-        float best_s = 0.0f;
+        uint64_t best = order[0];
+#pragma unroll
+        for (int j = 1; j < kTopkRegisterExperts; ++j) best = max(best, order[j]);
+        best = warp_max_order(best);
+        // topk <= num_experts: some candidate is always left, so best is one.
+        const int picked = static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(best));
+        float own_s = 0.0f;
 #pragma unroll
         for (int j = 0; j < kTopkRegisterExperts; ++j) {
-          const int e = lane + 32 * j;
-          if (((left >> j) & 1u) != 0u && (best < 0 || key_before(keys[j], e, best_key, best))) {
-            best = e;
-            best_key = keys[j];
-            best_s = svals[j];
+          if (lane + 32 * j == picked) {
+            own_s = svals[j];
+            order[j] = 0ull;
           }
         }
-        warp_best_expert(best, best_key, best_s);
-        if (best % 32 == lane) left &= ~(1u << (best / 32));
+        const float best_s = __shfl_sync(0xFFFFFFFFu, own_s, picked % 32);
         if (lane == 0) {
-          pick[i] = best;  // topk <= num_experts: some expert is always left
+          pick[i] = picked;
           pick_s[i] = best_s;
         }
         sum = __fadd_rn(sum, best_s);
@@ -323,26 +309,20 @@ __device__ __forceinline__ void route_topk(const TopkOperands& p, TopkScratch& s
 #pragma unroll 1
       for (int i = 0; i < p.topk; ++i) {
         // This lane's best expert not yet picked, then the warp's best of the lanes' bests.
-        __syncwarp();  // lane 0's earlier picks, before the lanes skip them
-        int best = -1;
-        float best_key = 0.0f;
+        __syncwarp();          // lane 0's earlier picks, before the lanes skip them
+        uint64_t best = 0ull;  // no candidate
 #pragma unroll 1
         for (int e = lane; e < p.num_experts; e += 32) {
           bool used = false;
 #pragma unroll 1
           for (int t = 0; t < i; ++t) used = used || pick[t] == e;
-          if (used) continue;
-          const float k = __ldcg(key + e);
-          if (best < 0 || key_before(k, e, best_key, best)) {
-            best = e;
-            best_key = k;
-          }
+          if (!used) best = max(best, moe_pick_order(__ldcg(key + e), e));
         }
-        float unused_s = 0.0f;
-        warp_best_expert(best, best_key, unused_s);
-        const float best_s = __ldcg(s + best);
+        const int picked =
+            static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(warp_max_order(best)));
+        const float best_s = __ldcg(s + picked);
         if (lane == 0) {
-          pick[i] = best;
+          pick[i] = picked;
           pick_s[i] = best_s;
         }
         sum = __fadd_rn(sum, best_s);

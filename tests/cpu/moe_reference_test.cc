@@ -605,3 +605,59 @@ TEST(MoeConfigTest, ModelFieldsAreValidatedAndSplit) {
 
 }  // namespace
 }  // namespace m3msa
+
+namespace m3msa {
+namespace {
+
+// The routing rule written out: larger key first, NaN keys after every number, equal keys (-0 and
+// +0 equal) by the lower id.
+bool picked_before(float ka, int a, float kb, int b) {
+  const bool na = std::isnan(ka);
+  const bool nb = std::isnan(kb);
+  if (na != nb) return nb;
+  if (!na && ka != kb) return ka > kb;
+  return a < b;
+}
+
+// moe_pick_order (the GPU top-k's one-max order) against the rule on every pair of special and
+// random keys, ids included: NaNs of both signs and several payloads, +-0, +-inf, subnormals, the
+// extremes, neighbours of one value, and random bits.
+TEST(MoeReference, PickOrderKeyMatchesTheRoutingRule) {
+  std::vector<float> keys = {0.0f,
+                             -0.0f,
+                             1.0f,
+                             -1.0f,
+                             std::nextafter(1.0f, 2.0f),
+                             std::nextafter(1.0f, 0.0f),
+                             bits_float(0x7F800000u),
+                             bits_float(0xFF800000u),
+                             bits_float(0x7FC00000u),
+                             bits_float(0xFFC00000u),
+                             bits_float(0x7F800001u),
+                             bits_float(0x00000001u),
+                             bits_float(0x80000001u),
+                             bits_float(0x007FFFFFu),
+                             bits_float(0x7F7FFFFFu),
+                             bits_float(0xFF7FFFFFu),
+                             0.5f,
+                             0.75f};
+  SplitMix64 rng(0x51C0DEull);
+  for (int i = 0; i < 48; ++i) keys.push_back(bits_float(static_cast<uint32_t>(rng.next())));
+  const int ids[] = {0, 1, 2, 31, 32, 127, 128, 4095};
+  for (float ka : keys) {
+    for (int a : ids) {
+      for (float kb : keys) {
+        for (int b : ids) {
+          if (a == b) continue;  // one expert has one key
+          EXPECT_EQ(moe_pick_order(ka, a) > moe_pick_order(kb, b), picked_before(ka, a, kb, b))
+              << "keys " << float_bits(ka) << " / " << float_bits(kb) << ", ids " << a << " / "
+              << b;
+          EXPECT_NE(moe_pick_order(ka, a), 0u) << "a candidate's key is never 0";
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace m3msa

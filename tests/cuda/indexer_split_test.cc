@@ -83,6 +83,10 @@ TEST(CudaIndexerSplit, RandomizedDecodeEqualsSpanAndCpu) {
       {128, 1, 1000, 40000, fp8, 0, 16},  // more requests than half the grid: one CTA each
       {3, 8, 1, 3000, bf16, 0, 16},       // q_len 8: 32 vectors
       {5, 3, 100, 70000, fp8, 1, 8},      // q_len 3, k 8
+      // More query vectors per request than the split kernel has CTAs for it (8 and 11): the
+      // merge kernel's most CTAs, short and long requests side by side.
+      {32, 8, 100, 60000, bf16, 2, 16},
+      {24, 8, 1, 140000, fp8, 0, 16},
   };
   uint64_t seed = 301;
   for (const Shape& s : shapes) {
@@ -112,12 +116,21 @@ TEST(CudaIndexerSplit, BlockEdgesAndShortRequests) {
 TEST(CudaIndexerSplit, AllEqualScoresPreferLowerBlocks) {
   M3MSA_INDEXER_REQUIRE_GPU();
   // q_len 1 and 2 (3 requests: the default merges in a kernel of its own, where the histogram
-  // finds every key in one bin and hands over to the warps' merge).
-  for (const auto& [dtype, q_len] :
-       {std::pair{DType::kBF16, 2}, std::pair{DType::kFP8E4M3, 2}, std::pair{DType::kBF16, 1}}) {
-    SCOPED_TRACE(testing::Message() << "q_len " << q_len);
-    SyntheticSpec spec = decode_spec(3, q_len, 0, 0, dtype, 0, 321);
-    spec.seq_lens = {100000, 3000, 129};
+  // finds every key in one bin and hands over to the warps' merge); q_len 4 at 30 requests (more
+  // query vectors per request than the split kernel has CTAs for it).
+  struct Case {
+    DType dtype;
+    int q_len;
+    int reqs;
+  };
+  for (const Case& e : {Case{DType::kBF16, 2, 3}, Case{DType::kFP8E4M3, 2, 3},
+                        Case{DType::kBF16, 1, 3}, Case{DType::kFP8E4M3, 4, 30}}) {
+    const DType dtype = e.dtype;
+    SCOPED_TRACE(testing::Message() << "q_len " << e.q_len << ", " << e.reqs << " requests");
+    SyntheticSpec spec = decode_spec(e.reqs, e.q_len, 0, 0, dtype, 0, 321);
+    spec.seq_lens.clear();
+    const int64_t lens[] = {100000, 3000, 129};
+    for (int i = 0; i < e.reqs; ++i) spec.seq_lens.push_back(lens[i % 3]);
     SyntheticCase c = make_synthetic_case(spec);
     const int64_t row_bytes = c.index_cache.nbytes() / c.index_cache.shape()[0] / 128;
     auto* bytes = static_cast<uint8_t*>(c.index_cache.data());

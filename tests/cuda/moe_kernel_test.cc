@@ -61,12 +61,12 @@ HostTensor host_of(const TensorView& v) {
 // persistent launch (MoeParams::persistent, twice, so a launch after one that ran finds the
 // counters reset); the register ring and the last ones must give mma's bits (the first choice).
 struct KernelChoice {
-  bool tensor_cores;
-  bool pdl;
-  bool deep;
-  int down_tiles;
-  bool persistent;
   const char* name;
+  bool tensor_cores = true;
+  bool pdl = false;
+  bool deep = false;
+  int down_tiles = 1;
+  bool persistent = false;
   bool stream = true;  // MoeParams::stream (false: the register ring)
   int shared_with_router_min_rows = cuda::kMoeSharedWithRouterMinRows;
   int router_picks_max_rows = cuda::kMoeRouterPicksMaxRows;
@@ -80,26 +80,26 @@ struct KernelChoice {
            down_combine_max_rows != cuda::kMoeDownCombineMaxRows;
   }
 };
+// Each choice names only what it changes from the defaults above.
 constexpr KernelChoice kKernelChoices[] = {
-    {true, false, false, 1, false, "mma"},
-    {true, false, false, 1, false, "mma-ring", false},
-    {true, false, false, 1, false, "mma-shared-late", true, cuda::kMoeMaxRows + 1},
-    {true, false, false, 1, false, "mma-shared-early", true, 0},
-    {true, false, false, 1, false, "mma-topk-apart", true, cuda::kMoeSharedWithRouterMinRows, 0},
-    {true, false, false, 1, false, "mma-topk-in-router", true, cuda::kMoeSharedWithRouterMinRows,
-     cuda::kMoeMaxRows},
-    {true, false, false, 1, false, "mma-down-apart", true, cuda::kMoeSharedWithRouterMinRows,
-     cuda::kMoeRouterPicksMaxRows, 0},
-    {true, false, false, 1, false, "mma-down-combine", true, cuda::kMoeSharedWithRouterMinRows,
-     cuda::kMoeRouterPicksMaxRows, cuda::kMoeDownCombineSlots, cuda::kMoeMaxRows},
-    {true, false, false, 1, false, "mma-down-combine2-topk-apart", true,
-     cuda::kMoeSharedWithRouterMinRows, 0, 2, cuda::kMoeMaxRows},
-    {false, false, false, 1, false, "fma"},
-    {true, true, false, 1, false, "mma+pdl"},
-    {true, false, true, 1, false, "mma-deep"},
-    {true, false, false, cuda::kMoeDownTiles, false, "mma-down4"},
-    {true, false, false, 1, true, "mma-persistent"},
-    {true, true, false, 1, true, "mma-persistent+pdl"}};
+    {.name = "mma"},
+    {.name = "mma-ring", .stream = false},
+    {.name = "mma-shared-late", .shared_with_router_min_rows = cuda::kMoeMaxRows + 1},
+    {.name = "mma-shared-early", .shared_with_router_min_rows = 0},
+    {.name = "mma-topk-apart", .router_picks_max_rows = 0},
+    {.name = "mma-topk-in-router", .router_picks_max_rows = cuda::kMoeMaxRows},
+    {.name = "mma-down-apart", .down_combine = 0},
+    {.name = "mma-down-combine", .down_combine_max_rows = cuda::kMoeMaxRows},
+    {.name = "mma-down-combine2-topk-apart",
+     .router_picks_max_rows = 0,
+     .down_combine = 2,
+     .down_combine_max_rows = cuda::kMoeMaxRows},
+    {.name = "fma", .tensor_cores = false},
+    {.name = "mma+pdl", .pdl = true},
+    {.name = "mma-deep", .deep = true},
+    {.name = "mma-down4", .down_tiles = cuda::kMoeDownTiles},
+    {.name = "mma-persistent", .persistent = true},
+    {.name = "mma-persistent+pdl", .pdl = true, .persistent = true}};
 
 // Records the "mma" choice's output; the deep, tiled and persistent choices must give its bits
 // (the same k order).

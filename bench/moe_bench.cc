@@ -490,17 +490,13 @@ int run_moe_bench(int argc, char** argv) {
               c->worst = worst;
             }
           }
-          // The other mma variants change only how the mma kernels' work is scheduled and cached:
-          // the same bits as mma.
+          // The other mma variants (every choice but mma, fma and mma+pdl) change only how the
+          // mma kernels' work is scheduled and cached: the same bits as mma.
           if (mma_it != opt.kernels.end()) {
             const KernelCheck& mma = checks[static_cast<std::size_t>(mma_it - opt.kernels.begin())];
             for (std::size_t ki = 0; ki < opt.kernels.size(); ++ki) {
               const std::string& k = opt.kernels[ki];
-              if (k != "mma-ring" && k != "mma-shared-late" && k != "mma-shared-early" &&
-                  k != "mma-topk-apart" && k != "mma-topk-in-router" && k != "mma-deep" &&
-                  k != "mma-down4" && k != "mma-persistent" && k != "mma-down-apart" &&
-                  k != "mma-down-combine")
-                continue;
+              if (k == "mma" || k == "fma" || k == "mma+pdl") continue;
               checks[ki].same_as_mma =
                   std::memcmp(checks[ki].eager.data(), mma.eager.data(), mma.eager.size() * 4) == 0;
             }

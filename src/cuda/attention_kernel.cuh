@@ -76,11 +76,16 @@ template <bool kFp8, int kTiles = 1>
 struct KvLayout {
   static constexpr int kRowBytes = kHeadDim * (kFp8 ? 1 : 2);
   static constexpr int kRowChunks = kRowBytes / 16;
-  static constexpr int kTileBytes = kChunkTokens * kRowBytes;  // one K (or V) chunk
+  // fp8, one row per CTA: a whole 128-token block per chunk (32 KB of K + V, as a bf16 chunk of
+  // 64 tokens), each warp 32 tokens of it; otherwise 64 tokens.
+  static constexpr int kChunk = kFp8 && kTiles == 1 ? kBlockTokens : kChunkTokens;
+  static constexpr int kChunksPerBlock = kBlockTokens / kChunk;
+  static constexpr int kTileBytes = kChunk * kRowBytes;  // one K (or V) chunk
   static constexpr int kStageBytes = 2 * kTileBytes;
-  // Pipeline depth: 3 stages keep two bf16 CTAs (96 KB each) per SM; fp8 stages are half as big,
-  // so 4 stages (64 KB) keep three CTAs per SM with three chunks in flight each.
-  static constexpr int kStages = kFp8 ? 4 : 3;
+  // Pipeline depth: 3 stages of 32 KB keep two CTAs (96 KB each) per SM (bf16; fp8 one row per
+  // CTA); 4 fp8 stages of 64-token chunks (64 KB) keep three CTAs per SM (fp8 rows grouped).
+  static constexpr int kStages = kStageBytes >= 32 * 1024 ? 3 : 4;
+  static constexpr int kCtasPerSm = kStageBytes >= 32 * 1024 ? 2 : 3;
   static constexpr int kPipeBytes = kStages * kStageBytes;
   static constexpr int kMergeBytes =
       (kWarps * kTileHeads * kMergeStride + kWarps * kTileHeads * 2) * 4;
@@ -295,10 +300,10 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
                                             const UnitWork& w) {
   const AttentionParams& p = *params;
   constexpr int kWarpsPerTile = kWarps / kTiles;
-  constexpr int kSliceTokens = kChunkTokens / kWarpsPerTile;  // a warp's tokens of a chunk
+  using L = KvLayout<kFp8, kTiles>;
+  constexpr int kSliceTokens = L::kChunk / kWarpsPerTile;  // a warp's tokens of a chunk
   constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;         // candidates of a CTA's rows
   static_assert(kTiles == 1 || kMaxUnion <= kThreads, "one candidate per thread");
-  using L = KvLayout<kFp8, kTiles>;
   constexpr bool kF16 = kFp8;  // operand type of both mmas
   extern __shared__ __align__(128) uint8_t smem[];
   __shared__ int s_page[kMaxRoundBlocks];
@@ -560,18 +565,18 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
     __syncthreads();
     if (round == first) timeline::mark(p.timeline, kPages);
 
-    const int nchunks = 2 * nblocks;
+    const int nchunks = L::kChunksPerBlock * nblocks;
     // Tokens of chunk `ch` that tile t (at position row_pos) sees: 0 when the chunk lies wholly
     // after the position, its page is unusable or the tile's row did not select the block.
     auto chunk_valid = [&](int ch, int t, int64_t row_pos) -> int {
-      const int e = ch >> 1;
+      const int e = ch / L::kChunksPerBlock;
       if (s_page[e] < 0) return 0;
       if constexpr (kTiles > 1) {
         if (((s_rows[e] >> t) & 1u) == 0) return 0;
       }
-      const int64_t lo = int64_t{s_block[e]} * kBlockTokens + (ch & 1) * kChunkTokens;
+      const int64_t lo = int64_t{s_block[e]} * kBlockTokens + (ch % L::kChunksPerBlock) * L::kChunk;
       const int64_t n = row_pos + 1 - lo;
-      return n <= 0 ? 0 : (n >= kChunkTokens ? kChunkTokens : static_cast<int>(n));
+      return n <= 0 ? 0 : (n >= L::kChunk ? L::kChunk : static_cast<int>(n));
     };
     // Some row sees the chunk: the last live row that selected the block (positions grow with
     // the row) sees a token of it.
@@ -579,7 +584,7 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
       if constexpr (kTiles == 1) {
         return chunk_valid(ch, 0, pos0) > 0;
       } else {
-        const uint32_t rows = s_rows[ch >> 1] & ((1u << live_tiles) - 1u);
+        const uint32_t rows = s_rows[ch / L::kChunksPerBlock] & ((1u << live_tiles) - 1u);
         if (rows == 0 || pos0 < 0) return false;
         const int t = 31 - __clz(static_cast<int>(rows));
         return chunk_valid(ch, t, pos0 + t) > 0;
@@ -587,9 +592,9 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
     };
     auto issue = [&](int ch) {
       if (ch < nchunks && chunk_needed(ch)) {
-        const int e = ch >> 1;
+        const int e = ch / L::kChunksPerBlock;
         const int64_t page = s_page[e];
-        const int64_t first_token = (ch & 1) * kChunkTokens;
+        const int64_t first_token = (ch % L::kChunksPerBlock) * L::kChunk;
         const uint8_t* k_src =
             k_cache + (page * p.k_page_stride + int64_t{kvh} * p.k_head_stride) * elem_bytes +
             first_token * k_token_bytes + k_copy_src;
@@ -621,7 +626,7 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
       const uint8_t* k_tile = smem + (ch % L::kStages) * L::kStageBytes;
       const uint8_t* v_tile = k_tile + L::kTileBytes;
 #pragma unroll 1
-      for (int piece = 0; piece < kTiles; ++piece) {
+      for (int piece = 0; piece < kSliceTokens / 16; ++piece) {
         const int tok0 = slice * kSliceTokens + 16 * piece;  // the warp's next 16 tokens
         if (valid <= tok0) break;                            // nothing more visible for this warp
         const bool partial = valid < tok0 + 16;
@@ -1176,10 +1181,10 @@ __host__ __device__ inline UnitWork balanced_segment(int64_t at, int64_t items, 
   return w;
 }
 
-// The static plan: CTA = (unit, split). fp8: 3 CTAs per SM (<= 170 registers; its 64 KB of stages
-// fit three times), bf16: 2.
+// The static plan: CTA = (unit, split). Resident CTAs per SM: KvLayout::kCtasPerSm (fp8 rows
+// grouped: 3, <= 170 registers, 64 KB of stages; otherwise 2).
 template <bool kFp8, bool kSplitP, int kTiles>
-__global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
+__global__ void __launch_bounds__(kThreads, KvLayout<kFp8, kTiles>::kCtasPerSm)
     attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
@@ -1192,7 +1197,7 @@ __global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
 // registers the body needs (field()); the body's dynamic shared memory ends before the cluster
 // receive area (KvLayout::kSharedBytes). Same residency as the static one-row kernel.
 template <bool kFp8, bool kSplitP>
-__global__ void __launch_bounds__(kThreads, kFp8 ? 3 : 2)
+__global__ void __launch_bounds__(kThreads, KvLayout<kFp8, 1>::kCtasPerSm)
     attention_balanced_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   timeline::mark(p.timeline, kStart);

@@ -398,9 +398,9 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   info.splits =
       choose_splits(units, config.topk, dense, shape.sm_count, info.slots, tuning.max_splits);
   // More units than one wave of resident CTAs, up to 4/3 of it: one wave, each CTA an equal share
-  // of the units' blocks, so no CTA waits for a mostly empty last wave (fp8 at 128 requests: 512
-  // units x 16 blocks on 396 slots, 20-21 blocks each where whole units take two rounds of 16
-  // and clustered halves three of 8). Measured on an H100 against two clustered splits: -6 to
+  // of the units' blocks, so no CTA waits for a mostly empty last wave (300 units x 16 blocks on
+  // 264 slots: 18-19 blocks each where whole units take two rounds of 16 and clustered halves
+  // three of 8). Measured on an H100 against two clustered splits: -6 to
   // -10 % at 1.09 waves, -2 % at 1.29; against whole units: +1.2 % at 1.52, +2.6 % at 1.64 (a
   // fuller last wave's CTAs run faster; the balanced shares pay the cut units' merges). balance 2
   // takes it at any count beyond one wave, for comparisons.
@@ -412,8 +412,8 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
     info.ctas = balanced_slots;  // fewer CTAs than units: a unit has at most two parts
     return info;
   }
-  // More units than one wave of resident CTAs with the second wave at most a third full (fp8 at
-  // 128 requests: 512 units on 396 slots): two splits per unit in clusters of two, so the grid
+  // More units than one wave of resident CTAs with the second wave at most a third full (300
+  // units on 264 slots): two splits per unit in clusters of two, so the grid
   // ends in fuller waves. Measured on an H100: 4-7 % faster at 1.1-1.3 waves of units, 2.4 %
   // slower at 1.45 (bf16, 96 requests). Only the cluster merge: the workspace holds one wave of
   // partials.

@@ -4,18 +4,19 @@
 // One CTA of 4 warps handles one (row, kv head, split). The 16 query heads of the KV head are the
 // m16 side of mma.sync m16n8k16 (bf16 KV: bf16 operands, the softmax weights split into hi + lo
 // bf16 parts; fp8 KV: f16 operands, since every e4m3 value is exact in f16 and f16 weights keep
-// 11 bits; fp32 accumulation either way). The split's selected blocks are streamed as 64-token
-// chunks (K tile + V tile) through a 3-stage (bf16) or 4-stage (fp8) cp.async pipeline into
-// XOR-swizzled shared memory; each warp takes 16 tokens of a chunk and keeps its own online
-// softmax (exp2 domain, lazily rescaled) and 16x128 fp32 accumulator, so warps never wait on each
-// other inside a chunk. The epilogue merges the 4 warps in shared memory; when the (row, kv head)
-// is split over several CTAs, the splits merge either through a thread-block cluster (DSMEM, each
-// rank merging a share of the output dims) or through (O, max, sum) partials in the workspace that
-// the last CTA to arrive (an atomic counter it resets) merges. Both merge in split order, so
-// results are deterministic. In the balanced plan (one wave of one-row CTAs) a CTA takes an equal
-// share of the flattened (unit, selection entry) list instead, one unit's segment after another
-// (balanced_segment); a unit cut by shares' boundaries merges its parts through the workspace the
-// same way.
+// 11 bits; fp32 accumulation either way). The split's selected blocks are streamed as chunks
+// (K tile + V tile) through a cp.async pipeline into XOR-swizzled shared memory (KvLayout: bf16
+// 64 tokens, 32 KB, in 3 stages; fp8 one row per CTA a whole 128-token block, 32 KB, in 3 stages;
+// fp8 rows grouped 64 tokens, 16 KB, in 4); each warp takes a quarter of a chunk (as 16-token
+// pieces) and keeps its own online softmax (exp2 domain, lazily rescaled) and 16x128 fp32
+// accumulator, so warps never wait on each other inside a chunk. The epilogue merges the 4 warps in
+// shared memory; when the (row, kv head) is split over several CTAs, the splits merge either
+// through a thread-block cluster (DSMEM, each rank merging a share of the output dims) or through
+// (O, max, sum) partials in the workspace that the last CTA to arrive (an atomic counter it resets)
+// merges. Both merge in split order, so results are deterministic. In the balanced plan (one wave
+// of one-row CTAs) a CTA takes an equal share of the flattened (unit, selection entry) list
+// instead, one unit's segment after another (balanced_segment); a unit cut by shares' boundaries
+// merges its parts through the workspace the same way.
 //
 // Several decode rows of one request (speculative tokens, q_len > 1) share a CTA: kTiles rows,
 // one m16 tile each, 4 / kTiles warps per tile, each warp taking 16 * kTiles tokens of a chunk.
@@ -302,7 +303,7 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
   constexpr int kWarpsPerTile = kWarps / kTiles;
   using L = KvLayout<kFp8, kTiles>;
   constexpr int kSliceTokens = L::kChunk / kWarpsPerTile;  // a warp's tokens of a chunk
-  constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;         // candidates of a CTA's rows
+  constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;      // candidates of a CTA's rows
   static_assert(kTiles == 1 || kMaxUnion <= kThreads, "one candidate per thread");
   constexpr bool kF16 = kFp8;  // operand type of both mmas
   extern __shared__ __align__(128) uint8_t smem[];

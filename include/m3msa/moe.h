@@ -39,6 +39,11 @@ M3MSA_HD uint64_t moe_pick_order(float key, int id) {
   return (static_cast<uint64_t>(ord) << 32) | (0xFFFFFFFFu - static_cast<uint32_t>(id));
 }
 
+// The expert id a pick-order key was made for (moe_pick_order's low word, inverted).
+M3MSA_HD int moe_pick_id(uint64_t order) {
+  return static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(order));
+}
+
 // The weights of one SwiGLU-OAI expert set: the routed experts (with a leading E axis) or one
 // expert (the shared expert, the dense MLP: no E axis). I = the intermediate on this rank.
 //   w13       [(E,) 2 I, hidden] bf16 | fp8_e4m3, rows [gate | up]

@@ -289,7 +289,7 @@ __device__ __forceinline__ void route_topk(const TopkOperands& p, TopkScratch& s
         for (int j = 1; j < kTopkRegisterExperts; ++j) best = max(best, order[j]);
         best = warp_max_order(best);
         // topk <= num_experts: some candidate is always left, so best is one.
-        const int picked = static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(best));
+        const int picked = moe_pick_id(best);
         float own_s = 0.0f;
 #pragma unroll
         for (int j = 0; j < kTopkRegisterExperts; ++j) {
@@ -318,8 +318,7 @@ __device__ __forceinline__ void route_topk(const TopkOperands& p, TopkScratch& s
           for (int t = 0; t < i; ++t) used = used || pick[t] == e;
           if (!used) best = max(best, moe_pick_order(__ldcg(key + e), e));
         }
-        const int picked =
-            static_cast<int>(0xFFFFFFFFu - static_cast<uint32_t>(warp_max_order(best)));
+        const int picked = moe_pick_id(warp_max_order(best));
         const float best_s = __ldcg(s + picked);
         if (lane == 0) {
           pick[i] = picked;

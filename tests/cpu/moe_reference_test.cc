@@ -620,8 +620,8 @@ bool picked_before(float ka, int a, float kb, int b) {
 }
 
 // moe_pick_order (the GPU top-k's one-max order) against the rule on every pair of special and
-// random keys, ids included: NaNs of both signs and several payloads, +-0, +-inf, subnormals, the
-// extremes, neighbours of one value, and random bits.
+// random keys, ids included (and the id read back from the key): NaNs of both signs and several
+// payloads, +-0, +-inf, subnormals, the extremes, neighbours of one value, and random bits.
 TEST(MoeReference, PickOrderKeyMatchesTheRoutingRule) {
   std::vector<float> keys = {0.0f,
                              -0.0f,
@@ -653,6 +653,7 @@ TEST(MoeReference, PickOrderKeyMatchesTheRoutingRule) {
               << "keys " << float_bits(ka) << " / " << float_bits(kb) << ", ids " << a << " / "
               << b;
           EXPECT_NE(moe_pick_order(ka, a), 0u) << "a candidate's key is never 0";
+          EXPECT_EQ(moe_pick_id(moe_pick_order(ka, a)), a) << "the id comes back from the key";
         }
       }
     }

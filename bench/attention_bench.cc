@@ -66,14 +66,16 @@ struct Result {
   int sets = 0;
   Timing timing;
   double bytes = 0;
-  nlohmann::json timeline;  // --timeline: the recorded launch's stage table
+  nlohmann::json timeline;          // --timeline: the recorded launch's stage table
+  nlohmann::json timeline_records;  // --timeline-records: its every CTA
 };
 
 std::string kv_name(const Config& c) {
   return c.kv == DType::kFP8E4M3 ? "fp8" : "bf16";
 }
 
-Result run_config(const Config& c, int launches_min, int reps, uint64_t seed, bool timeline) {
+Result run_config(const Config& c, int launches_min, int reps, uint64_t seed, bool timeline,
+                  bool timeline_records) {
   // M3 per rank: 64 q heads, 4 KV heads at TP 1; 128-d heads, topk 16.
   const SparseConfig sc = ModelConfig{}.sparse(c.tp);
   const int kvh = sc.kv_heads;
@@ -214,13 +216,14 @@ Result run_config(const Config& c, int launches_min, int reps, uint64_t seed, bo
   Result res;
   if (timeline) {
     graph.launch(stream.get());
-    res.timeline =
-        record_timeline(fmt::format("attention {} tp {} batch {} q_len {} context {} tuning {}",
-                                    kv_name(c), c.tp, c.batch, c.q_len, c.context, c.tuning.name()),
-                        [&] {
-                          cuda::launch_attention_tuned(sc, args_for(launches % sets), ws.data(),
-                                                       ws_bytes, stream.get(), c.tuning);
-                        });
+    res.timeline = record_timeline(
+        fmt::format("attention {} tp {} batch {} q_len {} context {} tuning {}", kv_name(c), c.tp,
+                    c.batch, c.q_len, c.context, c.tuning.name()),
+        [&] {
+          cuda::launch_attention_tuned(sc, args_for(launches % sets), ws.data(), ws_bytes,
+                                       stream.get(), c.tuning);
+        },
+        timeline_records ? &res.timeline_records : nullptr);
   }
   res.cfg = c;
   const cuda::AttentionPlanInfo plan =
@@ -282,7 +285,11 @@ int run_attention_bench(int argc, char** argv) {
                "after timing each configuration, record one more launch's stage stamps (per CTA: "
                "pages looked up, first chunk in, chunks done, partials published, end) and print "
                "when each stage ended (bench/timeline.h); also in the JSON");
+  bool timeline_records = false;
+  app.add_flag("--timeline-records", timeline_records,
+               "--timeline, and every CTA's SM, kind and stamps in the JSON (`timeline_records`)");
   if (auto code = parse_flags(app, argc, argv)) return *code;
+  timeline = timeline || timeline_records;
   // Every value is checked here, before the device and the first measurement.
   const SparseConfig m3 = ModelConfig{}.sparse();  // block size and topk: the same at every TP
   std::vector<int> batch_list = int_list("--batch", batches, 1);
@@ -348,7 +355,7 @@ int run_attention_bench(int argc, char** argv) {
                     plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits, plan.row_tiles,
                     plan.balanced ? "b" : "", kv_layout_name(layout));
                 if (!seen.insert(key).second) continue;
-                const Result r = run_config(c, launches, reps, seed, timeline);
+                const Result r = run_config(c, launches, reps, seed, timeline, timeline_records);
                 const double us = r.timing.median_us;
                 const double tbs = r.bytes / (us * 1e-6) / 1e12;
                 const std::string merge =
@@ -399,6 +406,9 @@ int run_attention_bench(int argc, char** argv) {
                                   {"device", device}});
                 table.last_record().update(measured_fields(r.timing, r.bytes));
                 if (!r.timeline.is_null()) table.last_record()["timeline"] = r.timeline;
+                if (!r.timeline_records.is_null()) {
+                  table.last_record()["timeline_records"] = r.timeline_records;
+                }
                 results.write(table.records(), false);
               }
             }

@@ -20,17 +20,58 @@
 
 namespace m3msa::bench {
 
+// Every record of `launches` as {launch, sm, kind, marks: [us after the first start | null]}.
+inline nlohmann::json timeline_records(const std::vector<cuda::timeline::Launch>& launches,
+                                       const std::vector<uint64_t>& raw) {
+  using cuda::timeline::kMarks;
+  using cuda::timeline::kWords;
+  uint64_t t0 = 0;
+  for (size_t i = 0; i + kWords <= raw.size(); i += kWords) {
+    for (int m = 0; m < kMarks; ++m) {
+      if (raw[i + m] != 0 && (t0 == 0 || raw[i + m] < t0)) t0 = raw[i + m];
+    }
+  }
+  nlohmann::json out = nlohmann::json::array();
+  for (size_t li = 0; li < launches.size(); ++li) {
+    const cuda::timeline::Launch& l = launches[li];
+    for (int64_t u = 0; u < l.units; ++u) {
+      const size_t at = static_cast<size_t>(l.first + u) * kWords;
+      if (at + kWords > raw.size()) break;
+      const uint64_t* r = raw.data() + at;
+      nlohmann::json marks = nlohmann::json::array();
+      for (size_t m = 0; m < l.marks.size() && m < static_cast<size_t>(kMarks); ++m) {
+        if (r[m] == 0) {
+          marks.push_back(nullptr);
+        } else {
+          marks.push_back(static_cast<double>(static_cast<int64_t>(r[m] - t0)) * 1e-3);
+        }
+      }
+      const size_t kind = static_cast<size_t>(r[kMarks] >> 32);
+      out.push_back({{"launch", li},
+                     {"sm", static_cast<uint32_t>(r[kMarks])},
+                     {"kind", kind < l.kinds.size() ? l.kinds[kind] : std::to_string(kind)},
+                     {"marks", std::move(marks)}});
+    }
+  }
+  return out;
+}
+
 // Runs `launch` (one call of the library, eager, on the stream the graph ran on) under a
-// recorder; prints `title` and the stage table to stdout. The JSON: one object per row.
-inline nlohmann::json record_timeline(const std::string& title,
-                                      const std::function<void()>& launch) {
+// recorder; prints `title` and the stage table to stdout. The JSON: one object per row. With
+// `records` (a bench's `--timeline-records`), every record too: its launch, SM, kind and the
+// microseconds of each mark after the first recorded start (null where not reached), so a stage's
+// spread can be laid against where the CTAs ran.
+inline nlohmann::json record_timeline(const std::string& title, const std::function<void()>& launch,
+                                      nlohmann::json* records = nullptr) {
   cuda::timeline::Recorder recorder;
   {
     cuda::timeline::Scope scope(recorder);
     launch();
   }
+  const std::vector<uint64_t> raw = recorder.read();
   const std::vector<cuda::timeline::MarkTimes> rows =
-      cuda::timeline::summarize(recorder.launches(), recorder.read());
+      cuda::timeline::summarize(recorder.launches(), raw);
+  if (records != nullptr) *records = timeline_records(recorder.launches(), raw);
   std::printf("timeline: %s (us after the first recorded start)\n", title.c_str());
   if (recorder.launches().empty()) {
     std::printf("  (no recorded kernel: this configuration launches none that stamps)\n");

@@ -24,26 +24,18 @@ namespace m3msa::bench {
 inline nlohmann::json timeline_records(const std::vector<cuda::timeline::Launch>& launches,
                                        const std::vector<uint64_t>& raw) {
   using cuda::timeline::kMarks;
-  using cuda::timeline::kWords;
-  uint64_t t0 = 0;
-  for (size_t i = 0; i + kWords <= raw.size(); i += kWords) {
-    for (int m = 0; m < kMarks; ++m) {
-      if (raw[i + m] != 0 && (t0 == 0 || raw[i + m] < t0)) t0 = raw[i + m];
-    }
-  }
+  const uint64_t t0 = cuda::timeline::first_stamp(launches, raw);
   nlohmann::json out = nlohmann::json::array();
   for (size_t li = 0; li < launches.size(); ++li) {
     const cuda::timeline::Launch& l = launches[li];
     for (int64_t u = 0; u < l.units; ++u) {
-      const size_t at = static_cast<size_t>(l.first + u) * kWords;
-      if (at + kWords > raw.size()) break;
-      const uint64_t* r = raw.data() + at;
+      const uint64_t* r = cuda::timeline::record_of(l, u, raw);
       nlohmann::json marks = nlohmann::json::array();
       for (size_t m = 0; m < l.marks.size() && m < static_cast<size_t>(kMarks); ++m) {
         if (r[m] == 0) {
           marks.push_back(nullptr);
         } else {
-          marks.push_back(static_cast<double>(static_cast<int64_t>(r[m] - t0)) * 1e-3);
+          marks.push_back(cuda::timeline::us_after(r[m], t0));
         }
       }
       const size_t kind = static_cast<size_t>(r[kMarks] >> 32);

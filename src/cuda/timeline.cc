@@ -87,33 +87,41 @@ uint64_t* records_for(const char* kernel, std::vector<std::string> marks, int64_
   return t_active->reserve(kernel, std::move(marks), units, std::move(kinds));
 }
 
-std::vector<MarkTimes> summarize(const std::vector<Launch>& launches,
-                                 const std::vector<uint64_t>& records) {
-  auto record = [&](const Launch& l, int64_t u) {
-    const size_t at = static_cast<size_t>(l.first + u) * kWords;
-    M3MSA_CHECK_ARG(at + kWords <= records.size(), "timeline: records hold ", records.size(),
-                    " words, launch of ", l.kernel, " needs ", at + kWords);
-    return records.data() + at;
-  };
+const uint64_t* record_of(const Launch& l, int64_t u, const std::vector<uint64_t>& records) {
+  const size_t at = static_cast<size_t>(l.first + u) * kWords;
+  M3MSA_CHECK_ARG(at + kWords <= records.size(), "timeline: records hold ", records.size(),
+                  " words, launch of ", l.kernel, " needs ", at + kWords);
+  return records.data() + at;
+}
+
+uint64_t first_stamp(const std::vector<Launch>& launches, const std::vector<uint64_t>& records) {
   uint64_t t0 = std::numeric_limits<uint64_t>::max();
   for (const Launch& l : launches) {
     for (int64_t u = 0; u < l.units; ++u) {
-      const uint64_t* r = record(l, u);
+      const uint64_t* r = record_of(l, u, records);
       for (int m = 0; m < kMarks; ++m) {
         if (r[m] != 0) t0 = std::min(t0, r[m]);
       }
     }
   }
+  return t0 == std::numeric_limits<uint64_t>::max() ? 0 : t0;
+}
+
+double us_after(uint64_t t, uint64_t base) {
+  return t >= base ? static_cast<double>(t - base) * 1e-3 : -static_cast<double>(base - t) * 1e-3;
+}
+
+std::vector<MarkTimes> summarize(const std::vector<Launch>& launches,
+                                 const std::vector<uint64_t>& records) {
+  const uint64_t t0 = first_stamp(launches, records);
   std::vector<MarkTimes> out;
-  if (t0 == std::numeric_limits<uint64_t>::max()) return out;  // nothing was stamped
-  auto us_after = [](uint64_t t, uint64_t base) {
-    return t >= base ? static_cast<double>(t - base) * 1e-3 : -static_cast<double>(base - t) * 1e-3;
-  };
+  if (t0 == 0) return out;  // nothing was stamped
   for (size_t li = 0; li < launches.size(); ++li) {
     const Launch& l = launches[li];
     for (size_t kind = 0; kind < l.kinds.size(); ++kind) {
       int64_t units = 0;
-      for (int64_t u = 0; u < l.units; ++u) units += (record(l, u)[kMarks] >> 32) == kind;
+      for (int64_t u = 0; u < l.units; ++u)
+        units += (record_of(l, u, records)[kMarks] >> 32) == kind;
       if (units == 0) continue;
       for (size_t m = 0; m < l.marks.size(); ++m) {
         std::vector<double> at;
@@ -121,7 +129,7 @@ std::vector<MarkTimes> summarize(const std::vector<Launch>& launches,
         std::vector<double> stage;
         std::set<uint32_t> sms;
         for (int64_t u = 0; u < l.units; ++u) {
-          const uint64_t* r = record(l, u);
+          const uint64_t* r = record_of(l, u, records);
           if ((r[kMarks] >> 32) != kind || r[m] == 0) continue;
           at.push_back(us_after(r[m], t0));
           if (r[0] != 0) since_start.push_back(us_after(r[m], r[0]));

@@ -99,6 +99,14 @@ struct MarkTimes {
   double median_stage_us = 0;
 };
 
+// Record `u` of launch `l` in `records` (as Recorder::read returns them), checked against their
+// size.
+const uint64_t* record_of(const Launch& l, int64_t u, const std::vector<uint64_t>& records);
+// The earliest stamp of any record of `launches` (the t0 of summarize), 0 where none was stamped.
+uint64_t first_stamp(const std::vector<Launch>& launches, const std::vector<uint64_t>& records);
+// Microseconds from `base` to `t` (negative where `t` is earlier).
+double us_after(uint64_t t, uint64_t base);
+
 // Per launch, per kind present, per mark that some record reached, in that order. `records` as
 // Recorder::read returns them.
 std::vector<MarkTimes> summarize(const std::vector<Launch>& launches,

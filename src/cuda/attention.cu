@@ -400,10 +400,10 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   // More units than one wave of resident CTAs, up to 4/3 of it: one wave, each CTA an equal share
   // of the units' blocks, so no CTA waits for a mostly empty last wave (300 units x 16 blocks on
   // 264 slots: 18-19 blocks each where whole units take two rounds of 16 and clustered halves
-  // three of 8). Measured on an H100 against two clustered splits: -6 to
-  // -10 % at 1.09 waves, -2 % at 1.29; against whole units: +1.2 % at 1.52, +2.6 % at 1.64 (a
-  // fuller last wave's CTAs run faster; the balanced shares pay the cut units' merges). balance 2
-  // takes it at any count beyond one wave, for comparisons.
+  // three of 8). Measured on an H100 against two clustered splits: -6 to -10 % at 1.09 waves, -2 %
+  // at 1.29; against whole units: +1.2 % at 1.52, +2.6 % at 1.64 (a fuller last wave's CTAs run
+  // faster; the balanced shares pay the cut units' merges). balance 2 takes it at any count beyond
+  // one wave, for comparisons.
   const int balanced_slots = shape.sm_count * shape.balanced_per_sm[id];
   if (!dense && tuning.balance >= 1 && tuning.max_splits == 0 && info.row_tiles == 1 &&
       balanced_slots > 0 && units > info.slots && units > balanced_slots &&
@@ -413,10 +413,9 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
     return info;
   }
   // More units than one wave of resident CTAs with the second wave at most a third full (300
-  // units on 264 slots): two splits per unit in clusters of two, so the grid
-  // ends in fuller waves. Measured on an H100: 4-7 % faster at 1.1-1.3 waves of units, 2.4 %
-  // slower at 1.45 (bf16, 96 requests). Only the cluster merge: the workspace holds one wave of
-  // partials.
+  // units on 264 slots): two splits per unit in clusters of two, so the grid ends in fuller waves.
+  // Measured on an H100: 4-7 % faster at 1.1-1.3 waves of units, 2.4 % slower at 1.45 (bf16, 96
+  // requests). Only the cluster merge: the workspace holds one wave of partials.
   if (!dense && tuning.max_splits == 0 && info.splits == 1 && info.row_tiles == 1 &&
       config.topk >= 4 && tuning.max_cluster >= 2 && cluster_usable(shape, id, 1, 2) &&
       units > info.slots && 3 * units <= int64_t{4} * info.slots) {

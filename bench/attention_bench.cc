@@ -351,9 +351,9 @@ int run_attention_bench(int argc, char** argv) {
                     cuda::attention_plan_info(ModelConfig{}.sparse(tp), int64_t{batch} * q_len,
                                               q_len, false, kv == DType::kFP8E4M3, tuning);
                 const std::string key = fmt::format(
-                    "{}{}{}{}r{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
+                    "{}{}{}{}r{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
                     plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits, plan.row_tiles,
-                    plan.balanced ? "b" : "", kv_layout_name(layout));
+                    plan.balanced ? "b" : "", plan.deep ? "d" : "", kv_layout_name(layout));
                 if (!seen.insert(key).second) continue;
                 const Result r = run_config(c, launches, reps, seed, timeline, timeline_records);
                 const double us = r.timing.median_us;

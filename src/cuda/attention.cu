@@ -60,10 +60,10 @@ constexpr int kClusterSizes = 5;        // 1, 2, 4, 8, 16
 // The three kernel kinds: bf16 split-P (default), bf16 single-P (bench), fp8; each in three
 // instantiations of rows per CTA (1, 2, 4).
 enum KernelId : int { kBf16SplitP = 0, kBf16SingleP = 1, kFp8Kernel = 2, kKernels = 3 };
-constexpr int kTileVariants = 3;
+constexpr int kTileVariants = 4;  // 1, 2, 4 rows per CTA; one row with the deep pipeline
 
-int tile_variant(int tiles) {
-  return tiles >= 4 ? 2 : tiles == 2 ? 1 : 0;
+int tile_variant(int tiles, bool deep = false) {
+  return deep ? 3 : tiles >= 4 ? 2 : tiles == 2 ? 1 : 0;
 }
 
 // Per device: SMs, resident CTAs of each kernel (smem limits raised once), and which cluster
@@ -82,11 +82,11 @@ constexpr int balanced_smem_bytes() {
   return attention::KvLayout<kFp8, 1>::kSharedBytes;
 }
 
-template <bool kFp8, bool kSplitP, int kTiles>
+template <bool kFp8, bool kSplitP, int kTiles, bool kDeep = false>
 void configure_kernel(int sms, DeviceShape& shape, KernelId id) {
-  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles>;
-  const int smem = attention::KvLayout<kFp8, kTiles>::kSmemBytes;
-  const int variant = tile_variant(kTiles);
+  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles, kDeep>;
+  const int smem = attention::KvLayout<kFp8, kTiles, kDeep>::kSmemBytes;
+  const int variant = tile_variant(kTiles, kDeep);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int per_sm = 0;
   CUDA_CHECK(
@@ -126,6 +126,7 @@ void configure_kernels(int sms, DeviceShape& shape, KernelId id) {
   configure_kernel<kFp8, kSplitP, 1>(sms, shape, id);
   configure_kernel<kFp8, kSplitP, 2>(sms, shape, id);
   configure_kernel<kFp8, kSplitP, 4>(sms, shape, id);
+  configure_kernel<kFp8, kSplitP, 1, true>(sms, shape, id);
   auto balanced = attention::attention_balanced_kernel<kFp8, kSplitP>;
   const int smem = balanced_smem_bytes<kFp8>();
   CUDA_CHECK(cudaFuncSetAttribute(balanced, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -152,8 +153,8 @@ const DeviceShape& device_shape() {
   return shape;
 }
 
-int resident_slots(const DeviceShape& shape, KernelId id, int tiles) {
-  return shape.sm_count * shape.per_sm[id][tile_variant(tiles)];
+int resident_slots(const DeviceShape& shape, KernelId id, int tiles, bool deep = false) {
+  return shape.sm_count * shape.per_sm[id][tile_variant(tiles, deep)];
 }
 
 // Partials (one per split CTA and row of it) the workspace holds: a split plan keeps the grid
@@ -165,6 +166,7 @@ int max_partial_slots(const DeviceShape& shape) {
     for (int tiles : {1, 2, 4}) {
       slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), tiles) * tiles);
     }
+    slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), 1, true));
     slots = std::max(slots, 2 * shape.sm_count * shape.balanced_per_sm[id]);
   }
   return slots;
@@ -175,11 +177,12 @@ KernelId kernel_id(bool fp8, const AttentionTuning& tuning) {
   return tuning.split_p ? kBf16SplitP : kBf16SingleP;
 }
 
-bool cluster_usable(const DeviceShape& shape, KernelId id, int tiles, int splits) {
+bool cluster_usable(const DeviceShape& shape, KernelId id, int tiles, int splits,
+                    bool deep = false) {
   if (splits <= 1 || splits > kMaxClusterSplits || (splits & (splits - 1)) != 0) return false;
   int log2 = 0;
   while ((1 << log2) < splits) ++log2;
-  return shape.cluster_ok[id][tile_variant(tiles)][log2];
+  return shape.cluster_ok[id][tile_variant(tiles, deep)][log2];
 }
 
 // Rows per CTA for these shapes (q_len 0: prefill rows, never grouped): 4 or 2, whichever leaves
@@ -194,10 +197,10 @@ int choose_row_tiles(int64_t q_len, int topk, bool dense, int max_tiles) {
   return dead4 <= dead2 ? 4 : 2;
 }
 
-template <bool kFp8, bool kSplitP, int kTiles>
+template <bool kFp8, bool kSplitP, int kTiles, bool kDeep = false>
 void launch_kernel(const AttentionParams& p, unsigned ctas, bool pdl, cudaStream_t stream) {
-  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles>;
-  const size_t smem = attention::KvLayout<kFp8, kTiles>::kSmemBytes;
+  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles, kDeep>;
+  const size_t smem = attention::KvLayout<kFp8, kTiles, kDeep>::kSmemBytes;
   if (!p.cluster_merge && !pdl) {
     kernel<<<dim3(ctas), attention::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
@@ -233,13 +236,13 @@ void launch_balanced(const AttentionParams& p, unsigned ctas, bool pdl, cudaStre
                    dim3(attention::kThreads), balanced_smem_bytes<kFp8>(), stream, pdl, p);
 }
 
-template <int kTiles>
+template <int kTiles, bool kDeep = false>
 void launch_kind(KernelId id, const AttentionParams& p, unsigned ctas, bool pdl,
                  cudaStream_t stream) {
   switch (id) {
-    case kFp8Kernel: launch_kernel<true, false, kTiles>(p, ctas, pdl, stream); break;
-    case kBf16SingleP: launch_kernel<false, false, kTiles>(p, ctas, pdl, stream); break;
-    default: launch_kernel<false, true, kTiles>(p, ctas, pdl, stream); break;
+    case kFp8Kernel: launch_kernel<true, false, kTiles, kDeep>(p, ctas, pdl, stream); break;
+    case kBf16SingleP: launch_kernel<false, false, kTiles, kDeep>(p, ctas, pdl, stream); break;
+    default: launch_kernel<false, true, kTiles, kDeep>(p, ctas, pdl, stream); break;
   }
 }
 
@@ -312,7 +315,8 @@ std::string AttentionTuning::name() const {
          (max_splits > 0 ? "-splits" + std::to_string(max_splits) : std::string()) +
          (max_row_tiles != 1 ? "-rows" + std::to_string(max_row_tiles) : std::string()) +
          (early_prologue ? "-early" : "") +
-         (balance != 1 ? "-balance" + std::to_string(balance) : std::string());
+         (balance != 1 ? "-balance" + std::to_string(balance) : std::string()) +
+         (deep ? "-deep" : "");
 }
 
 AttentionTuning AttentionTuning::parse(const std::string& text) {
@@ -356,13 +360,15 @@ AttentionTuning AttentionTuning::parse(const std::string& text) {
       t.max_row_tiles = value;
     } else if (key == "early") {
       t.early_prologue = flag();
+    } else if (key == "deep") {
+      t.deep = flag();
     } else if (key == "balance") {
       M3MSA_CHECK_ARG(value >= 0 && value <= 2, "attention tuning '", text,
                       "': balance must be 0, 1 or 2, got ", value);
       t.balance = value;
     } else {
       M3MSA_THROW(ErrorCode::kInvalidArgument, "attention tuning '", text, "': unknown key '", key,
-                  "' (splitp, cluster, pdl, splits, rows, early, balance)");
+                  "' (splitp, cluster, pdl, splits, rows, early, balance, deep)");
     }
     at = end + 1;
   }
@@ -394,7 +400,9 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
     groups = rows / q_len * info.groups_per_req;
   }
   const int64_t units = groups * config.kv_heads;
-  info.slots = resident_slots(shape, id, info.row_tiles);
+  info.deep = tuning.deep && info.row_tiles == 1;
+  const bool deep = info.deep;
+  info.slots = resident_slots(shape, id, info.row_tiles, deep);
   info.splits =
       choose_splits(units, config.topk, dense, shape.sm_count, info.slots, tuning.max_splits);
   // More units than one wave of resident CTAs, up to 4/3 of it: one wave, each CTA an equal share
@@ -405,7 +413,7 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   // faster; the balanced shares pay the cut units' merges). balance 2 takes it at any count beyond
   // one wave, for comparisons.
   const int balanced_slots = shape.sm_count * shape.balanced_per_sm[id];
-  if (!dense && tuning.balance >= 1 && tuning.max_splits == 0 && info.row_tiles == 1 &&
+  if (!dense && !deep && tuning.balance >= 1 && tuning.max_splits == 0 && info.row_tiles == 1 &&
       balanced_slots > 0 && units > info.slots && units > balanced_slots &&
       (tuning.balance == 2 || 3 * units <= int64_t{4} * info.slots)) {
     info.balanced = true;
@@ -417,7 +425,7 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   // Measured on an H100: 4-7 % faster at 1.1-1.3 waves of units, 2.4 % slower at 1.45 (bf16, 96
   // requests). Only the cluster merge: the workspace holds one wave of partials.
   if (!dense && tuning.max_splits == 0 && info.splits == 1 && info.row_tiles == 1 &&
-      config.topk >= 4 && tuning.max_cluster >= 2 && cluster_usable(shape, id, 1, 2) &&
+      config.topk >= 4 && tuning.max_cluster >= 2 && cluster_usable(shape, id, 1, 2, deep) &&
       units > info.slots && 3 * units <= int64_t{4} * info.slots) {
     info.splits = 2;
   }
@@ -430,7 +438,7 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
     // Few units: more splits (down to one block each), all of a unit's splits in one cluster.
     for (int c = std::min(kMaxClusterSplits, tuning.max_cluster); c > info.splits; c /= 2) {
       if (c <= config.topk && units * c <= few_ctas &&
-          cluster_usable(shape, id, info.row_tiles, c)) {
+          cluster_usable(shape, id, info.row_tiles, c, deep)) {
         info.splits = c;
         break;
       }
@@ -438,7 +446,7 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
   }
   info.cluster = info.splits <= tuning.max_cluster &&
                  (info.splits <= 2 || units * info.splits <= few_ctas) &&
-                 cluster_usable(shape, id, info.row_tiles, info.splits);
+                 cluster_usable(shape, id, info.row_tiles, info.splits, deep);
   info.ctas = units * info.splits;
   return info;
 }
@@ -543,7 +551,13 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
   switch (plan.row_tiles) {
     case 4: launch_kind<4>(id, p, grid, tuning.pdl, stream); break;
     case 2: launch_kind<2>(id, p, grid, tuning.pdl, stream); break;
-    default: launch_kind<1>(id, p, grid, tuning.pdl, stream); break;
+    default:
+      if (plan.deep) {
+        launch_kind<1, true>(id, p, grid, tuning.pdl, stream);
+      } else {
+        launch_kind<1>(id, p, grid, tuning.pdl, stream);
+      }
+      break;
   }
 }
 

@@ -73,8 +73,11 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 }
 
 // kTiles: the m16 tiles (decode rows) one CTA takes; each needs its own published partial.
-template <bool kFp8, int kTiles = 1>
+// kDeep (one row per CTA): one CTA per SM with twice the pipeline (6 stages of 32 KB), for grids
+// of about one CTA per SM, where a CTA alone on its SM keeps 160 KB of copies in flight.
+template <bool kFp8, int kTiles = 1, bool kDeep = false>
 struct KvLayout {
+  static_assert(!kDeep || kTiles == 1, "the deep pipeline is one row per CTA");
   static constexpr int kRowBytes = kHeadDim * (kFp8 ? 1 : 2);
   static constexpr int kRowChunks = kRowBytes / 16;
   // fp8, one row per CTA: a whole 128-token block per chunk (32 KB of K + V, as a bf16 chunk of
@@ -85,8 +88,8 @@ struct KvLayout {
   static constexpr int kStageBytes = 2 * kTileBytes;
   // Pipeline depth: 3 stages of 32 KB keep two CTAs (96 KB each) per SM (bf16; fp8 one row per
   // CTA); 4 fp8 stages of 64-token chunks (64 KB) keep three CTAs per SM (fp8 rows grouped).
-  static constexpr int kStages = kStageBytes >= 32 * 1024 ? 3 : 4;
-  static constexpr int kCtasPerSm = kStageBytes >= 32 * 1024 ? 2 : 3;
+  static constexpr int kStages = kDeep ? 6 : kStageBytes >= 32 * 1024 ? 3 : 4;
+  static constexpr int kCtasPerSm = kDeep ? 1 : kStageBytes >= 32 * 1024 ? 2 : 3;
   static constexpr int kPipeBytes = kStages * kStageBytes;
   static constexpr int kMergeBytes =
       (kWarps * kTileHeads * kMergeStride + kWarps * kTileHeads * 2) * 4;
@@ -296,12 +299,12 @@ __device__ __forceinline__ T field(const T& value) {
 // balanced plan (no cluster merge). The params come as a restrict pointer to the kernel's
 // parameter: taken by reference, the inlined body spilled 4-8 bytes in the fp8 kernels (ptxas),
 // which the body written in the kernel itself did not.
-template <bool kFp8, bool kSplitP, int kTiles, bool kBalanced>
+template <bool kFp8, bool kSplitP, int kTiles, bool kBalanced, bool kDeep = false>
 __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ params,
                                             const UnitWork& w) {
   const AttentionParams& p = *params;
   constexpr int kWarpsPerTile = kWarps / kTiles;
-  using L = KvLayout<kFp8, kTiles>;
+  using L = KvLayout<kFp8, kTiles, kDeep>;
   constexpr int kSliceTokens = L::kChunk / kWarpsPerTile;  // a warp's tokens of a chunk
   constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;      // candidates of a CTA's rows
   static_assert(kTiles == 1 || kMaxUnion <= kThreads, "one candidate per thread");
@@ -1184,12 +1187,13 @@ __host__ __device__ inline UnitWork balanced_segment(int64_t at, int64_t items, 
 
 // The static plan: CTA = (unit, split). Resident CTAs per SM: KvLayout::kCtasPerSm (fp8 rows
 // grouped: 3, <= 170 registers, 64 KB of stages; otherwise 2).
-template <bool kFp8, bool kSplitP, int kTiles>
-__global__ void __launch_bounds__(kThreads, KvLayout<kFp8, kTiles>::kCtasPerSm)
+template <bool kFp8, bool kSplitP, int kTiles, bool kDeep = false>
+__global__ void __launch_bounds__(kThreads, KvLayout<kFp8, kTiles, kDeep>::kCtasPerSm)
     attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
-  attend_unit<kFp8, kSplitP, kTiles, false>(&p, UnitWork{});  // unused: unit, split from blockIdx
+  // unused: unit, split from blockIdx
+  attend_unit<kFp8, kSplitP, kTiles, false, kDeep>(&p, UnitWork{});
 }
 
 // The balanced plan (one row per CTA, a selection, no cluster): one wave of CTAs, each running

@@ -314,6 +314,40 @@ TEST(CudaSparseAttention, BalancedPlanMatchesCpuReference) {
   }
 }
 
+// The deep pipeline (one row per CTA, one CTA per SM, 6 stages) against the CPU reference: about
+// one CTA per SM (whole units), fewer units (clustered splits), two waves of units, q_len 4 rows
+// with their own selections, short rows, padding requests; each twice, bit-identical.
+TEST(CudaSparseAttention, DeepPipelinePlansMatchCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  cuda::AttentionTuning tuning;
+  tuning.deep = true;
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+    const bool fp8 = kv == DType::kFP8E4M3;
+    SparseConfig cfg;  // M3 at TP 1: 4 KV heads
+    const int sms = cuda::attention_plan_info(cfg, 1, 1, false, fp8, tuning).slots;
+    ASSERT_GT(sms, 0);
+    for (const DecodeShape& s : {DecodeShape{sms / 4, 1, 1100, 40000, 0, kv, 0.75f, 1.25f, 91},
+                                 DecodeShape{3, 1, 100, 1500, 1, kv, 1.0f, 1.0f, 92},
+                                 DecodeShape{sms / 2 + 1, 1, 5, 3000, 2, kv, 1.0f, 1.5f, 93},
+                                 DecodeShape{sms / 16, 4, 600, 9000, 0, kv, 0.75f, 1.25f, 94}}) {
+      const SyntheticCase c = decode_case(s, cfg);
+      const HostTensor topk = random_selection(c, s.seed * 5 + 1);
+      const cuda::AttentionPlanInfo plan =
+          cuda::attention_plan_info(cfg, c.num_rows(), s.q_len, false, fp8, tuning);
+      const std::string what = describe(s) + ": " + std::to_string(plan.splits) + " splits" +
+                               (plan.cluster ? " in a cluster" : "") + ", " +
+                               std::to_string(plan.ctas) + " CTAs";
+      EXPECT_TRUE(plan.deep) << what;
+      EXPECT_FALSE(plan.balanced) << what;
+      EXPECT_EQ(plan.slots, sms) << what;  // one CTA per SM
+      const HostTensor gpu = run_gpu(c, &topk, tuning);
+      expect_close(RunOut{gpu, run_ref(c, &topk, false)}, what);
+      EXPECT_TRUE(attntest::bitwise_equal(gpu, run_gpu(c, &topk, tuning)))
+          << what << ": a second run";
+    }
+  }
+}
+
 // A block-table row longer than the 64 lines (2048 blocks) the cluster plan prefetches into L2
 // beside the selection's read: 300,000 tokens, 2344 blocks, the own block 2343 always selected,
 // so a lookup reads past the prefetched lines. One TP 8 rank (one KV head) keeps the cache small.

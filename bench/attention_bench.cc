@@ -353,7 +353,8 @@ int run_attention_bench(int argc, char** argv) {
                 const std::string key = fmt::format(
                     "{}{}{}{}r{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
                     plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits, plan.row_tiles,
-                    plan.balanced ? "b" : "", plan.deep ? "d" : "", kv_layout_name(layout));
+                    plan.balanced ? "b" : "", plan.deep > 0 ? fmt::format("d{}", plan.deep) : "",
+                    kv_layout_name(layout));
                 if (!seen.insert(key).second) continue;
                 const Result r = run_config(c, launches, reps, seed, timeline, timeline_records);
                 const double us = r.timing.median_us;

@@ -60,10 +60,12 @@ constexpr int kClusterSizes = 5;        // 1, 2, 4, 8, 16
 // The three kernel kinds: bf16 split-P (default), bf16 single-P (bench), fp8; each in three
 // instantiations of rows per CTA (1, 2, 4).
 enum KernelId : int { kBf16SplitP = 0, kBf16SingleP = 1, kFp8Kernel = 2, kKernels = 3 };
-constexpr int kTileVariants = 4;  // 1, 2, 4 rows per CTA; one row with the deep pipeline
+// 1, 2, 4 rows per CTA; one row with the deep pipeline of 4 or 8 warps.
+constexpr int kTileVariants = 5;
 
-int tile_variant(int tiles, bool deep = false) {
-  return deep ? 3 : tiles >= 4 ? 2 : tiles == 2 ? 1 : 0;
+int tile_variant(int tiles, int deep_warps = 0) {
+  if (deep_warps > 0) return deep_warps == 8 ? 4 : 3;
+  return tiles >= 4 ? 2 : tiles == 2 ? 1 : 0;
 }
 
 // Per device: SMs, resident CTAs of each kernel (smem limits raised once), and which cluster
@@ -82,15 +84,15 @@ constexpr int balanced_smem_bytes() {
   return attention::KvLayout<kFp8, 1>::kSharedBytes;
 }
 
-template <bool kFp8, bool kSplitP, int kTiles, bool kDeep = false>
+template <bool kFp8, bool kSplitP, int kTiles, int kDeepWarps = 0>
 void configure_kernel(int sms, DeviceShape& shape, KernelId id) {
-  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles, kDeep>;
-  const int smem = attention::KvLayout<kFp8, kTiles, kDeep>::kSmemBytes;
-  const int variant = tile_variant(kTiles, kDeep);
+  using L = attention::KvLayout<kFp8, kTiles, kDeepWarps>;
+  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles, kDeepWarps>;
+  const int smem = L::kSmemBytes;
+  const int variant = tile_variant(kTiles, kDeepWarps);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int per_sm = 0;
-  CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, attention::kThreads, smem));
+  CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, L::kThreads, smem));
   M3MSA_CHECK_INTERNAL(per_sm > 0, "sparse attention kernel cannot be resident (smem ", smem,
                        " bytes)");
   shape.per_sm[id][variant] = per_sm;
@@ -103,7 +105,7 @@ void configure_kernel(int sms, DeviceShape& shape, KernelId id) {
     const int cluster = 1 << i;
     cudaLaunchConfig_t cfg{};
     cfg.gridDim = dim3(static_cast<unsigned>(cluster * sms));
-    cfg.blockDim = dim3(attention::kThreads);
+    cfg.blockDim = dim3(L::kThreads);
     cfg.dynamicSmemBytes = static_cast<size_t>(smem);
     cudaLaunchAttribute attr{};
     attr.id = cudaLaunchAttributeClusterDimension;
@@ -126,7 +128,8 @@ void configure_kernels(int sms, DeviceShape& shape, KernelId id) {
   configure_kernel<kFp8, kSplitP, 1>(sms, shape, id);
   configure_kernel<kFp8, kSplitP, 2>(sms, shape, id);
   configure_kernel<kFp8, kSplitP, 4>(sms, shape, id);
-  configure_kernel<kFp8, kSplitP, 1, true>(sms, shape, id);
+  configure_kernel<kFp8, kSplitP, 1, 4>(sms, shape, id);
+  configure_kernel<kFp8, kSplitP, 1, 8>(sms, shape, id);
   auto balanced = attention::attention_balanced_kernel<kFp8, kSplitP>;
   const int smem = balanced_smem_bytes<kFp8>();
   CUDA_CHECK(cudaFuncSetAttribute(balanced, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -153,8 +156,8 @@ const DeviceShape& device_shape() {
   return shape;
 }
 
-int resident_slots(const DeviceShape& shape, KernelId id, int tiles, bool deep = false) {
-  return shape.sm_count * shape.per_sm[id][tile_variant(tiles, deep)];
+int resident_slots(const DeviceShape& shape, KernelId id, int tiles, int deep_warps = 0) {
+  return shape.sm_count * shape.per_sm[id][tile_variant(tiles, deep_warps)];
 }
 
 // Partials (one per split CTA and row of it) the workspace holds: a split plan keeps the grid
@@ -166,7 +169,9 @@ int max_partial_slots(const DeviceShape& shape) {
     for (int tiles : {1, 2, 4}) {
       slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), tiles) * tiles);
     }
-    slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), 1, true));
+    for (int deep_warps : {4, 8}) {
+      slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), 1, deep_warps));
+    }
     slots = std::max(slots, 2 * shape.sm_count * shape.balanced_per_sm[id]);
   }
   return slots;
@@ -177,8 +182,7 @@ KernelId kernel_id(bool fp8, const AttentionTuning& tuning) {
   return tuning.split_p ? kBf16SplitP : kBf16SingleP;
 }
 
-bool cluster_usable(const DeviceShape& shape, KernelId id, int tiles, int splits,
-                    bool deep = false) {
+bool cluster_usable(const DeviceShape& shape, KernelId id, int tiles, int splits, int deep = 0) {
   if (splits <= 1 || splits > kMaxClusterSplits || (splits & (splits - 1)) != 0) return false;
   int log2 = 0;
   while ((1 << log2) < splits) ++log2;
@@ -197,18 +201,19 @@ int choose_row_tiles(int64_t q_len, int topk, bool dense, int max_tiles) {
   return dead4 <= dead2 ? 4 : 2;
 }
 
-template <bool kFp8, bool kSplitP, int kTiles, bool kDeep = false>
+template <bool kFp8, bool kSplitP, int kTiles, int kDeepWarps = 0>
 void launch_kernel(const AttentionParams& p, unsigned ctas, bool pdl, cudaStream_t stream) {
-  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles, kDeep>;
-  const size_t smem = attention::KvLayout<kFp8, kTiles, kDeep>::kSmemBytes;
+  using L = attention::KvLayout<kFp8, kTiles, kDeepWarps>;
+  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles, kDeepWarps>;
+  const size_t smem = L::kSmemBytes;
   if (!p.cluster_merge && !pdl) {
-    kernel<<<dim3(ctas), attention::kThreads, smem, stream>>>(p);
+    kernel<<<dim3(ctas), L::kThreads, smem, stream>>>(p);
     CUDA_CHECK_LAUNCH();
     return;
   }
   cudaLaunchConfig_t cfg{};
   cfg.gridDim = dim3(ctas);
-  cfg.blockDim = dim3(attention::kThreads);
+  cfg.blockDim = dim3(L::kThreads);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute attrs[2]{};
@@ -236,13 +241,13 @@ void launch_balanced(const AttentionParams& p, unsigned ctas, bool pdl, cudaStre
                    dim3(attention::kThreads), balanced_smem_bytes<kFp8>(), stream, pdl, p);
 }
 
-template <int kTiles, bool kDeep = false>
+template <int kTiles, int kDeepWarps = 0>
 void launch_kind(KernelId id, const AttentionParams& p, unsigned ctas, bool pdl,
                  cudaStream_t stream) {
   switch (id) {
-    case kFp8Kernel: launch_kernel<true, false, kTiles, kDeep>(p, ctas, pdl, stream); break;
-    case kBf16SingleP: launch_kernel<false, false, kTiles, kDeep>(p, ctas, pdl, stream); break;
-    default: launch_kernel<false, true, kTiles, kDeep>(p, ctas, pdl, stream); break;
+    case kFp8Kernel: launch_kernel<true, false, kTiles, kDeepWarps>(p, ctas, pdl, stream); break;
+    case kBf16SingleP: launch_kernel<false, false, kTiles, kDeepWarps>(p, ctas, pdl, stream); break;
+    default: launch_kernel<false, true, kTiles, kDeepWarps>(p, ctas, pdl, stream); break;
   }
 }
 
@@ -316,7 +321,7 @@ std::string AttentionTuning::name() const {
          (max_row_tiles != 1 ? "-rows" + std::to_string(max_row_tiles) : std::string()) +
          (early_prologue ? "-early" : "") +
          (balance != 1 ? "-balance" + std::to_string(balance) : std::string()) +
-         (deep ? "-deep" : "");
+         (deep > 0 ? "-deep" + std::to_string(deep) : std::string());
 }
 
 AttentionTuning AttentionTuning::parse(const std::string& text) {
@@ -361,7 +366,9 @@ AttentionTuning AttentionTuning::parse(const std::string& text) {
     } else if (key == "early") {
       t.early_prologue = flag();
     } else if (key == "deep") {
-      t.deep = flag();
+      M3MSA_CHECK_ARG(value == 0 || value == 4 || value == 8, "attention tuning '", text,
+                      "': deep must be 0, 4 or 8 (warps), got ", value);
+      t.deep = value;
     } else if (key == "balance") {
       M3MSA_CHECK_ARG(value >= 0 && value <= 2, "attention tuning '", text,
                       "': balance must be 0, 1 or 2, got ", value);
@@ -400,8 +407,8 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
     groups = rows / q_len * info.groups_per_req;
   }
   const int64_t units = groups * config.kv_heads;
-  info.deep = tuning.deep && info.row_tiles == 1;
-  const bool deep = info.deep;
+  info.deep = info.row_tiles == 1 ? tuning.deep : 0;
+  const int deep = info.deep;
   info.slots = resident_slots(shape, id, info.row_tiles, deep);
   info.splits =
       choose_splits(units, config.topk, dense, shape.sm_count, info.slots, tuning.max_splits);
@@ -552,8 +559,10 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
     case 4: launch_kind<4>(id, p, grid, tuning.pdl, stream); break;
     case 2: launch_kind<2>(id, p, grid, tuning.pdl, stream); break;
     default:
-      if (plan.deep) {
-        launch_kind<1, true>(id, p, grid, tuning.pdl, stream);
+      if (plan.deep == 8) {
+        launch_kind<1, 8>(id, p, grid, tuning.pdl, stream);
+      } else if (plan.deep == 4) {
+        launch_kind<1, 4>(id, p, grid, tuning.pdl, stream);
       } else {
         launch_kind<1>(id, p, grid, tuning.pdl, stream);
       }

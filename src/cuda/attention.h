@@ -68,11 +68,12 @@ struct AttentionTuning {
   // third of it; 2: wherever they exceed one wave; 0: never (one CTA per unit beyond one wave, two
   // clustered splits per unit up to 4/3 of it). 2 and 0 for comparisons.
   int balance = 1;
-  // One row per CTA: the deep pipeline (one CTA per SM, 6 stages of 32 KB instead of two CTAs of
-  // 3), the splits planned for one CTA per SM. Off by default.
-  bool deep = false;
+  // One row per CTA: the deep pipeline with CTAs of this many warps (4 or 8; 0 off, the default):
+  // one CTA per SM with 6 stages of 32 KB instead of two CTAs of 3, the splits planned for one
+  // CTA per SM.
+  int deep = 0;
 
-  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows4", "-early", "-deep",
+  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows4", "-early", "-deep8",
                              // "-balance0" off default)
   // Parses "splitp=1,cluster=2,pdl=0,splits=8,rows=4,early=1,balance=0" (any subset; the rest
   // default); throws naming the text.
@@ -96,7 +97,7 @@ struct AttentionPlanInfo {
   int splits = 1;          // CTAs per (row group, kv head)
   bool cluster = false;    // splits merged through a thread-block cluster (else global memory)
   bool balanced = false;   // one wave of CTAs, each an equal share of the units' blocks
-  bool deep = false;       // one row per CTA, one CTA per SM with the deep pipeline
+  int deep = 0;            // > 0: one row per CTA, one CTA of this many warps per SM, deep pipeline
   int64_t ctas = 0;
   int slots = 0;  // CTAs of one wave: resident at once on the device
 };

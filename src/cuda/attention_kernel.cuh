@@ -73,22 +73,31 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 }
 
 // kTiles: the m16 tiles (decode rows) one CTA takes; each needs its own published partial.
-// kDeep (one row per CTA): one CTA per SM with twice the pipeline (6 stages of 32 KB), for grids
-// of about one CTA per SM, where a CTA alone on its SM keeps 160 KB of copies in flight.
-template <bool kFp8, int kTiles = 1, bool kDeep = false>
+// kDeepWarps > 0 (one row per CTA): the deep pipeline, one CTA of that many warps (4 or 8) per SM
+// with 192 KB of stages (6 of 32 KB; bf16 at 8 warps 3 of 64 KB), for grids of about one CTA per
+// SM, where a CTA alone on its SM keeps 128-160 KB of copies in flight.
+template <bool kFp8, int kTiles = 1, int kDeepWarps = 0>
 struct KvLayout {
+  static constexpr bool kDeep = kDeepWarps > 0;
   static_assert(!kDeep || kTiles == 1, "the deep pipeline is one row per CTA");
+  static_assert(kDeepWarps == 0 || kDeepWarps == 4 || kDeepWarps == 8, "4 or 8 warps");
+  static constexpr int kWarps = kDeep ? kDeepWarps : attention::kWarps;
+  static constexpr int kThreads = kWarps * 32;
   static constexpr int kRowBytes = kHeadDim * (kFp8 ? 1 : 2);
   static constexpr int kRowChunks = kRowBytes / 16;
   // fp8, one row per CTA: a whole 128-token block per chunk (32 KB of K + V, as a bf16 chunk of
   // 64 tokens), each warp 32 tokens of it; otherwise 64 tokens.
-  static constexpr int kChunk = kFp8 && kTiles == 1 ? kBlockTokens : kChunkTokens;
+  // The deep pipeline of 8 warps takes whole blocks for bf16 too (16 tokens a warp).
+  static constexpr int kChunk =
+      (kFp8 && kTiles == 1) || kDeepWarps == 8 ? kBlockTokens : kChunkTokens;
   static constexpr int kChunksPerBlock = kBlockTokens / kChunk;
   static constexpr int kTileBytes = kChunk * kRowBytes;  // one K (or V) chunk
   static constexpr int kStageBytes = 2 * kTileBytes;
   // Pipeline depth: 3 stages of 32 KB keep two CTAs (96 KB each) per SM (bf16; fp8 one row per
   // CTA); 4 fp8 stages of 64-token chunks (64 KB) keep three CTAs per SM (fp8 rows grouped).
-  static constexpr int kStages = kDeep ? 6 : kStageBytes >= 32 * 1024 ? 3 : 4;
+  static constexpr int kStages = kDeep                      ? 192 * 1024 / kStageBytes
+                                 : kStageBytes >= 32 * 1024 ? 3
+                                                            : 4;
   static constexpr int kCtasPerSm = kDeep ? 1 : kStageBytes >= 32 * 1024 ? 2 : 3;
   static constexpr int kPipeBytes = kStages * kStageBytes;
   static constexpr int kMergeBytes =
@@ -299,14 +308,17 @@ __device__ __forceinline__ T field(const T& value) {
 // balanced plan (no cluster merge). The params come as a restrict pointer to the kernel's
 // parameter: taken by reference, the inlined body spilled 4-8 bytes in the fp8 kernels (ptxas),
 // which the body written in the kernel itself did not.
-template <bool kFp8, bool kSplitP, int kTiles, bool kBalanced, bool kDeep = false>
+template <bool kFp8, bool kSplitP, int kTiles, bool kBalanced, int kDeepWarps = 0>
 __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ params,
                                             const UnitWork& w) {
   const AttentionParams& p = *params;
+  using L = KvLayout<kFp8, kTiles, kDeepWarps>;
+  constexpr int kWarps = L::kWarps;  // shadows the default's
+  constexpr int kThreads = L::kThreads;
   constexpr int kWarpsPerTile = kWarps / kTiles;
-  using L = KvLayout<kFp8, kTiles, kDeep>;
   constexpr int kSliceTokens = L::kChunk / kWarpsPerTile;  // a warp's tokens of a chunk
-  constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;      // candidates of a CTA's rows
+  static_assert(kSliceTokens >= 16 && kSliceTokens % 16 == 0, "whole 16-token pieces");
+  constexpr int kMaxUnion = kTiles * kMaxGroupedTopk;  // candidates of a CTA's rows
   static_assert(kTiles == 1 || kMaxUnion <= kThreads, "one candidate per thread");
   constexpr bool kF16 = kFp8;  // operand type of both mmas
   extern __shared__ __align__(128) uint8_t smem[];
@@ -812,12 +824,17 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
   }
   __syncthreads();
 
-  // Thread t owns head t / 8 and the 16-byte units u0 + 8j (j < 4; u0 = t % 8) of every tile:
-  // acc[4j + i] is dim 4 (u0 + 8j) + i. Eight threads of one head read eight consecutive units.
-  const int head = tid >> 3;
+  // Thread t owns head (t / 8) % 16 and the 16-byte units u0 + 8 (part kOwned + j) (j < kOwned;
+  // u0 = t % 8; part = t / 128: 8 warps split a head's units in two) of every tile: acc[4j + i]
+  // is dim owned_dim(j) + i. Eight threads of one head read eight consecutive units.
+  constexpr int kParts = kThreads / 128;
+  constexpr int kOwned = 4 / kParts;
+  const int head = (tid >> 3) & (kTileHeads - 1);
+  const int part = tid >> 7;
   const int u0 = tid & 7;
-  auto owned_dim = [&](int j) { return 4 * (u0 + 8 * j); };
-  float acc[16];
+  auto owned_unit = [&](int j) { return u0 + 8 * (part * kOwned + j); };
+  auto owned_dim = [&](int j) { return 4 * owned_unit(j); };
+  float acc[4 * kOwned];
   // acc = tile t's warps merged (unnormalized); m_out / l_out = the tile's max and sum.
   auto merge_warps = [&](int t, float& m_out, float& l_out) {
     float m_cta = -INFINITY;
@@ -828,7 +845,7 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
     const float m_ref = m_cta == -INFINITY ? 0.0f : m_cta;
     float l_cta = 0.0f;
 #pragma unroll
-    for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
+    for (int d = 0; d < 4 * kOwned; ++d) acc[d] = 0.0f;
 #pragma unroll
     for (int i = 0; i < kWarpsPerTile; ++i) {
       const int w = t * kWarpsPerTile + i;
@@ -837,8 +854,8 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
       const float4* src =
           reinterpret_cast<const float4*>(s_o) + (w * kTileHeads + head) * kMergeUnits;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float4 v = src[merge_unit(u0 + 8 * j)];
+      for (int j = 0; j < kOwned; ++j) {
+        const float4 v = src[merge_unit(owned_unit(j))];
         acc[4 * j] += v.x * wt;
         acc[4 * j + 1] += v.y * wt;
         acc[4 * j + 2] += v.z * wt;
@@ -854,14 +871,14 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
   auto store_out = [&](int64_t out_row, float inv) {
     if (!store_head) return;
     uint16_t* out = p.out + (out_row * p.q_heads + int64_t{kvh} * p.group + head) * kHeadDim;
-    uint32_t packed[8];
+    uint32_t packed[2 * kOwned];
 #pragma unroll
-    for (int d = 0; d < 8; ++d) {
+    for (int d = 0; d < 2 * kOwned; ++d) {
       packed[d] = static_cast<uint32_t>(f32_to_bf16_bits(acc[2 * d] * inv)) |
                   (static_cast<uint32_t>(f32_to_bf16_bits(acc[2 * d + 1] * inv)) << 16);
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kOwned; ++j) {
       *reinterpret_cast<uint2*>(out + owned_dim(j)) = make_uint2(packed[2 * j], packed[2 * j + 1]);
     }
   };
@@ -895,7 +912,7 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
     merge_warps(0, m_cta, l_cta);
     cluster_wait_acquire();  // every rank has started (the arrival at the kernel's start)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kOwned; ++j) {
       const int d = owned_dim(j);
       const int owner = d / span;
       float* dst = cluster.map_shared_rank(recv_o, owner) + (src * kTileHeads + head) * span +
@@ -903,7 +920,7 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
       *reinterpret_cast<float4*>(dst) =
           make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
     }
-    for (int r = tid & 7; r < ranks; r += 8) {
+    for (int r = tid & 7; part == 0 && r < ranks; r += 8) {
       float* dst = cluster.map_shared_rank(recv_ml, r) + (src * kTileHeads + head) * 2;
       *reinterpret_cast<float2*>(dst) = make_float2(m_cta, l_cta);
     }
@@ -954,7 +971,7 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
     return;
   }
 
-  if (!kBalanced && p.cluster_merge) {
+  if (!kBalanced && kTiles > 1 && p.cluster_merge) {
     // ---- several rows per CTA, the splits in one cluster: each rank publishes its partials in
     // its own shared memory and, after a barrier, merges a share of the output dims from every
     // rank's ----
@@ -968,11 +985,11 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
       merge_warps(t, m_cta, l_cta);
       float* pub_row = pub_o + (t * kTileHeads + head) * kHeadDim;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < kOwned; ++j) {
         *reinterpret_cast<float4*>(pub_row + owned_dim(j)) =
             make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
       }
-      if ((tid & 7) == 0) {
+      if ((tid & 7) == 0 && part == 0) {
         pub_ml[(t * kTileHeads + head) * 2] = m_cta;
         pub_ml[(t * kTileHeads + head) * 2 + 1] = l_cta;
       }
@@ -1045,11 +1062,11 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
     const int64_t at = (slot * kTiles + t) * kTileHeads + head;
     float* dst = p.partial_o + at * kHeadDim;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kOwned; ++j) {
       *reinterpret_cast<float4*>(dst + owned_dim(j)) =
           make_float4(acc[4 * j], acc[4 * j + 1], acc[4 * j + 2], acc[4 * j + 3]);
     }
-    if ((tid & 7) == 0) {
+    if ((tid & 7) == 0 && part == 0) {
       p.partial_ml[at * 2 + 0] = m_cta;
       p.partial_ml[at * 2 + 1] = l_cta;
     }
@@ -1083,9 +1100,9 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
   float* s_sum = s_weight + kMaxMergeSplits * kTileHeads;  // [splits][16]
   constexpr int kSplitStride4 = kTiles * kTileHeads * kHeadDim / 4;  // float4s per split
   // v[j]: the split's owned unit j (dims owned_dim(j) .. +3).
-  auto accumulate = [&](const float4(&v)[4], float wt) {
+  auto accumulate = [&](const float4(&v)[kOwned], float wt) {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kOwned; ++j) {
       acc[4 * j] += v[j].x * wt;
       acc[4 * j + 1] += v[j].y * wt;
       acc[4 * j + 2] += v[j].z * wt;
@@ -1119,13 +1136,13 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
     }
     __syncthreads();
 #pragma unroll
-    for (int d = 0; d < 16; ++d) acc[d] = 0.0f;
+    for (int d = 0; d < 4 * kOwned; ++d) acc[d] = 0.0f;
     // Part sp's float4s at part_src(sp) (the static plan's parts follow slot0's).
     const int64_t src_slot = kBalanced ? 0 : slot0;
     const float4* src =
         reinterpret_cast<const float4*>(p.partial_o +
                                         ((src_slot * kTiles + t) * kTileHeads + head) * kHeadDim) +
-        u0;
+        owned_unit(0);
     auto part_src = [&](int sp) {
       if constexpr (kBalanced) {
         return src + part_slot(sp) * kSplitStride4;
@@ -1135,11 +1152,11 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
     };
     int sp = 0;
     for (; sp + 4 <= parts; sp += 4) {
-      float4 v[4][4];
+      float4 v[4][kOwned];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kOwned; ++j) {
           v[u][j] = __ldcg(part_src(sp + u) + 8 * j);
         }
       }
@@ -1147,9 +1164,9 @@ __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ 
       for (int u = 0; u < 4; ++u) accumulate(v[u], s_weight[(sp + u) * kTileHeads + head]);
     }
     for (; sp < parts; ++sp) {
-      float4 v[4];
+      float4 v[kOwned];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) v[j] = __ldcg(part_src(sp) + 8 * j);
+      for (int j = 0; j < kOwned; ++j) v[j] = __ldcg(part_src(sp) + 8 * j);
       accumulate(v, s_weight[sp * kTileHeads + head]);
     }
     store_out(row0 + t, 1.0f);
@@ -1187,13 +1204,14 @@ __host__ __device__ inline UnitWork balanced_segment(int64_t at, int64_t items, 
 
 // The static plan: CTA = (unit, split). Resident CTAs per SM: KvLayout::kCtasPerSm (fp8 rows
 // grouped: 3, <= 170 registers, 64 KB of stages; otherwise 2).
-template <bool kFp8, bool kSplitP, int kTiles, bool kDeep = false>
-__global__ void __launch_bounds__(kThreads, KvLayout<kFp8, kTiles, kDeep>::kCtasPerSm)
+template <bool kFp8, bool kSplitP, int kTiles, int kDeepWarps = 0>
+__global__ void __launch_bounds__(KvLayout<kFp8, kTiles, kDeepWarps>::kThreads,
+                                  KvLayout<kFp8, kTiles, kDeepWarps>::kCtasPerSm)
     attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
   // unused: unit, split from blockIdx
-  attend_unit<kFp8, kSplitP, kTiles, false, kDeep>(&p, UnitWork{});
+  attend_unit<kFp8, kSplitP, kTiles, false, kDeepWarps>(&p, UnitWork{});
 }
 
 // The balanced plan (one row per CTA, a selection, no cluster): one wave of CTAs, each running

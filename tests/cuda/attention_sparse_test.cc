@@ -314,14 +314,16 @@ TEST(CudaSparseAttention, BalancedPlanMatchesCpuReference) {
   }
 }
 
-// The deep pipeline (one row per CTA, one CTA per SM, 6 stages) against the CPU reference: about
-// one CTA per SM (whole units), fewer units (clustered splits), two waves of units, q_len 4 rows
-// with their own selections, short rows, padding requests; each twice, bit-identical.
+// The deep pipeline (one row per CTA, one CTA of 4 or 8 warps per SM, 6 stages) against the CPU
+// reference: about one CTA per SM (whole units), fewer units (clustered splits), two waves of
+// units, q_len 4 rows with their own selections, short rows, padding requests; each twice,
+// bit-identical.
 TEST(CudaSparseAttention, DeepPipelinePlansMatchCpuReference) {
   M3MSA_REQUIRE_GPU();
-  cuda::AttentionTuning tuning;
-  tuning.deep = true;
-  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+  for (const auto& [kv, warps] : {std::pair{DType::kBF16, 4}, std::pair{DType::kBF16, 8},
+                                  std::pair{DType::kFP8E4M3, 4}, std::pair{DType::kFP8E4M3, 8}}) {
+    cuda::AttentionTuning tuning;
+    tuning.deep = warps;
     const bool fp8 = kv == DType::kFP8E4M3;
     SparseConfig cfg;  // M3 at TP 1: 4 KV heads
     const int sms = cuda::attention_plan_info(cfg, 1, 1, false, fp8, tuning).slots;
@@ -334,10 +336,11 @@ TEST(CudaSparseAttention, DeepPipelinePlansMatchCpuReference) {
       const HostTensor topk = random_selection(c, s.seed * 5 + 1);
       const cuda::AttentionPlanInfo plan =
           cuda::attention_plan_info(cfg, c.num_rows(), s.q_len, false, fp8, tuning);
-      const std::string what = describe(s) + ": " + std::to_string(plan.splits) + " splits" +
+      const std::string what = describe(s) + " deep " + std::to_string(warps) + ": " +
+                               std::to_string(plan.splits) + " splits" +
                                (plan.cluster ? " in a cluster" : "") + ", " +
                                std::to_string(plan.ctas) + " CTAs";
-      EXPECT_TRUE(plan.deep) << what;
+      EXPECT_EQ(plan.deep, warps) << what;
       EXPECT_FALSE(plan.balanced) << what;
       EXPECT_EQ(plan.slots, sms) << what;  // one CTA per SM
       const HostTensor gpu = run_gpu(c, &topk, tuning);

@@ -271,11 +271,12 @@ int run_attention_bench(int argc, char** argv) {
                  "2 hd] (docs/spec.md section 3)");
   app.add_option("--reps", reps, "graph replays per configuration (median over them)");
   app.add_option("--launches", launches, "launches per graph (at least the number of input sets)");
-  app.add_option("--tunings", tunings,
-                 "';'-separated launcher tunings to time side by side (attention.h: "
-                 "splitp, cluster, pdl, splits, rows, early, balance; 'default' = the library "
-                 "default); configurations where two tunings give the same launch are timed "
-                 "once");
+  app.add_option(
+      "--tunings", tunings,
+      "';'-separated launcher tunings to time side by side (attention.h: "
+      "splitp, cluster, pdl, splits, rows, early, balance, deep; 'default' = the "
+      "library default); configurations where two tunings give the same launch are timed "
+      "once");
   bool quick = false;
   app.add_flag("--quick", quick, "subset: batch 1,32 x q_len 1 x 128K, default tuning only");
   app.add_option("--json", json_path, "write the results as JSON here");
@@ -353,8 +354,7 @@ int run_attention_bench(int argc, char** argv) {
                 const std::string key = fmt::format(
                     "{}{}{}{}r{}{}{}{}", kv == DType::kBF16 && !tuning.split_p ? "1P" : "2P",
                     plan.cluster ? "c" : "g", tuning.pdl ? "p" : "-", plan.splits, plan.row_tiles,
-                    plan.balanced ? "b" : "", plan.deep > 0 ? fmt::format("d{}", plan.deep) : "",
-                    kv_layout_name(layout));
+                    plan.balanced ? "b" : "", plan.deep ? "d" : "", kv_layout_name(layout));
                 if (!seen.insert(key).second) continue;
                 const Result r = run_config(c, launches, reps, seed, timeline, timeline_records);
                 const double us = r.timing.median_us;

@@ -9,7 +9,10 @@
 // Split plan: a (row, kv head) "unit" is one CTA unless there are too few units to fill the GPU;
 // then each unit's selected blocks are split over `splits` CTAs (for a selection a power of two,
 // each split >= 2 blocks, aiming at one CTA per SM: choose_splits; for dense attention any count
-// that fits one wave of resident CTAs). More units than one wave (one row per CTA, a selection):
+// that fits one wave of resident CTAs). One row per CTA, a selection: between half the SMs' count
+// of units and one unit per SM, one CTA per unit, with the deep pipeline (one CTA of 8 warps per
+// SM, 192 KB of stages) where the units leave a third or more of the SMs idle (fp8; bf16 two
+// fifths). More units than one wave (one row per CTA, a selection):
 // the balanced plan, one wave of CTAs each taking an equal share of the units' selected blocks,
 // a unit cut by a share's boundary merged from its two parts (attention_plan_info; with
 // AttentionTuning::balance off, two splits per unit in clusters of two up to 4/3 of a wave). The
@@ -60,12 +63,10 @@ constexpr int kClusterSizes = 5;        // 1, 2, 4, 8, 16
 // The three kernel kinds: bf16 split-P (default), bf16 single-P (bench), fp8; each in three
 // instantiations of rows per CTA (1, 2, 4).
 enum KernelId : int { kBf16SplitP = 0, kBf16SingleP = 1, kFp8Kernel = 2, kKernels = 3 };
-// 1, 2, 4 rows per CTA; one row with the deep pipeline of 4 or 8 warps.
-constexpr int kTileVariants = 5;
+constexpr int kTileVariants = 4;  // 1, 2, 4 rows per CTA; one row with the deep pipeline
 
-int tile_variant(int tiles, int deep_warps = 0) {
-  if (deep_warps > 0) return deep_warps == 8 ? 4 : 3;
-  return tiles >= 4 ? 2 : tiles == 2 ? 1 : 0;
+int tile_variant(int tiles, bool deep = false) {
+  return deep ? 3 : tiles >= 4 ? 2 : tiles == 2 ? 1 : 0;
 }
 
 // Per device: SMs, resident CTAs of each kernel (smem limits raised once), and which cluster
@@ -84,12 +85,12 @@ constexpr int balanced_smem_bytes() {
   return attention::KvLayout<kFp8, 1>::kSharedBytes;
 }
 
-template <bool kFp8, bool kSplitP, int kTiles, int kDeepWarps = 0>
+template <bool kFp8, bool kSplitP, int kTiles, bool kDeep = false>
 void configure_kernel(int sms, DeviceShape& shape, KernelId id) {
-  using L = attention::KvLayout<kFp8, kTiles, kDeepWarps>;
-  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles, kDeepWarps>;
+  using L = attention::KvLayout<kFp8, kTiles, kDeep>;
+  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles, kDeep>;
   const int smem = L::kSmemBytes;
-  const int variant = tile_variant(kTiles, kDeepWarps);
+  const int variant = tile_variant(kTiles, kDeep);
   CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   int per_sm = 0;
   CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, L::kThreads, smem));
@@ -128,8 +129,7 @@ void configure_kernels(int sms, DeviceShape& shape, KernelId id) {
   configure_kernel<kFp8, kSplitP, 1>(sms, shape, id);
   configure_kernel<kFp8, kSplitP, 2>(sms, shape, id);
   configure_kernel<kFp8, kSplitP, 4>(sms, shape, id);
-  configure_kernel<kFp8, kSplitP, 1, 4>(sms, shape, id);
-  configure_kernel<kFp8, kSplitP, 1, 8>(sms, shape, id);
+  configure_kernel<kFp8, kSplitP, 1, true>(sms, shape, id);
   auto balanced = attention::attention_balanced_kernel<kFp8, kSplitP>;
   const int smem = balanced_smem_bytes<kFp8>();
   CUDA_CHECK(cudaFuncSetAttribute(balanced, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
@@ -156,8 +156,8 @@ const DeviceShape& device_shape() {
   return shape;
 }
 
-int resident_slots(const DeviceShape& shape, KernelId id, int tiles, int deep_warps = 0) {
-  return shape.sm_count * shape.per_sm[id][tile_variant(tiles, deep_warps)];
+int resident_slots(const DeviceShape& shape, KernelId id, int tiles, bool deep = false) {
+  return shape.sm_count * shape.per_sm[id][tile_variant(tiles, deep)];
 }
 
 // Partials (one per split CTA and row of it) the workspace holds: a split plan keeps the grid
@@ -169,9 +169,7 @@ int max_partial_slots(const DeviceShape& shape) {
     for (int tiles : {1, 2, 4}) {
       slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), tiles) * tiles);
     }
-    for (int deep_warps : {4, 8}) {
-      slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), 1, deep_warps));
-    }
+    slots = std::max(slots, resident_slots(shape, static_cast<KernelId>(id), 1, true));
     slots = std::max(slots, 2 * shape.sm_count * shape.balanced_per_sm[id]);
   }
   return slots;
@@ -182,7 +180,8 @@ KernelId kernel_id(bool fp8, const AttentionTuning& tuning) {
   return tuning.split_p ? kBf16SplitP : kBf16SingleP;
 }
 
-bool cluster_usable(const DeviceShape& shape, KernelId id, int tiles, int splits, int deep = 0) {
+bool cluster_usable(const DeviceShape& shape, KernelId id, int tiles, int splits,
+                    bool deep = false) {
   if (splits <= 1 || splits > kMaxClusterSplits || (splits & (splits - 1)) != 0) return false;
   int log2 = 0;
   while ((1 << log2) < splits) ++log2;
@@ -201,10 +200,10 @@ int choose_row_tiles(int64_t q_len, int topk, bool dense, int max_tiles) {
   return dead4 <= dead2 ? 4 : 2;
 }
 
-template <bool kFp8, bool kSplitP, int kTiles, int kDeepWarps = 0>
+template <bool kFp8, bool kSplitP, int kTiles, bool kDeep = false>
 void launch_kernel(const AttentionParams& p, unsigned ctas, bool pdl, cudaStream_t stream) {
-  using L = attention::KvLayout<kFp8, kTiles, kDeepWarps>;
-  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles, kDeepWarps>;
+  using L = attention::KvLayout<kFp8, kTiles, kDeep>;
+  auto kernel = attention::attention_sparse_kernel<kFp8, kSplitP, kTiles, kDeep>;
   const size_t smem = L::kSmemBytes;
   if (!p.cluster_merge && !pdl) {
     kernel<<<dim3(ctas), L::kThreads, smem, stream>>>(p);
@@ -241,19 +240,20 @@ void launch_balanced(const AttentionParams& p, unsigned ctas, bool pdl, cudaStre
                    dim3(attention::kThreads), balanced_smem_bytes<kFp8>(), stream, pdl, p);
 }
 
-template <int kTiles, int kDeepWarps = 0>
+template <int kTiles, bool kDeep = false>
 void launch_kind(KernelId id, const AttentionParams& p, unsigned ctas, bool pdl,
                  cudaStream_t stream) {
   switch (id) {
-    case kFp8Kernel: launch_kernel<true, false, kTiles, kDeepWarps>(p, ctas, pdl, stream); break;
-    case kBf16SingleP: launch_kernel<false, false, kTiles, kDeepWarps>(p, ctas, pdl, stream); break;
-    default: launch_kernel<false, true, kTiles, kDeepWarps>(p, ctas, pdl, stream); break;
+    case kFp8Kernel: launch_kernel<true, false, kTiles, kDeep>(p, ctas, pdl, stream); break;
+    case kBf16SingleP: launch_kernel<false, false, kTiles, kDeep>(p, ctas, pdl, stream); break;
+    default: launch_kernel<false, true, kTiles, kDeep>(p, ctas, pdl, stream); break;
   }
 }
 
 // A selection's splits. Default: each split takes >= 2 of the topk blocks (at most
 // kMaxSelectionSplits), as many as keep the grid within one CTA per SM, and 2 while two CTAs per
-// unit fit in one wave of resident CTAs. Measured on H200: one block per split and a full wave of
+// unit fit in one wave of resident CTAs (one row per CTA: attention_plan_info keeps one split
+// from half the SMs up to one CTA per SM). Measured on H200: one block per split and a full wave of
 // CTAs (the wave plan) cost up to 4 us at 4-16 rows, where the fixed per-CTA chain and the merge
 // of 16 partials outweigh the extra parallelism. A tuning's max_splits (> 0) selects the wave
 // plan, capped at that count (splits=16: the wave plan uncapped), for comparisons.
@@ -321,7 +321,7 @@ std::string AttentionTuning::name() const {
          (max_row_tiles != 1 ? "-rows" + std::to_string(max_row_tiles) : std::string()) +
          (early_prologue ? "-early" : "") +
          (balance != 1 ? "-balance" + std::to_string(balance) : std::string()) +
-         (deep > 0 ? "-deep" + std::to_string(deep) : std::string());
+         (deep >= 0 ? "-deep" + std::to_string(deep) : std::string());
 }
 
 AttentionTuning AttentionTuning::parse(const std::string& text) {
@@ -366,8 +366,8 @@ AttentionTuning AttentionTuning::parse(const std::string& text) {
     } else if (key == "early") {
       t.early_prologue = flag();
     } else if (key == "deep") {
-      M3MSA_CHECK_ARG(value == 0 || value == 4 || value == 8, "attention tuning '", text,
-                      "': deep must be 0, 4 or 8 (warps), got ", value);
+      M3MSA_CHECK_ARG(value >= -1 && value <= 1, "attention tuning '", text,
+                      "': deep must be -1 (the plan's rule), 0 or 1, got ", value);
       t.deep = value;
     } else if (key == "balance") {
       M3MSA_CHECK_ARG(value >= 0 && value <= 2, "attention tuning '", text,
@@ -407,11 +407,24 @@ AttentionPlanInfo attention_plan_info(const SparseConfig& config, int64_t rows, 
     groups = rows / q_len * info.groups_per_req;
   }
   const int64_t units = groups * config.kv_heads;
-  info.deep = info.row_tiles == 1 ? tuning.deep : 0;
-  const int deep = info.deep;
+  // Between half a wave of one CTA per SM and one per SM (a selection, one row per CTA), one CTA
+  // per unit: two splits per unit would put two CTAs on some SMs, which then take twice as long
+  // as the rest; where the units leave SMs idle (up to 2/3 of them fp8, 3/5 bf16), the deep
+  // pipeline, whose lone CTA keeps more bytes in flight. Measured on an H100 at 72-132 units of
+  // 16 blocks (128K): one split 3-15 % faster than two clustered ones from ~80 units; the deep
+  // pipeline 5-12 % faster than both at 72-88 units fp8 and 72 bf16, 2-5 % slower than one split
+  // beyond (docs/benchmarks.md, "One CTA per unit up to one per SM").
+  const int sms = shape.sm_count;
+  const bool one_per_sm =
+      !dense && tuning.max_splits == 0 && info.row_tiles == 1 && units * 2 > sms && units <= sms;
+  const bool deep_rule =
+      one_per_sm && (fp8_kv ? units * 3 <= int64_t{2} * sms : units * 5 <= int64_t{3} * sms);
+  info.deep = info.row_tiles == 1 && (tuning.deep == 1 || (tuning.deep < 0 && deep_rule));
+  const bool deep = info.deep;
   info.slots = resident_slots(shape, id, info.row_tiles, deep);
   info.splits =
       choose_splits(units, config.topk, dense, shape.sm_count, info.slots, tuning.max_splits);
+  if (one_per_sm && tuning.deep != 1) info.splits = 1;
   // More units than one wave of resident CTAs, up to 4/3 of it: one wave, each CTA an equal share
   // of the units' blocks, so no CTA waits for a mostly empty last wave (300 units x 16 blocks on
   // 264 slots: 18-19 blocks each where whole units take two rounds of 16 and clustered halves
@@ -559,10 +572,8 @@ void launch_attention_tuned(const SparseConfig& config, const AttentionArgs& arg
     case 4: launch_kind<4>(id, p, grid, tuning.pdl, stream); break;
     case 2: launch_kind<2>(id, p, grid, tuning.pdl, stream); break;
     default:
-      if (plan.deep == 8) {
-        launch_kind<1, 8>(id, p, grid, tuning.pdl, stream);
-      } else if (plan.deep == 4) {
-        launch_kind<1, 4>(id, p, grid, tuning.pdl, stream);
+      if (plan.deep) {
+        launch_kind<1, true>(id, p, grid, tuning.pdl, stream);
       } else {
         launch_kind<1>(id, p, grid, tuning.pdl, stream);
       }

@@ -48,7 +48,7 @@ struct AttentionTuning {
   bool pdl = false;
   // 0: the default split plan of a selection (attention.cu, choose_splits). N > 0: the wave plan
   // (as many splits as fit one wave of resident CTAs, up to topk) capped at N (16: the wave plan
-  // uncapped), for comparisons.
+  // uncapped; 2: two clustered splits up to one wave of units), for comparisons.
   int max_splits = 0;
   // Decode rows of one request per CTA at most (1, 2 or 4; above 1 the plan takes 4 or 2 by
   // q_len): the rows' selections are read as one union, each shared block once, one warp per row.
@@ -68,12 +68,14 @@ struct AttentionTuning {
   // third of it; 2: wherever they exceed one wave; 0: never (one CTA per unit beyond one wave, two
   // clustered splits per unit up to 4/3 of it). 2 and 0 for comparisons.
   int balance = 1;
-  // One row per CTA: the deep pipeline with CTAs of this many warps (4 or 8; 0 off, the default):
-  // one CTA per SM with 6 stages of 32 KB instead of two CTAs of 3, the splits planned for one
-  // CTA per SM.
-  int deep = 0;
+  // One row per CTA: the deep pipeline, one CTA of 8 warps per SM with 192 KB of stages instead of
+  // two CTAs of 4 warps and 96 KB, the splits planned for one CTA per SM. -1: where the plan's
+  // rule takes it (attention_plan_info: units between half the SMs and 2/3 of them fp8, 3/5
+  // bf16, one CTA per unit); 1: wherever one row per CTA is planned; 0: never. 0 and 1 for
+  // comparisons.
+  int deep = -1;
 
-  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows4", "-early", "-deep8",
+  std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows4", "-early", "-deep1",
                              // "-balance0" off default)
   // Parses "splitp=1,cluster=2,pdl=0,splits=8,rows=4,early=1,balance=0" (any subset; the rest
   // default); throws naming the text.
@@ -97,7 +99,7 @@ struct AttentionPlanInfo {
   int splits = 1;          // CTAs per (row group, kv head)
   bool cluster = false;    // splits merged through a thread-block cluster (else global memory)
   bool balanced = false;   // one wave of CTAs, each an equal share of the units' blocks
-  int deep = 0;            // > 0: one row per CTA, one CTA of this many warps per SM, deep pipeline
+  bool deep = false;       // one row per CTA, one CTA of 8 warps per SM, the deep pipeline
   int64_t ctas = 0;
   int slots = 0;  // CTAs of one wave: resident at once on the device
 };

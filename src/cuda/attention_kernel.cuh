@@ -7,9 +7,10 @@
 // 11 bits; fp32 accumulation either way). The split's selected blocks are streamed as chunks
 // (K tile + V tile) through a cp.async pipeline into XOR-swizzled shared memory (KvLayout: bf16
 // 64 tokens, 32 KB, in 3 stages; fp8 one row per CTA a whole 128-token block, 32 KB, in 3 stages;
-// fp8 rows grouped 64 tokens, 16 KB, in 4); each warp takes a quarter of a chunk (as 16-token
+// fp8 rows grouped 64 tokens, 16 KB, in 4; the deep pipeline, one row per CTA: one CTA of 8
+// warps per SM with 192 KB of stages); each warp takes its share of a chunk (as 16-token
 // pieces) and keeps its own online softmax (exp2 domain, lazily rescaled) and 16x128 fp32
-// accumulator, so warps never wait on each other inside a chunk. The epilogue merges the 4 warps in
+// accumulator, so warps never wait on each other inside a chunk. The epilogue merges the warps in
 // shared memory; when the (row, kv head) is split over several CTAs, the splits merge either
 // through a thread-block cluster (DSMEM, each rank merging a share of the output dims) or through
 // (O, max, sum) partials in the workspace that the last CTA to arrive (an atomic counter it resets)
@@ -73,23 +74,20 @@ __device__ __forceinline__ void cluster_wait_acquire() {
 }
 
 // kTiles: the m16 tiles (decode rows) one CTA takes; each needs its own published partial.
-// kDeepWarps > 0 (one row per CTA): the deep pipeline, one CTA of that many warps (4 or 8) per SM
-// with 192 KB of stages (6 of 32 KB; bf16 at 8 warps 3 of 64 KB), for grids of about one CTA per
-// SM, where a CTA alone on its SM keeps 128-160 KB of copies in flight.
-template <bool kFp8, int kTiles = 1, int kDeepWarps = 0>
+// kDeep (one row per CTA): the deep pipeline, one CTA of 8 warps per SM with 192 KB of stages
+// (fp8 6 of 32 KB, bf16 3 of 64 KB: whole blocks), for grids of one CTA per SM on part of the
+// SMs, where a CTA alone on its SM keeps 128-160 KB of copies in flight.
+template <bool kFp8, int kTiles = 1, bool kDeep = false>
 struct KvLayout {
-  static constexpr bool kDeep = kDeepWarps > 0;
   static_assert(!kDeep || kTiles == 1, "the deep pipeline is one row per CTA");
-  static_assert(kDeepWarps == 0 || kDeepWarps == 4 || kDeepWarps == 8, "4 or 8 warps");
-  static constexpr int kWarps = kDeep ? kDeepWarps : attention::kWarps;
+  static constexpr int kWarps = kDeep ? 2 * attention::kWarps : attention::kWarps;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRowBytes = kHeadDim * (kFp8 ? 1 : 2);
   static constexpr int kRowChunks = kRowBytes / 16;
   // fp8, one row per CTA: a whole 128-token block per chunk (32 KB of K + V, as a bf16 chunk of
   // 64 tokens), each warp 32 tokens of it; otherwise 64 tokens.
-  // The deep pipeline of 8 warps takes whole blocks for bf16 too (16 tokens a warp).
-  static constexpr int kChunk =
-      (kFp8 && kTiles == 1) || kDeepWarps == 8 ? kBlockTokens : kChunkTokens;
+  // The deep pipeline takes whole blocks for bf16 too (16 tokens a warp).
+  static constexpr int kChunk = (kFp8 && kTiles == 1) || kDeep ? kBlockTokens : kChunkTokens;
   static constexpr int kChunksPerBlock = kBlockTokens / kChunk;
   static constexpr int kTileBytes = kChunk * kRowBytes;  // one K (or V) chunk
   static constexpr int kStageBytes = 2 * kTileBytes;
@@ -308,11 +306,11 @@ __device__ __forceinline__ T field(const T& value) {
 // balanced plan (no cluster merge). The params come as a restrict pointer to the kernel's
 // parameter: taken by reference, the inlined body spilled 4-8 bytes in the fp8 kernels (ptxas),
 // which the body written in the kernel itself did not.
-template <bool kFp8, bool kSplitP, int kTiles, bool kBalanced, int kDeepWarps = 0>
+template <bool kFp8, bool kSplitP, int kTiles, bool kBalanced, bool kDeep = false>
 __device__ __forceinline__ void attend_unit(const AttentionParams* __restrict__ params,
                                             const UnitWork& w) {
   const AttentionParams& p = *params;
-  using L = KvLayout<kFp8, kTiles, kDeepWarps>;
+  using L = KvLayout<kFp8, kTiles, kDeep>;
   constexpr int kWarps = L::kWarps;  // shadows the default's
   constexpr int kThreads = L::kThreads;
   constexpr int kWarpsPerTile = kWarps / kTiles;
@@ -1204,14 +1202,14 @@ __host__ __device__ inline UnitWork balanced_segment(int64_t at, int64_t items, 
 
 // The static plan: CTA = (unit, split). Resident CTAs per SM: KvLayout::kCtasPerSm (fp8 rows
 // grouped: 3, <= 170 registers, 64 KB of stages; otherwise 2).
-template <bool kFp8, bool kSplitP, int kTiles, int kDeepWarps = 0>
-__global__ void __launch_bounds__(KvLayout<kFp8, kTiles, kDeepWarps>::kThreads,
-                                  KvLayout<kFp8, kTiles, kDeepWarps>::kCtasPerSm)
+template <bool kFp8, bool kSplitP, int kTiles, bool kDeep = false>
+__global__ void __launch_bounds__(KvLayout<kFp8, kTiles, kDeep>::kThreads,
+                                  KvLayout<kFp8, kTiles, kDeep>::kCtasPerSm)
     attention_sparse_kernel(const __grid_constant__ AttentionParams p) {
   static_assert(!(kFp8 && kSplitP), "the fp8 path multiplies f16 weights (11 bits) already");
   static_assert(kTiles == 1 || kTiles == 2 || kTiles == 4, "1, 2 or 4 rows per CTA");
   // unused: unit, split from blockIdx
-  attend_unit<kFp8, kSplitP, kTiles, false, kDeepWarps>(&p, UnitWork{});
+  attend_unit<kFp8, kSplitP, kTiles, false, kDeep>(&p, UnitWork{});
 }
 
 // The balanced plan (one row per CTA, a selection, no cluster): one wave of CTAs, each running

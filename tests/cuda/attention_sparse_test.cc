@@ -314,16 +314,15 @@ TEST(CudaSparseAttention, BalancedPlanMatchesCpuReference) {
   }
 }
 
-// The deep pipeline (one row per CTA, one CTA of 4 or 8 warps per SM, 6 stages) against the CPU
-// reference: about one CTA per SM (whole units), fewer units (clustered splits), two waves of
-// units, q_len 4 rows with their own selections, short rows, padding requests; each twice,
+// The deep pipeline (one row per CTA, one CTA of 8 warps per SM, 192 KB of stages) forced, against
+// the CPU reference: about one CTA per SM (whole units), fewer units (clustered splits), two waves
+// of units, q_len 4 rows with their own selections, short rows, padding requests; each twice,
 // bit-identical.
 TEST(CudaSparseAttention, DeepPipelinePlansMatchCpuReference) {
   M3MSA_REQUIRE_GPU();
-  for (const auto& [kv, warps] : {std::pair{DType::kBF16, 4}, std::pair{DType::kBF16, 8},
-                                  std::pair{DType::kFP8E4M3, 4}, std::pair{DType::kFP8E4M3, 8}}) {
-    cuda::AttentionTuning tuning;
-    tuning.deep = warps;
+  cuda::AttentionTuning tuning;
+  tuning.deep = 1;
+  for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
     const bool fp8 = kv == DType::kFP8E4M3;
     SparseConfig cfg;  // M3 at TP 1: 4 KV heads
     const int sms = cuda::attention_plan_info(cfg, 1, 1, false, fp8, tuning).slots;
@@ -336,17 +335,58 @@ TEST(CudaSparseAttention, DeepPipelinePlansMatchCpuReference) {
       const HostTensor topk = random_selection(c, s.seed * 5 + 1);
       const cuda::AttentionPlanInfo plan =
           cuda::attention_plan_info(cfg, c.num_rows(), s.q_len, false, fp8, tuning);
-      const std::string what = describe(s) + " deep " + std::to_string(warps) + ": " +
-                               std::to_string(plan.splits) + " splits" +
+      const std::string what = describe(s) + ": " + std::to_string(plan.splits) + " splits" +
                                (plan.cluster ? " in a cluster" : "") + ", " +
                                std::to_string(plan.ctas) + " CTAs";
-      EXPECT_EQ(plan.deep, warps) << what;
+      EXPECT_TRUE(plan.deep) << what;
       EXPECT_FALSE(plan.balanced) << what;
       EXPECT_EQ(plan.slots, sms) << what;  // one CTA per SM
       const HostTensor gpu = run_gpu(c, &topk, tuning);
       expect_close(RunOut{gpu, run_ref(c, &topk, false)}, what);
       EXPECT_TRUE(attntest::bitwise_equal(gpu, run_gpu(c, &topk, tuning)))
           << what << ": a second run";
+    }
+  }
+}
+
+// The default plan from half the SMs' count of units to one per SM (one row per CTA, a selection):
+// one CTA per unit, the deep pipeline up to 2/3 of the SMs (fp8) or 3/5 (bf16); below, two or
+// more splits; above one unit per SM, not deep. M3's ranks at TP 1 (4 KV heads) and TP 8 (one),
+// against the CPU reference.
+TEST(CudaSparseAttention, OneCtaPerUnitUpToOnePerSmMatchesCpuReference) {
+  M3MSA_REQUIRE_GPU();
+  for (const SparseConfig& cfg : {SparseConfig{}, tp8_rank_config()}) {
+    for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
+      const bool fp8 = kv == DType::kFP8E4M3;
+      cuda::AttentionTuning forced;
+      forced.deep = 1;
+      const int sms = cuda::attention_plan_info(cfg, 1, 1, false, fp8, forced).slots;
+      ASSERT_GT(sms, 0);
+      for (const int units :
+           {sms / 2, sms / 2 + 2, sms * 3 / 5, sms * 2 / 3, sms * 3 / 4, sms, sms + cfg.kv_heads}) {
+        const int reqs = std::max(1, units / cfg.kv_heads);
+        const int64_t u = int64_t{reqs} * cfg.kv_heads;
+        const cuda::AttentionPlanInfo plan =
+            cuda::attention_plan_info(cfg, reqs, 1, false, fp8, {});
+        const std::string what = std::string(dtype_name(kv)) + " " + std::to_string(u) +
+                                 " units on " + std::to_string(sms) +
+                                 " SMs: " + std::to_string(plan.splits) + " splits" +
+                                 (plan.deep ? ", deep" : "");
+        const bool one = 2 * u > sms && u <= sms;
+        const bool deep = one && (fp8 ? 3 * u <= 2 * int64_t{sms} : 5 * u <= 3 * int64_t{sms});
+        EXPECT_EQ(plan.deep, deep) << what;
+        if (one) {
+          EXPECT_EQ(plan.splits, 1) << what;
+        } else if (u <= sms) {
+          EXPECT_GE(plan.splits, 2) << what;
+        }
+        const DecodeShape s{reqs, 1, 2100, 4000, 0, kv, 0.75f, 1.25f, 97};
+        const SyntheticCase c = decode_case(s, cfg);
+        const HostTensor topk = random_selection(c, 101);
+        expect_close(
+            RunOut{run_gpu(c, &topk, cuda::default_attention_tuning()), run_ref(c, &topk, false)},
+            what);
+      }
     }
   }
 }

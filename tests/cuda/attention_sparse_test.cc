@@ -56,6 +56,15 @@ SparseConfig tp8_rank_config() {
   return cfg;
 }
 
+// The current device's SM count, from the driver (not from the plan under test).
+int device_sms() {
+  int device = 0;
+  int sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 // A workspace for one device, zeroed once (the launcher's contract).
 struct Workspace {
   cuda::DeviceBuffer buffer;
@@ -325,8 +334,7 @@ TEST(CudaSparseAttention, DeepPipelinePlansMatchCpuReference) {
   for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
     const bool fp8 = kv == DType::kFP8E4M3;
     SparseConfig cfg;  // M3 at TP 1: 4 KV heads
-    const int sms = cuda::attention_plan_info(cfg, 1, 1, false, fp8, tuning).slots;
-    ASSERT_GT(sms, 0);
+    const int sms = device_sms();
     for (const DecodeShape& s : {DecodeShape{sms / 4, 1, 1100, 40000, 0, kv, 0.75f, 1.25f, 91},
                                  DecodeShape{3, 1, 100, 1500, 1, kv, 1.0f, 1.0f, 92},
                                  DecodeShape{sms / 2 + 1, 1, 5, 3000, 2, kv, 1.0f, 1.5f, 93},
@@ -358,10 +366,7 @@ TEST(CudaSparseAttention, OneCtaPerUnitUpToOnePerSmMatchesCpuReference) {
   for (const SparseConfig& cfg : {SparseConfig{}, tp8_rank_config()}) {
     for (DType kv : {DType::kBF16, DType::kFP8E4M3}) {
       const bool fp8 = kv == DType::kFP8E4M3;
-      cuda::AttentionTuning forced;
-      forced.deep = 1;
-      const int sms = cuda::attention_plan_info(cfg, 1, 1, false, fp8, forced).slots;
-      ASSERT_GT(sms, 0);
+      const int sms = device_sms();
       for (const int units :
            {sms / 2, sms / 2 + 2, sms * 3 / 5, sms * 2 / 3, sms * 3 / 4, sms, sms + cfg.kv_heads}) {
         const int reqs = std::max(1, units / cfg.kv_heads);

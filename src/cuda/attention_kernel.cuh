@@ -84,9 +84,9 @@ struct KvLayout {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRowBytes = kHeadDim * (kFp8 ? 1 : 2);
   static constexpr int kRowChunks = kRowBytes / 16;
-  // fp8, one row per CTA: a whole 128-token block per chunk (32 KB of K + V, as a bf16 chunk of
-  // 64 tokens), each warp 32 tokens of it; otherwise 64 tokens.
-  // The deep pipeline takes whole blocks for bf16 too (16 tokens a warp).
+  // fp8 one row per CTA, and the deep pipeline (bf16 too): a whole 128-token block per chunk (fp8:
+  // 32 KB of K + V, as a bf16 chunk of 64 tokens), each warp 32 tokens of it (16 in the deep
+  // pipeline's 8 warps); otherwise 64 tokens.
   static constexpr int kChunk = (kFp8 && kTiles == 1) || kDeep ? kBlockTokens : kChunkTokens;
   static constexpr int kChunksPerBlock = kBlockTokens / kChunk;
   static constexpr int kTileBytes = kChunk * kRowBytes;  // one K (or V) chunk

@@ -28,6 +28,7 @@ namespace {
 
 using attntest::compare_bf16;
 using attntest::DevAttention;
+using attntest::device_sms;
 using attntest::DevTensor;
 using attntest::poisoned;
 using attntest::random_selection;
@@ -54,15 +55,6 @@ SparseConfig tp8_rank_config() {
   cfg.kv_heads = 1;
   cfg.index_heads = 1;
   return cfg;
-}
-
-// The current device's SM count, from the driver (not from the plan under test).
-int device_sms() {
-  int device = 0;
-  int sms = 0;
-  CUDA_CHECK(cudaGetDevice(&device));
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
 }
 
 // A workspace for one device, zeroed once (the launcher's contract).

@@ -45,6 +45,15 @@ struct DevTensor {
   TensorView view;
 };
 
+// The current device's SM count, from the driver (not from a plan under test).
+inline int device_sms() {
+  int device = 0;
+  int sms = 0;
+  CUDA_CHECK(cudaGetDevice(&device));
+  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 inline DevTensor to_dev(const HostTensor& host) {
   DevTensor d;
   if (host.empty()) return d;

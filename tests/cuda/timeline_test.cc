@@ -99,8 +99,7 @@ TEST(Timeline, SummaryOfNothingStampedIsEmptyAndShortRecordsAreRefused) {
 // Every record of every launch: start and end stamped, stamps in mark order, a kind of the
 // launch's list, an SM of the device. Returns the records of launch `l` as [units][kWords].
 void expect_whole(const cuda::timeline::Recorder& rec, const std::vector<uint64_t>& words) {
-  int sms = 0;
-  CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const int sms = attntest::device_sms();
   for (const Launch& l : rec.launches()) {
     SCOPED_TRACE(l.kernel);
     const int last = static_cast<int>(l.marks.size()) - 1;

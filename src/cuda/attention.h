@@ -77,8 +77,8 @@ struct AttentionTuning {
 
   std::string name() const;  // "splitp1-cluster2-pdl1" (+ "-splits8", "-rows4", "-early", "-deep1",
                              // "-balance0" off default)
-  // Parses "splitp=1,cluster=2,pdl=0,splits=8,rows=4,early=1,balance=0" (any subset; the rest
-  // default); throws naming the text.
+  // Parses "splitp=1,cluster=2,pdl=0,splits=8,rows=4,early=1,balance=0,deep=1" (any subset; the
+  // rest default); throws naming the text.
   static AttentionTuning parse(const std::string& text);
 };
 
